@@ -1,0 +1,90 @@
+"""The rollout-engine interface: generate n samples per prompt with the behaviour logprob of each
+sampled token, load new weights, report the policy version.
+
+Every engine returns, for each prompt, n `Completion`s whose `logprobs[i]` is the log-probability the
+engine really sampled `token_ids[i]` with (after temperature, top-k and top-p): that is pi_b.
+"""
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from torch import Tensor
+
+
+@dataclass
+class SamplingConfig:
+    """Generation settings shared by every engine.
+
+    Args:
+        temperature: sampling temperature (> 0); the trainer divides its logits by the same value.
+        top_p: nucleus mass (1.0 = off); the trainer applies the same truncation.
+        top_k: keep the k most likely tokens (-1 = off).
+        max_new_tokens: completion length cap; longer completions finish with reason "length".
+        stop: strings that end a completion (the completion keeps the tokens that produced them).
+        seed: base seed. Each request gets its own seed derived from (seed, call seed, prompt, sample),
+            so the n samples of a group and repeated prompts are never copies. None = unseeded.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"sampling.temperature must be > 0 (got {self.temperature}): RL needs sampled tokens")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]          # behaviour logprob of each sampled token
+    finish_reason: str             # "stop" (eos or stop string) or "length"
+    version: int                   # policy version that produced it
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed from a tuple of ints; distinct tuples give (practically) distinct seeds."""
+    h = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+class RolloutEngine(ABC):
+    """Generate, refresh weights, report version. `version` is the optimizer step whose weights the
+    engine holds (0 = the initial checkpoint)."""
+
+    version: int = 0
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 call_seed: int = 0) -> list[list[Completion]]:
+        """n completions for each prompt (token ids), grouped per prompt."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Replace the engine's weights (Hugging Face parameter names) and set `version`."""
+
+    def close(self) -> None:
+        """Free the engine's resources."""
+
+
+def truncate_at_stop(text_of, token_ids: list[int], eos_id: int | None, stop: list[str]) -> tuple[int, str]:
+    """Length to keep and finish reason for `token_ids`: up to and including the first eos, or the
+    first token whose decoded prefix contains a stop string; else everything, reason "length"."""
+    for i, t in enumerate(token_ids):
+        if eos_id is not None and t == eos_id:
+            return i + 1, "stop"
+        if stop and any(s in text_of(token_ids[: i + 1]) for s in stop):
+            return i + 1, "stop"
+    return len(token_ids), "length"

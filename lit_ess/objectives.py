@@ -1,0 +1,488 @@
+"""Policy-gradient objectives for RL post-training of language models: P3O and its baselines.
+
+Pure tensor code, no Lightning. Every objective takes `[B, T]` tensors of the tokens sampled by the
+rollout engine:
+
+    logprobs           log pi_theta(y_t | .)   (differentiable, from the trainer)
+    behavior_logprobs  log pi_b(y_t | .)       (what the engine really sampled with)
+    advantages         A_t                     ([B, T], or [B] broadcast over the sequence)
+    mask               1 for completion tokens, 0 for prompt and padding
+
+and returns an `ObjectiveOutput(loss, metrics)`. With rho_t = pi_theta / pi_b, the normalised effective
+sample size of the batch is
+
+    e_B = (sum_t rho_t)^2 / (n * sum_t rho_t^2)         in [1/n, 1], n = number of masked tokens
+
+and P3O ("Trust the Batch, On- or Off-Policy", arXiv 2605.12380) minimises
+
+    L = -mean_t[ sg(min(rho_t, e_B)) * log pi_theta(y_t) * A_t ] + (1 - e_B) * mean_t[ k3_t ]
+    k3_t = exp(lb_t - lp_t) - 1 - (lb_t - lp_t)            (estimator of KL(pi_theta || pi_b))
+
+Fresh data gives e_B = 1 and plain REINFORCE; stale or mismatched data lowers e_B, which tightens the
+cap and strengthens the pull toward pi_b. There is no clip range.
+
+Aggregation ("token-mean" by default) is over the masked tokens of the *whole optimizer step*: when a
+step is split into micro-batches pass `num_tokens` (and `num_seqs`) of the full step so that the
+micro-batch losses add up to the step loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# k3 is exact for log(pi_theta/pi_b) >= K3_LINEAR_BELOW and continued linearly below it: the value and
+# the gradient stay finite and the gradient keeps its sign (it still pulls log pi_theta up).
+K3_LINEAR_BELOW = -20.0
+# Ratios reported in metrics are exp(log-ratio) with the log-ratio clamped here, so they stay finite.
+METRIC_LOG_RATIO_CLAMP = 80.0
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: Tensor                       # differentiable scalar
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars
+
+
+# ----------------------------------------------------------------------------------------------
+# Effective sample size
+
+
+@dataclass
+class ESSStats:
+    """Partial statistics of the ESS, mergeable across micro-batches and ranks.
+
+    With m = max log-ratio: s1 = sum exp(lr - m), s2 = sum exp(2 (lr - m)), n = token count, so
+    e_B = s1^2 / (n s2) without ever forming exp(lr) itself.
+    """
+
+    m: Tensor   # float64 scalar, -inf when n == 0
+    s1: Tensor
+    s2: Tensor
+    n: Tensor
+
+    def merge(self, other: "ESSStats") -> "ESSStats":
+        m = torch.maximum(self.m, other.m)
+        a, b = _shift(self.m, m), _shift(other.m, m)
+        return ESSStats(m, self.s1 * a + other.s1 * b, self.s2 * a * a + other.s2 * b * b, self.n + other.n)
+
+    def all_reduce(self, group=None) -> "ESSStats":
+        """Combine the statistics of every rank of `group` (a max, then one sum of three numbers)."""
+        import torch.distributed as dist
+
+        m = self.m.clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        scale = _shift(self.m, m)
+        sums = torch.stack([self.s1 * scale, self.s2 * scale * scale, self.n])
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        return ESSStats(m, sums[0], sums[1], sums[2])
+
+    def value(self) -> Tensor:
+        """e_B as a float64 scalar; 1.0 for an empty batch (which also contributes no loss)."""
+        if self.n <= 0:
+            return torch.ones((), dtype=torch.float64, device=self.n.device)
+        return (self.s1 * self.s1 / (self.n * self.s2)).clamp(max=1.0)
+
+
+def _shift(m_old: Tensor, m_new: Tensor) -> Tensor:
+    """exp(m_old - m_new), with exp(-inf - x) = 0 for an empty part."""
+    if torch.isinf(m_old) and m_old < 0:
+        return torch.zeros_like(m_old)
+    return torch.exp(m_old - m_new)
+
+
+def ess_stats(log_ratio: Tensor, mask: Tensor) -> ESSStats:
+    """Partial ESS statistics of the masked tokens of `log_ratio` ([B, T]), in float64."""
+    lr = log_ratio.detach().to(torch.float64)
+    valid = mask.bool()
+    n = valid.sum().to(torch.float64)
+    if n == 0:
+        z = torch.zeros((), dtype=torch.float64, device=lr.device)
+        return ESSStats(torch.full_like(z, -math.inf), z, z.clone(), n)
+    m = lr[valid].max()
+    x = torch.where(valid, lr - m, torch.full_like(lr, -math.inf))
+    return ESSStats(m, torch.exp(x).sum(), torch.exp(2 * x).sum(), n)
+
+
+def batch_ess(log_ratio: Tensor, mask: Tensor, group=None) -> Tensor:
+    """Normalised ESS e_B = (sum rho)^2 / (n sum rho^2) over the masked tokens of `log_ratio`.
+
+    Computed from log-ratios without forming rho, so a log-ratio of 800 gives the right tiny value
+    instead of inf/inf. With `group` (a torch.distributed process group, or `True` for the default
+    one) the statistics of all ranks are combined, giving the ESS of the concatenated batch.
+    Returns a float64 scalar in [1/n, 1].
+    """
+    stats = ess_stats(log_ratio, mask)
+    if group is not None:
+        stats = stats.all_reduce(None if group is True else group)
+    return stats.value()
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation and input checks
+
+
+def aggregate(
+    x: Tensor,
+    mask: Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    num_seqs: float | Tensor | None = None,
+    norm_len: int | None = None,
+) -> Tensor:
+    """Reduce per-token values `x` ([B, T]) to a scalar.
+
+    token-mean               sum_{b,t} x m / N_tokens
+    seq-mean-token-mean      sum_b (sum_t x m / len_b) / N_seqs
+    seq-mean-token-sum-norm  sum_{b,t} x m / (N_seqs * norm_len)       (Dr.GRPO; norm_len defaults to T)
+
+    N_tokens and N_seqs default to this batch's counts; pass the counts of the whole optimizer step
+    when `x` is one of its micro-batches.
+    """
+    m = mask.to(x.dtype)
+    if mode == "token-mean":
+        denom = m.sum() if num_tokens is None else num_tokens
+        return (x * m).sum() / torch.clamp(torch.as_tensor(denom, dtype=x.dtype, device=x.device), min=1.0)
+    seqs = (m.sum(-1) > 0).sum() if num_seqs is None else num_seqs
+    seqs = torch.clamp(torch.as_tensor(seqs, dtype=x.dtype, device=x.device), min=1.0)
+    if mode == "seq-mean-token-mean":
+        per_seq = (x * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / seqs
+    if mode == "seq-mean-token-sum-norm":
+        return (x * m).sum() / (seqs * (norm_len or x.shape[-1]))
+    raise ValueError(f"aggregation={mode!r} is not one of {AGGREGATIONS}")
+
+
+def _check_inputs(**tensors: Tensor | None) -> None:
+    shape = tensors["logprobs"].shape
+    if len(shape) != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(shape)}")
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if name == "advantages" and t.shape == shape[:1]:
+            continue
+        if t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but logprobs has shape {tuple(shape)}")
+        if name != "mask" and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if name == "mask" and (t.is_floating_point() and ((t != 0) & (t != 1)).any()):
+            raise ValueError("mask must be boolean or hold only 0 and 1")
+
+
+def _sanitize(mask: Tensor, *tensors: Tensor | None) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+    """Mask out tokens where any input is NaN/inf; zero those entries so no NaN reaches the loss.
+
+    Returns (mask, number of dropped tokens, cleaned tensors). `torch.where` routes a zero gradient
+    to the dropped entries.
+    """
+    valid = mask.bool()
+    finite = torch.ones_like(valid)
+    for t in tensors:
+        if t is not None:
+            finite &= torch.isfinite(t)
+    dropped = (valid & ~finite).sum()
+    valid = valid & finite
+    cleaned = [None if t is None else torch.where(finite, t, torch.zeros_like(t)) for t in tensors]
+    return valid, dropped, cleaned
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_b) from lr = log pi_theta - log pi_b:
+
+        k3 = exp(-lr) - 1 + lr              for lr >= K3_LINEAR_BELOW,
+        continued by its tangent below it   (finite, same-sign gradient d k3 / d lr = 1 - exp(-lr)).
+    """
+    L = K3_LINEAR_BELOW
+    c = log_ratio.clamp(min=L)                       # exp(-c) never overflows
+    tail = (math.exp(-L) - 1 + L) + (1 - math.exp(-L)) * (log_ratio - L)
+    return torch.where(log_ratio >= L, torch.exp(-c) - 1 + c, tail)   # where: no cancellation in the grad
+
+
+def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) -> dict[str, Tensor]:
+    """Detached statistics of rho over the masked tokens: mean/min/max, quantiles, KL to pi_b."""
+    with torch.no_grad():
+        valid = mask.bool()
+        if not valid.any():
+            return {}
+        lr = log_ratio.detach().float()[valid]
+        rho = lr.clamp(-METRIC_LOG_RATIO_CLAMP, METRIC_LOG_RATIO_CLAMP).exp()
+        q = torch.quantile(rho, torch.tensor([0.05, 0.5, 0.95], device=rho.device))
+        out = {
+            "ratio_mean": rho.mean(),
+            "ratio_min": rho.min(),
+            "ratio_max": rho.max(),
+            "ratio_p05": q[0],
+            "ratio_p50": q[1],
+            "ratio_p95": q[2],
+            "log_ratio_abs_max": lr.abs().max(),
+            "kl_behavior": k3(lr).mean(),
+            "approx_kl": 0.5 * (lr * lr).mean(),
+        }
+        if ess is not None:
+            out["ess"] = ess.detach().float()
+            out["capped_frac"] = (lr > torch.log(ess.float())).float().mean()
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Objectives
+
+
+class Objective:
+    """Base class: input checks, NaN masking, entropy bonus and reference-KL penalty.
+
+    Subclasses implement `policy_loss(lp, lb, adv, mask, agg, **extra) -> (loss, metrics)`.
+
+    Args:
+        aggregation: one of AGGREGATIONS.
+        entropy_coef: weight of an entropy bonus (needs `entropy` [B, T] at call time).
+        ref_kl_coef: weight of k3 KL to a frozen reference policy (needs `ref_logprobs`).
+        norm_len: the constant length of "seq-mean-token-sum-norm" (Dr.GRPO); default T.
+    """
+
+    name = "base"
+    needs_ess = False
+
+    def __init__(self, aggregation: str = "token-mean", entropy_coef: float = 0.0, ref_kl_coef: float = 0.0,
+                 norm_len: int | None = None):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
+        self.aggregation = aggregation
+        self.entropy_coef = entropy_coef
+        self.ref_kl_coef = ref_kl_coef
+        self.norm_len = norm_len
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        behavior_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        ess: Tensor | float | None = None,
+        proximal_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        entropy: Tensor | None = None,
+        num_tokens: float | Tensor | None = None,
+        num_seqs: float | Tensor | None = None,
+    ) -> ObjectiveOutput:
+        _check_inputs(logprobs=logprobs, behavior_logprobs=behavior_logprobs, advantages=advantages,
+                      mask=mask, proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
+        if advantages.dim() == 1:
+            advantages = advantages[:, None].expand_as(logprobs)
+        if self.ref_kl_coef and ref_logprobs is None:
+            raise ValueError(f"{self.name}: ref_kl_coef={self.ref_kl_coef} needs ref_logprobs")
+        if self.entropy_coef and entropy is None:
+            raise ValueError(f"{self.name}: entropy_coef={self.entropy_coef} needs entropy")
+        valid, dropped, (lp, lb, adv, prox, ref, ent) = _sanitize(
+            mask, logprobs, behavior_logprobs, advantages, proximal_logprobs, ref_logprobs, entropy)
+
+        def agg(x: Tensor) -> Tensor:
+            return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, self.norm_len)
+
+        loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_logprobs=prox)
+        metrics["policy_loss"] = loss.detach()
+        if self.entropy_coef:
+            ent_term = agg(ent)
+            loss = loss - self.entropy_coef * ent_term
+            metrics["entropy"] = ent_term.detach()
+        if self.ref_kl_coef:
+            ref_kl = agg(k3(lp - ref))
+            loss = loss + self.ref_kl_coef * ref_kl
+            metrics["kl_ref"] = ref_kl.detach()
+        metrics["nonfinite_tokens"] = dropped.float()
+        metrics["tokens"] = valid.sum().float()
+        metrics["loss"] = loss.detach()
+        return ObjectiveOutput(loss, metrics)
+
+    def policy_loss(self, lp, lb, adv, mask, agg, **extra) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+
+def _clip_fractions(ratio: Tensor, adv: Tensor, mask: Tensor, low: float, high: float) -> dict[str, Tensor]:
+    """TRL-style clip statistics: tokens where the clipped branch is the active one."""
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    low_hit = ((ratio < low) & (adv < 0)).float() * m
+    high_hit = ((ratio > high) & (adv > 0)).float() * m
+    return {"clip_ratio_low": low_hit.sum() / n, "clip_ratio_high": high_hit.sum() / n,
+            "clip_ratio": (low_hit + high_hit).sum() / n}
+
+
+class P3O(Objective):
+    """Batch-adaptive ESS objective.
+
+        L = -agg[ sg(min(rho, e_B)) * lp * A ] + (1 - e_B) * agg[ k3(lp - lb) ]
+
+    `ess` may be passed precomputed (the ESS of the whole optimizer step, over micro-batches and
+    ranks); otherwise it is the ESS of this call's tokens.
+    """
+
+    name = "p3o"
+    needs_ess = True
+
+    def policy_loss(self, lp, lb, adv, mask, agg, ess=None, **_):
+        log_ratio = lp - lb
+        e = batch_ess(log_ratio, mask) if ess is None else torch.as_tensor(ess, dtype=torch.float64)
+        e = e.to(device=lp.device, dtype=lp.dtype).detach()
+        weight = torch.minimum(log_ratio.detach().exp(), e)       # exp(800) = inf -> min gives e
+        pg = agg(-weight * lp * adv)
+        kl = agg(k3(log_ratio))
+        loss = pg + (1 - e) * kl
+        metrics = ratio_metrics(log_ratio, mask, e)
+        metrics["kl_term"] = kl.detach()
+        return loss, metrics
+
+
+class PPOClip(Objective):
+    """PPO/GRPO clipped surrogate against the behaviour policy:
+
+        L = -agg[ min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) ]
+
+    `grpo` uses clip_low = clip_high = clip_eps; `dapo` the decoupled (clip-higher) pair and
+    token-mean aggregation. Log-ratios are clamped to +-20 before exp so rho stays finite.
+    """
+
+    name = "grpo"
+
+    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, **kw):
+        super().__init__(**kw)
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def policy_loss(self, lp, lb, adv, mask, agg, **_):
+        log_ratio = lp - lb
+        ratio = log_ratio.clamp(-20.0, 20.0).exp()
+        low, high = 1 - self.clip_low, 1 + self.clip_high
+        surr = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+        metrics = ratio_metrics(log_ratio, mask)
+        metrics.update(_clip_fractions(ratio.detach(), adv, mask, low, high))
+        return agg(-surr), metrics
+
+
+class GRPO(PPOClip):
+    """GRPO: symmetric clip `clip_eps` (default 0.2)."""
+
+    name = "grpo"
+
+    def __init__(self, clip_eps: float = 0.2, **kw):
+        super().__init__(clip_low=clip_eps, clip_high=clip_eps, **kw)
+
+
+class DAPO(PPOClip):
+    """DAPO: clip-higher (clip_low 0.2, clip_high 0.28), token-mean aggregation."""
+
+    name = "dapo"
+
+    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28, **kw):
+        super().__init__(clip_low=clip_low, clip_high=clip_high, **kw)
+
+
+class GSPO(Objective):
+    """GSPO: one length-normalised ratio per sequence, s_b = exp(mean_t (lp - lb)).
+
+    Token form: s_bt = sg(s_b) * exp(lp - sg(lp)) (same value, per-token gradient), then
+        L = -agg[ min(s_bt A, clip(s_bt, 1 - clip_low, 1 + clip_high) A) ]
+    with seq-mean-token-mean aggregation by default, as in the paper (clip 3e-4 / 4e-4).
+    """
+
+    name = "gspo"
+
+    def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4, aggregation: str = "seq-mean-token-mean", **kw):
+        super().__init__(aggregation=aggregation, **kw)
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def policy_loss(self, lp, lb, adv, mask, agg, **_):
+        m = mask.to(lp.dtype)
+        log_ratio = lp - lb
+        seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)          # [B]
+        s = seq_log_ratio.detach().clamp(-20.0, 20.0).exp()[:, None] * torch.exp(lp - lp.detach())
+        low, high = 1 - self.clip_low, 1 + self.clip_high
+        surr = torch.minimum(s * adv, s.clamp(low, high) * adv)
+        metrics = ratio_metrics(log_ratio, mask)
+        metrics.update(_clip_fractions(s.detach(), adv, mask, low, high))
+        return agg(-surr), metrics
+
+
+class CISPO(Objective):
+    """CISPO: REINFORCE weighted by the clipped, detached IS ratio.
+
+        L = -agg[ sg(clip(rho, 1 - clip_low, 1 + clip_high)) * lp * A ]
+
+    clip_low=None (default) puts no lower bound on the weight.
+    """
+
+    name = "cispo"
+
+    def __init__(self, clip_high: float = 4.0, clip_low: float | None = None, **kw):
+        super().__init__(**kw)
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def policy_loss(self, lp, lb, adv, mask, agg, **_):
+        log_ratio = lp - lb
+        rho = log_ratio.detach().exp()
+        low = None if self.clip_low is None else 1 - self.clip_low
+        weight = rho.clamp(min=low, max=1 + self.clip_high)
+        metrics = ratio_metrics(log_ratio, mask)
+        metrics["capped_frac"] = ((rho > 1 + self.clip_high) & mask).float().sum() / mask.sum().clamp(min=1)
+        return agg(-weight * lp * adv), metrics
+
+
+class DecoupledPPO(Objective):
+    """Decoupled PPO (Hilton et al. 2022; AReaL): PPO clip around a proximal policy pi_prox, with the
+    behaviour correction as a separate, capped, detached weight.
+
+        L = -agg[ min(pi_prox / pi_b, behavior_cap) * min(r A, clip(r, 1 - eps, 1 + eps) A) ],
+        r = pi_theta / pi_prox
+
+    `proximal_logprobs` default to the detached current logprobs, which is exact when one call is one
+    optimizer step (the policy just before this update is the proximal policy).
+    """
+
+    name = "decoupled"
+
+    def __init__(self, clip_eps: float = 0.2, behavior_cap: float = 5.0, **kw):
+        super().__init__(**kw)
+        self.clip_eps, self.behavior_cap = clip_eps, behavior_cap
+
+    def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
+        prox = lp.detach() if proximal_logprobs is None else proximal_logprobs.detach()
+        behave_w = (prox - lb).clamp(max=20.0).exp().clamp(max=self.behavior_cap)
+        r = (lp - prox).clamp(-20.0, 20.0).exp()
+        low, high = 1 - self.clip_eps, 1 + self.clip_eps
+        surr = torch.minimum(r * adv, r.clamp(low, high) * adv)
+        metrics = ratio_metrics(lp - lb, mask)
+        metrics.update(_clip_fractions(r.detach(), adv, mask, low, high))
+        metrics["behavior_capped_frac"] = ((prox - lb > math.log(self.behavior_cap)) & mask).float().sum() / mask.sum().clamp(min=1)
+        return agg(-behave_w * surr), metrics
+
+
+class REINFORCE(Objective):
+    """Plain policy gradient, no importance weight: L = -agg[ lp * A ]."""
+
+    name = "reinforce"
+
+    def policy_loss(self, lp, lb, adv, mask, agg, **_):
+        return agg(-lp * adv), ratio_metrics(lp - lb, mask)
+
+
+OBJECTIVES: dict[str, Callable[..., Objective]] = {
+    "p3o": P3O, "grpo": GRPO, "dapo": DAPO, "gspo": GSPO, "cispo": CISPO,
+    "decoupled": DecoupledPPO, "reinforce": REINFORCE,
+}
+
+
+def build_objective(name: str, **hparams) -> Objective:
+    """Build an objective by name: p3o, grpo, dapo, gspo, cispo, decoupled, reinforce."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
+    try:
+        return OBJECTIVES[name](**hparams)
+    except TypeError as e:
+        raise ValueError(f"objective {name!r}: bad hyper-parameters {sorted(hparams)}: {e}") from None

@@ -1,0 +1,108 @@
+"""A tiny causal LM built fully offline, for tests and the CPU demo.
+
+`build_tiny_model(out_dir)` writes a Hugging Face model folder (config.json, model.safetensors,
+tokenizer.json, generation_config.json) that both transformers and vLLM load. The tokenizer is
+byte-level with no merges: every byte is one token, so any text round-trips and the vocabulary is
+256 bytes plus four special tokens (pad, bos, eos = <|endoftext|>, sep). The default network is a 4-layer Qwen2 of width 192 (about 2M
+parameters) with head size 64, which vLLM's CPU attention supports.
+
+    python -m lit_ess.tiny runs/tiny            # or: lit-ess-tiny runs/tiny
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|endoftext|>", "<|sep|>"]
+
+
+def build_tokenizer():
+    """Byte-level BPE with no merges: 256 byte tokens + pad/bos/eos/sep."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        sep_token="<|sep|>",
+        model_max_length=512,
+    )
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen2",
+    hidden_size: int = 192,
+    num_layers: int = 4,
+    num_heads: int = 3,
+    num_kv_heads: int = 3,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return the path."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
+    classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
+    if arch not in classes:
+        raise ValueError(f"arch={arch!r} is not one of {sorted(classes)}")
+    tok = build_tokenizer()
+    config_cls, model_cls = classes[arch]
+    config = config_cls(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    ).save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Build a tiny offline causal LM folder.")
+    p.add_argument("out_dir")
+    p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    p.add_argument("--hidden-size", type=int, default=192)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    path = build_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers, seed=a.seed)
+    n = sum(json.loads((path / "config.json").read_text()).get(k, 0) for k in ["vocab_size"])
+    print(f"wrote {path} (vocab {n})")
+
+
+if __name__ == "__main__":
+    main()
