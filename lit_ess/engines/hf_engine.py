@@ -62,9 +62,12 @@ class HFEngine(RolloutEngine):
         result = []
         for r in range(len(prompts)):
             toks = new[r].tolist()
-            keep, reason = truncate_at_stop(self.tokenizer.decode, toks, self.tokenizer.eos_token_id, s.stop)
+            keep, reason = truncate_at_stop(self._text, toks, self.tokenizer.eos_token_id, s.stop)
             result.append(Completion(toks[:keep], lps[r, :keep].tolist(), reason, self.version))
         return result
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)     # as vLLM matches stop strings
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         state = {k: v.detach() for k, v in named_tensors}

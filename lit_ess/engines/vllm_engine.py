@@ -4,6 +4,9 @@ Behaviour logprobs are vLLM's *processed* logprobs (after temperature, top-k, to
 distribution it really sampled from. Weights are refreshed in place through the worker's
 `reload_weights` (measured: 21 ms for a 0.3M-parameter model on CPU), then the prefix cache is reset
 so no KV entry computed with old weights is reused.
+
+Limit (vLLM 0.32): destroying an in-process engine tears down vLLM's process-wide parallel state, so
+while several engines live in one process, destroy none of them until all are done.
 """
 from __future__ import annotations
 
@@ -86,10 +89,10 @@ class VLLMEngine(RolloutEngine):
         self.version = version
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-            self.llm = None
+        # Drop our reference only: engine_core.shutdown() also tears down vLLM's process-wide parallel
+        # groups, which breaks any other in-process engine (measured: "pipeline model parallel group
+        # is not initialized").
+        self.llm = None
+        import gc
+
+        gc.collect()

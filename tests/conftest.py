@@ -1,0 +1,35 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A randomly initialised tiny Qwen2 (2M parameters, byte tokenizer), built offline once."""
+    from lit_ess.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="module")
+def vllm_engines(tiny_model_dir):
+    """vLLM engines by key, all kept alive until the module ends: destroying an in-process vLLM engine
+    tears down process-wide state that the other live engines still use."""
+    from lit_ess.engines import build_engine
+
+    cache = {}
+
+    def get(key="default", **kwargs):
+        if key not in cache:
+            cache[key] = build_engine("vllm", tiny_model_dir, **kwargs)
+        return cache[key]
+
+    yield get
+    cache.clear()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(vllm_engines):
+    return vllm_engines()

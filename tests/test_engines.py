@@ -1,0 +1,110 @@
+"""Both engines sample with logprobs that the trainer reproduces, refresh weights, and never clone."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_ess.engines import SamplingConfig, build_engine
+from lit_ess.logprobs import sequence_logprobs
+
+PROMPTS = [[1, 20, 21, 14], [1, 22], [1, 20, 21, 14]]   # a repeated prompt on purpose
+
+
+def max_logprob_gap(model, prompts, groups, s):
+    worst = 0.0
+    for p, group in zip(prompts, groups):
+        for c in group:
+            ids = torch.tensor([p + c.token_ids])
+            cm = torch.zeros_like(ids, dtype=torch.bool)
+            cm[0, len(p):] = True
+            lp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), cm, s.temperature, s.top_k, s.top_p)
+            worst = max(worst, (lp[0, len(p):] - torch.tensor(c.logprobs)).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+SETTINGS = [SamplingConfig(temperature=t, max_new_tokens=16) for t in (0.7, 1.0, 1.3)] + [
+    SamplingConfig(temperature=1.2, top_k=7, top_p=0.85, max_new_tokens=16, seed=11)]
+
+
+@pytest.mark.parametrize("s", SETTINGS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_vllm_logprobs_equal_transformers(vllm_engine, hf_model, s):
+    groups = vllm_engine.generate(PROMPTS, 4, s)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    assert max_logprob_gap(hf_model, PROMPTS, groups, s) < 1e-5
+
+
+@pytest.mark.parametrize("s", SETTINGS[1:2] + SETTINGS[3:], ids=["T1", "topk-topp"])
+def test_hf_engine_logprobs_equal_trainer(tiny_model_dir, hf_model, s):
+    engine = build_engine("hf", tiny_model_dir)
+    groups = engine.generate(PROMPTS, 3, s)
+    assert max_logprob_gap(hf_model, PROMPTS, groups, s) < 1e-5
+    for g in groups:
+        for c in g:
+            assert len(c.token_ids) == len(c.logprobs) <= s.max_new_tokens
+            assert c.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf"])
+def test_seeded_groups_are_not_copies(name, vllm_engine, tiny_model_dir):
+    engine = vllm_engine if name == "vllm" else build_engine("hf", tiny_model_dir)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=1234)
+    groups = engine.generate(PROMPTS, 8, s, call_seed=3)
+    for g in groups:
+        assert len({tuple(c.token_ids) for c in g}) == 8        # no copies inside a group
+    assert [c.token_ids for c in groups[0]] != [c.token_ids for c in groups[2]]   # equal prompts differ
+    again = engine.generate(PROMPTS, 8, s, call_seed=3)
+    assert [c.token_ids for c in again[0]] == [c.token_ids for c in groups[0]]    # reproducible
+    other = engine.generate(PROMPTS, 8, s, call_seed=4)
+    assert [c.token_ids for c in other[0]] != [c.token_ids for c in groups[0]]    # new call, new noise
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf"])
+def test_weight_refresh_sets_version_and_logprobs(name, tiny_model_dir, vllm_engines):
+    engine = vllm_engines("refresh") if name == "vllm" else build_engine(name, tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    s = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    before = max_logprob_gap(model, PROMPTS, engine.generate(PROMPTS, 2, s), s)
+    engine.load_weights(model.state_dict().items(), version=7)
+    groups = engine.generate(PROMPTS, 2, s)
+    assert before > 1e-3                                   # the engine really held the old weights
+    assert max_logprob_gap(model, PROMPTS, groups, s) < 1e-5
+    assert engine.version == 7 and all(c.version == 7 for g in groups for c in g)
+
+
+def test_eos_and_stop_strings(tiny_model_dir, vllm_engine):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=24, stop=["a", "b", "c", "1"], seed=5)
+    for engine in (vllm_engine, build_engine("hf", tiny_model_dir)):
+        for g in engine.generate(PROMPTS, 6, s):
+            for c in g:
+                text = tok.decode(c.token_ids, skip_special_tokens=True)
+                if c.finish_reason == "stop" and c.token_ids[-1] != tok.eos_token_id:
+                    assert any(text.endswith(x) for x in s.stop) or any(x in text for x in s.stop)
+                else:
+                    assert not any(x in text for x in s.stop), (type(engine).__name__, c, text)
+
+
+def test_bf16_engine_is_a_measurable_mismatch(vllm_engines, hf_model):
+    engine = vllm_engines("bf16", dtype="bfloat16")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=16, seed=0)
+    gap = max_logprob_gap(hf_model, PROMPTS, engine.generate(PROMPTS, 4, s), s)
+    assert 1e-4 < gap < 1.0
+
+
+def test_bad_sampling_settings_are_named():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingConfig(top_k=0)
+    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+        build_engine("sglang", "x")
