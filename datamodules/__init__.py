@@ -1,0 +1,6 @@
+"""Data layer: prompt sources, the rollout DataModule (RL) and the SFT DataModule (warm start)."""
+from .prompts import Arithmetic, Example, HFPrompts, PromptSource
+from .rollout import RolloutDataModule
+from .sft import SFTDataModule
+
+__all__ = ["Arithmetic", "Example", "HFPrompts", "PromptSource", "RolloutDataModule", "SFTDataModule"]

@@ -1,0 +1,28 @@
+"""ExportHF: save the trained policy as a Hugging Face folder (weights + tokenizer) at the end of fit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+
+
+class ExportHF(L.Callback):
+    """Args:
+        dirpath: output folder; it can be used as `model_path` of a later run or by vLLM.
+    """
+
+    def __init__(self, dirpath: str):
+        self.dirpath = dirpath
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        state = pl_module.policy_state_dict()
+        if not trainer.is_global_zero:
+            return
+        from transformers import AutoTokenizer
+
+        out = Path(self.dirpath)
+        pl_module.policy.save_pretrained(out, state_dict=state)
+        AutoTokenizer.from_pretrained(pl_module.hparams.model_path).save_pretrained(out)
+        gen = getattr(pl_module.policy, "generation_config", None)
+        if gen is not None:
+            gen.save_pretrained(out)

@@ -1,0 +1,81 @@
+"""RatioDashboard: TensorBoard histograms of the importance ratios and a custom-scalars layout.
+
+Every `every_n_steps` it writes histograms of the step's token log-ratios log(pi_theta / pi_b) and of
+the capped weights min(rho, e_B) (P3O), gathered from all ranks and written by rank 0 (the logger is a
+dummy elsewhere). At fit start it writes a custom-scalars layout that groups ESS, KL, reward, lengths.
+"""
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+LAYOUT = {
+    "lit-ess": {
+        "ESS and ratios": ["Multiline", ["train/ess", "train/capped_frac", "train/ratio_max", "train/ratio_p95",
+                                         "train/ratio_p05"]],
+        "KL": ["Multiline", ["train/kl_behavior", "train/approx_kl", "train/kl_term"]],
+        "Reward": ["Multiline", ["rollout/reward_mean", "rollout/reward_std", "rollout/degenerate_frac"]],
+        "Lengths": ["Multiline", ["rollout/response_len", "rollout/response_len_max", "rollout/truncated_frac"]],
+        "Optimisation": ["Multiline", ["train/loss", "train/grad_norm", "train/lr", "train/policy_lag"]],
+    }
+}
+
+
+def _tensorboard(trainer):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    for lg in trainer.loggers:
+        if isinstance(lg, TensorBoardLogger):
+            return lg.experiment
+    return None
+
+
+class RatioDashboard(L.Callback):
+    """Args:
+        every_n_steps: histogram period in optimizer steps.
+        max_values: at most this many token values per histogram (a random subset beyond it).
+    """
+
+    def __init__(self, every_n_steps: int = 1, max_values: int = 100_000):
+        self.every_n_steps, self.max_values = every_n_steps, max_values
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        tb = _tensorboard(trainer)
+        if trainer.is_global_zero and tb is not None:
+            from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: F401  (checks the plugin)
+
+            tb.add_custom_scalars(LAYOUT)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps:
+            return
+        values = getattr(pl_module, "last_step", {})
+        gathered = {}
+        for name, t in values.items():
+            if trainer.world_size > 1:
+                t = torch.cat(_all_gather_varlen(t))
+            if t.numel() > self.max_values:
+                t = t[torch.randperm(t.numel())[: self.max_values]]
+            gathered[name] = t
+        tb = _tensorboard(trainer)
+        if not trainer.is_global_zero or tb is None:
+            return
+        if "log_ratio" in gathered and gathered["log_ratio"].numel():
+            tb.add_histogram("ratio/log_ratio", gathered["log_ratio"], step)
+        if "weight" in gathered and gathered["weight"].numel():
+            tb.add_histogram("ratio/capped_weight", gathered["weight"], step)
+
+
+def _all_gather_varlen(t: torch.Tensor) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    n = torch.tensor([t.numel()])
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = int(max(s.item() for s in sizes))
+    padded = torch.zeros(width, dtype=t.dtype)
+    padded[: t.numel()] = t
+    out = [torch.zeros_like(padded) for _ in sizes]
+    dist.all_gather(out, padded)
+    return [o[: int(s.item())] for o, s in zip(out, sizes)]

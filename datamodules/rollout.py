@@ -1,0 +1,285 @@
+"""RolloutDataModule: prompts -> engine samples -> rewards -> group advantages -> optimizer-step batches.
+
+One *rollout phase* is one Lightning epoch: at its first batch the module samples `prompts_per_rollout`
+prompts, asks the engine for `samples_per_prompt` completions each, scores them, and splits the rows
+into `steps_per_rollout` padded optimizer-step batches. Generation happens lazily when the loop asks
+for the phase's first batch, i.e. after the previous phase's last optimizer step and weight refresh,
+so Lightning's one-batch prefetch can never make a rollout stale. Set the Trainer's
+`reload_dataloaders_every_n_epochs: 1` (the CLI does) so each epoch asks for a new phase.
+
+Each batch (tensors are `[B, L]` aligned with `input_ids` unless noted):
+    input_ids, attention_mask, completion_mask (bool), behavior_logprobs,
+    advantages [B], rewards [B], versions [B] (policy version that sampled each row),
+    sampling {temperature, top_k, top_p}, stats {rollout/...: float}, phase, index.
+
+`state_dict` carries the prompt cursor, the RNG state, and the current phase's batches with the position
+of the next untrained one, so a run killed mid-phase resumes on the same data.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from lit_ess.advantages import group_advantages
+from lit_ess.engines import RolloutEngine, SamplingConfig, build_engine
+from lit_ess.rewards import RewardScorer
+
+from .prompts import Arithmetic, Example, PromptSource
+
+
+class _PhaseDataset(Dataset):
+    def __init__(self, dm: "RolloutDataModule"):
+        self.dm = dm
+
+    def __len__(self) -> int:
+        return self.dm.steps_per_rollout
+
+    def __getitem__(self, i: int) -> dict:
+        return self.dm._phase_batch(i)
+
+
+class _ResumeSampler(Sampler):
+    """Indices start..k-1 while reporting length k, so Lightning's restored batch counter stays right."""
+
+    def __init__(self, k: int, start: int):
+        self.k, self.start = k, start
+
+    def __len__(self) -> int:
+        return self.k
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        return iter(range(start, self.k))
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Streams engine generations as optimizer-step batches.
+
+    Args:
+        model_path: the policy's Hugging Face folder (linked from the model by the CLI).
+        source: where prompts come from (default: 2-digit addition).
+        engine: "vllm" (in-process vLLM) or "hf" (transformers generate).
+        engine_kwargs: passed to the engine (e.g. dtype: bfloat16 for a precision mismatch).
+        sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
+            request gets its own derived seed, so rollouts are reproducible and resumable.
+        reward: "exact_match", "gsm8k", "math_verify" or "module:function".
+        reward_timeout: seconds per completion for rewards run in a worker.
+        prompts_per_rollout: prompts sampled per phase.
+        samples_per_prompt: completions per prompt (the group size).
+        steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
+        advantage: "zscore" (GRPO) or "mean" (Dr.GRPO).
+        drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). If every
+            group of a phase is degenerate they are kept, so each step still has data.
+        max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
+        seed: prompt order.
+    """
+
+    def __init__(
+        self,
+        model_path: str = "",
+        source: PromptSource | None = None,
+        engine: str = "vllm",
+        engine_kwargs: dict | None = None,
+        sampling: SamplingConfig | None = None,
+        reward: str = "exact_match",
+        reward_timeout: float = 5.0,
+        prompts_per_rollout: int = 32,
+        samples_per_prompt: int = 8,
+        steps_per_rollout: int = 1,
+        advantage: str = "zscore",
+        drop_degenerate: bool = False,
+        max_prompt_tokens: int = 512,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
+            raise ValueError("prompts_per_rollout, samples_per_prompt and steps_per_rollout must be >= 1")
+        if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
+            raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
+                             f"{samples_per_prompt} rows of a rollout")
+        self.model_path = model_path
+        self.source = source if source is not None else Arithmetic()
+        self.engine_name, self.engine_kwargs = engine, dict(engine_kwargs or {})
+        self.sampling = sampling if sampling is not None else SamplingConfig(seed=0)
+        self.reward_name, self.reward_timeout = reward, reward_timeout
+        self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
+        self.steps_per_rollout, self.advantage = steps_per_rollout, advantage
+        self.drop_degenerate, self.max_prompt_tokens, self.seed = drop_degenerate, max_prompt_tokens, seed
+        self.engine: RolloutEngine | None = None
+        self.tokenizer = None
+        self.scorer: RewardScorer | None = None
+        # resumable state
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self.cursor = 0
+        self.phase = -1
+        self.batches: list[dict] | None = None
+        self.resume_index = 0
+        self.skipped_long_prompts = 0
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, stage: str) -> None:
+        if self.engine is not None:
+            return
+        if not self.model_path:
+            raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.scorer = RewardScorer(self.reward_name, self.reward_timeout)
+        self.engine = build_engine(self.engine_name, self.model_path, **self.engine_kwargs)
+
+    def teardown(self, stage: str) -> None:
+        if self.scorer is not None:
+            self.scorer.close()
+
+    def train_dataloader(self) -> DataLoader:
+        start = self.resume_index
+        self.resume_index = 0
+        if start == 0:
+            self.batches = None                      # a new phase is generated at the first batch
+        return DataLoader(_PhaseDataset(self), batch_size=None, sampler=_ResumeSampler(self.steps_per_rollout, start),
+                          num_workers=0)
+
+    # ------------------------------------------------------------------ one phase
+    def _phase_batch(self, i: int) -> dict:
+        if self.batches is None:
+            self.batches = self.generate_phase()
+        return self.batches[i]
+
+    def _next_examples(self, k: int) -> list[Example]:
+        out = []
+        while len(out) < k:
+            if self.cursor >= len(self.order):
+                self.order = list(range(len(self.source)))
+                self.rng.shuffle(self.order)
+                self.cursor = 0
+            out.append(self.source.examples[self.order[self.cursor]])
+            self.cursor += 1
+        return out
+
+    def encode_prompt(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tok(text, add_special_tokens=True)["input_ids"]
+            if tok.bos_token_id is not None and (not ids or ids[0] != tok.bos_token_id):
+                ids = [tok.bos_token_id] + ids
+        return list(ids)
+
+    @torch.no_grad()
+    def generate_phase(self) -> list[dict]:
+        """Sample, score and batch one rollout phase."""
+        self.phase += 1
+        t0 = time.perf_counter()
+        examples, prompts = [], []
+        while len(examples) < self.prompts_per_rollout:
+            for ex in self._next_examples(self.prompts_per_rollout - len(examples)):
+                ids = self.encode_prompt(ex.prompt)
+                if len(ids) > self.max_prompt_tokens:
+                    self.skipped_long_prompts += 1
+                    if self.skipped_long_prompts > 10 * self.prompts_per_rollout + len(self.source):
+                        raise ValueError(f"every prompt is longer than max_prompt_tokens={self.max_prompt_tokens}")
+                    continue
+                examples.append(ex)
+                prompts.append(ids)
+        n = self.samples_per_prompt
+        groups = self.engine.generate(prompts, n, self.sampling, call_seed=self.phase)
+        t_gen = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+        answers = [ex.answer for ex in examples for _ in range(n)]
+        rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+        adv, degenerate = group_advantages(rewards, self.advantage)
+
+        keep = [g for g in range(len(groups)) if not (self.drop_degenerate and degenerate[g])]
+        if not keep:
+            keep = list(range(len(groups)))
+        rows = [(prompts[g], groups[g][j], float(adv[g, j]), float(rewards[g, j])) for g in keep for j in range(n)]
+        self.rng.shuffle(rows)
+
+        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g], dtype=torch.float32)
+        n_tokens = float(lengths.sum())
+        stats = {
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "rollout/response_len": float(lengths.mean()),
+            "rollout/response_len_max": float(lengths.max()),
+            "rollout/truncated_frac": sum(c.finish_reason == "length" for g in groups for c in g) / lengths.numel(),
+            "rollout/degenerate_frac": float(degenerate.float().mean()),
+            "rollout/dropped_groups": float(len(groups) - len(keep)),
+            "rollout/gen_seconds": t_gen,
+            "rollout/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
+            "rollout/reward_errors": float(self.scorer.errors),
+            "rollout/reward_timeouts": float(self.scorer.timeouts),
+            "rollout/skipped_long_prompts": float(self.skipped_long_prompts),
+            "data/skipped_rows": float(self.source.skipped),
+            "rollout/phase": float(self.phase),
+        }
+        k = self.steps_per_rollout
+        chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
+        return [self.collate(chunk, stats, i) for i, chunk in enumerate(chunks)]
+
+    def collate(self, rows, stats: dict, index: int) -> dict:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        L_ = max(len(p) + len(c.token_ids) for p, c, _, _ in rows)
+        B = len(rows)
+        input_ids = torch.full((B, L_), pad, dtype=torch.long)
+        attention = torch.zeros(B, L_, dtype=torch.long)
+        comp = torch.zeros(B, L_, dtype=torch.bool)
+        blp = torch.zeros(B, L_, dtype=torch.float32)
+        for r, (p, c, _, _) in enumerate(rows):
+            P, T = len(p), len(c.token_ids)
+            input_ids[r, :P + T] = torch.tensor(p + c.token_ids)
+            attention[r, :P + T] = 1
+            comp[r, P:P + T] = True
+            blp[r, P:P + T] = torch.tensor(c.logprobs, dtype=torch.float32)
+        return {
+            "input_ids": input_ids, "attention_mask": attention, "completion_mask": comp,
+            "behavior_logprobs": blp,
+            "advantages": torch.tensor([a for _, _, a, _ in rows], dtype=torch.float32),
+            "rewards": torch.tensor([r for _, _, _, r in rows], dtype=torch.float32),
+            "versions": torch.tensor([c.version for _, c, _, _ in rows], dtype=torch.long),
+            "sampling": {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
+                         "top_p": self.sampling.top_p},
+            "stats": dict(stats), "phase": self.phase, "index": index,
+        }
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        module = self.trainer.lightning_module if self._trainer_attached() else None
+        pos = getattr(module, "rollout_position", None)
+        next_index = pos[1] + 1 if pos is not None and pos[0] == self.phase else 0
+        keep_batches = self.batches is not None and 0 < next_index < len(self.batches)
+        return {
+            "cursor": self.cursor, "order": self.order, "phase": self.phase, "rng": self.rng.getstate(),
+            "skipped_long_prompts": self.skipped_long_prompts,
+            "batches": self.batches if keep_batches else None,
+            "next_index": next_index if keep_batches else 0,
+            "sampling": asdict(self.sampling),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor, self.order, self.phase = state["cursor"], list(state["order"]), state["phase"]
+        self.rng.setstate(_as_tuple(state["rng"]))
+        self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
+        self.batches = state.get("batches")
+        self.resume_index = state.get("next_index", 0) if self.batches is not None else 0
+
+    def _trainer_attached(self) -> bool:
+        try:
+            return self.trainer is not None and self.trainer.lightning_module is not None
+        except RuntimeError:
+            return False
+
+
+def _as_tuple(x):
+    """random.Random state survives torch.save as nested lists/tuples; setstate wants tuples."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

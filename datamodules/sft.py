@@ -1,0 +1,74 @@
+"""SFTDataModule: (prompt, answer + eos) pairs from a prompt source, for the supervised warm start."""
+from __future__ import annotations
+
+import random
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from .prompts import Arithmetic, PromptSource
+
+
+class _Pairs(Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class SFTDataModule(L.LightningDataModule):
+    """Args:
+        model_path: tokenizer folder (linked from the model by the CLI).
+        source: prompt source whose answers are the targets.
+        batch_size: pairs per step.
+        label_noise: fraction of targets replaced by a wrong answer (another example's), to make a
+            deliberately imperfect warm start that RL can improve on.
+        seed: shuffling and label noise.
+    """
+
+    def __init__(self, model_path: str = "", source: PromptSource | None = None, batch_size: int = 64,
+                 label_noise: float = 0.0, seed: int = 0):
+        super().__init__()
+        if not 0 <= label_noise < 1:
+            raise ValueError(f"label_noise must be in [0, 1), got {label_noise}")
+        self.model_path, self.source = model_path, source if source is not None else Arithmetic()
+        self.batch_size, self.label_noise, self.seed = batch_size, label_noise, seed
+
+    def setup(self, stage: str) -> None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.model_path)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        rng = random.Random(self.seed)
+        items = []
+        for ex in self.source.examples:
+            answer = ex.answer
+            if self.label_noise and rng.random() < self.label_noise:
+                answer = rng.choice(self.source.examples).answer
+            p = tok(ex.prompt)["input_ids"]
+            if tok.bos_token_id is not None and (not p or p[0] != tok.bos_token_id):
+                p = [tok.bos_token_id] + p
+            a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            items.append((p, a))
+        self.items = items
+
+    def collate(self, rows):
+        L_ = max(len(p) + len(a) for p, a in rows)
+        ids = torch.full((len(rows), L_), self.pad, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        loss = torch.zeros_like(ids, dtype=torch.bool)
+        for r, (p, a) in enumerate(rows):
+            ids[r, :len(p) + len(a)] = torch.tensor(p + a)
+            att[r, :len(p) + len(a)] = 1
+            loss[r, len(p):len(p) + len(a)] = True
+        return {"input_ids": ids, "attention_mask": att, "loss_mask": loss}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(self.seed)
+        return DataLoader(_Pairs(self.items), batch_size=self.batch_size, shuffle=True, generator=g,
+                          collate_fn=self.collate, drop_last=True)

@@ -1,0 +1,247 @@
+"""PolicyModule: the policy, the objective and one optimizer step per `training_step`.
+
+Manual optimization: a step's batch (one `RolloutDataModule` batch) is split into micro-batches, each
+is forwarded and back-propagated, then gradients are clipped and the optimizer steps once. Token-mean
+losses are normalised by the token count of the *whole step* (all micro-batches, all ranks), so the
+update does not depend on `micro_batch_size`.
+
+The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with several micro-batches a
+no-grad pre-pass collects its statistics first. `ess_scope: micro` reproduces the authors' reference,
+which computes it per micro-batch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .logprobs import sequence_logprobs
+from .objectives import ESSStats, build_objective, ess_stats, ratio_metrics
+
+MIN_MAX_KEYS = {"ratio_min": min, "ratio_max": max, "log_ratio_abs_max": max}
+
+
+class PolicyModule(L.LightningModule):
+    """Args:
+        model_path: Hugging Face causal LM folder or name.
+        objective: p3o (default), grpo, dapo, gspo, cispo, decoupled, reinforce.
+        objective_kwargs: hyper-parameters of the objective (clip_eps, aggregation, entropy_coef,
+            ref_kl_coef, ...). ref_kl_coef > 0 loads a frozen reference model.
+        ref_model_path: reference model for ref_kl_coef; default model_path.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps.
+        lr_schedule: "constant", "cosine" or "linear" decay to min_lr_ratio * lr at trainer.max_steps.
+        min_lr_ratio: final learning rate as a fraction of lr.
+        max_grad_norm: clip the global gradient norm (None = no clipping). A step whose gradient norm is
+            not finite is skipped and counted in `train/skipped_steps`.
+        micro_batch_size: rows per forward/backward (None = the whole step at once).
+        ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
+        train_temperature: temperature of the trainer's log-probs; None = the rollout's (on-policy).
+        gradient_checkpointing: trade compute for memory in the policy.
+        model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        objective: Literal["p3o", "grpo", "dapo", "gspo", "cispo", "decoupled", "reinforce"] = "p3o",
+        objective_kwargs: dict | None = None,
+        ref_model_path: str | None = None,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        micro_batch_size: int | None = None,
+        ess_scope: str = "step",
+        train_temperature: float | None = None,
+        gradient_checkpointing: bool = False,
+        model_dtype: str = "float32",
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        if ess_scope not in ("step", "micro"):
+            raise ValueError(f"ess_scope={ess_scope!r} is not one of ('step', 'micro')")
+        if lr_schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"lr_schedule={lr_schedule!r} is not one of ('constant', 'cosine', 'linear')")
+        self.objective = build_objective(objective, **(objective_kwargs or {}))
+        self.automatic_optimization = False
+        self.policy = None
+        self.ref_policy = None
+        self.rollout_position: tuple[int, int] | None = None
+        self.skipped_steps = 0
+        self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, self.hparams.model_dtype)
+        self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=dtype).train()
+        if self.hparams.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        if self.objective.ref_kl_coef:
+            ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
+            self.ref_policy = ref.eval().requires_grad_(False)
+
+    def policy_state_dict(self) -> dict[str, Tensor]:
+        """Full (unsharded) policy weights with Hugging Face names, for the rollout engine.
+
+        Under FSDP2 every rank must call this (each DTensor is gathered with `full_tensor()`).
+        """
+        out = {}
+        for k, v in self.policy.state_dict().items():
+            out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v
+        return out
+
+    def configure_optimizers(self):
+        h = self.hparams
+        decay = [p for n, p in self.policy.named_parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for n, p in self.policy.named_parameters() if p.requires_grad and p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}], lr=h.lr, betas=tuple(h.betas))
+        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else None
+
+        def factor(step: int) -> float:
+            if step < h.warmup_steps:
+                return (step + 1) / (h.warmup_steps + 1)
+            if h.lr_schedule == "constant" or not total:
+                return 1.0
+            frac = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
+            shape = 0.5 * (1 + math.cos(math.pi * frac)) if h.lr_schedule == "cosine" else 1 - frac
+            return h.min_lr_ratio + (1 - h.min_lr_ratio) * shape
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ step
+    def _forward(self, mb: dict, sampling: dict, with_grad: bool):
+        T = self.hparams.train_temperature or sampling["temperature"]
+        ctx = torch.enable_grad() if with_grad else torch.no_grad()
+        with ctx:
+            lp, _ = sequence_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
+                                      T, sampling["top_k"], sampling["top_p"], with_entropy=False)
+        return lp
+
+    def _micro_batches(self, batch: dict) -> list[dict]:
+        B = batch["input_ids"].shape[0]
+        size = self.hparams.micro_batch_size or B
+        keys = ("input_ids", "attention_mask", "completion_mask", "behavior_logprobs", "advantages")
+        out = []
+        for s in range(0, B, size):
+            mb = {k: batch[k][s:s + size] for k in keys}
+            width = int(mb["attention_mask"].sum(-1).max())          # trim padding columns
+            for k in keys[:4]:
+                mb[k] = mb[k][:, :width]
+            out.append(mb)
+        return out
+
+    def _world(self):
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _global_sum(self, x: Tensor) -> Tensor:
+        x = x.detach().clone().to(torch.float64)
+        if self._world():
+            dist.all_reduce(x)
+        return x
+
+    def training_step(self, batch: dict, batch_idx: int):
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        self.rollout_position = (int(batch["phase"]), int(batch["index"]))
+        step_before = self.global_step
+        sampling = batch["sampling"]
+        mbs = self._micro_batches(batch)
+        masks = [mb["completion_mask"] for mb in mbs]
+        num_tokens = self._global_sum(sum(m.sum() for m in masks))
+        num_seqs = self._global_sum(sum((m.sum(-1) > 0).sum() for m in masks))
+
+        step_ess = None
+        if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):
+            stats = None
+            for mb in mbs:                                                      # no-grad pre-pass
+                s = ess_stats(self._forward(mb, sampling, False) - mb["behavior_logprobs"], _finite_mask(mb))
+                stats = s if stats is None else stats.merge(s)
+            step_ess = (stats.all_reduce() if self._world() else stats).value()
+
+        ref_needed = self.ref_policy is not None
+        sums: dict[str, float] = {}
+        log_ratios, mask_list = [], []
+        for mb in mbs:
+            lp = self._forward(mb, sampling, True)
+            ref = None
+            if ref_needed:
+                with torch.no_grad():
+                    ref, _ = sequence_logprobs(self.ref_policy, mb["input_ids"], mb["attention_mask"],
+                                               mb["completion_mask"], sampling["temperature"])
+            ess = step_ess
+            if self.objective.needs_ess and ess is None:                       # single micro-batch or micro scope
+                st = ess_stats(lp.detach() - mb["behavior_logprobs"], _finite_mask(mb, lp))
+                ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
+            out = self.objective(lp, mb["behavior_logprobs"], mb["advantages"], mb["completion_mask"], ess=ess,
+                                 ref_logprobs=ref, num_tokens=num_tokens, num_seqs=num_seqs)
+            self.manual_backward(out.loss)
+            w = float(mb["completion_mask"].sum())
+            for k, v in out.metrics.items():
+                if k in MIN_MAX_KEYS:
+                    sums[k] = MIN_MAX_KEYS[k](sums.get(k, float(v)), float(v))
+                elif k in ("loss", "policy_loss", "kl_term", "kl_ref", "entropy"):
+                    sums[k] = sums.get(k, 0.0) + float(v)        # already scaled by the step's counts
+                elif k in ("nonfinite_tokens", "tokens"):
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + float(v) * w / max(float(num_tokens), 1.0)
+            log_ratios.append((lp.detach() - mb["behavior_logprobs"]).flatten())
+            mask_list.append(_finite_mask(mb, lp).flatten())
+
+        grad_norm = self._clip_and_norm()
+        if torch.isfinite(grad_norm):
+            opt.step()
+            sched.step()
+        else:
+            self.skipped_steps += 1
+        opt.zero_grad(set_to_none=True)
+
+        # step-level ratio statistics over all micro-batches (same parameters throughout the step)
+        lr_all, m_all = torch.cat(log_ratios), torch.cat(mask_list)
+        ess_value = step_ess if step_ess is not None else (torch.tensor(sums["ess"]) if "ess" in sums else None)
+        sums.update({k: float(v) for k, v in ratio_metrics(lr_all[None], m_all[None], ess_value).items()})
+        self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
+        if ess_value is not None:
+            self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), torch.tensor(float(ess_value)))
+
+        versions = batch["versions"].float()
+        logs = {f"train/{k}": v for k, v in sums.items()}
+        logs.update({
+            "train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
+            "train/lr": sched.get_last_lr()[0], "train/batch_rows": float(batch["input_ids"].shape[0]),
+            "train/policy_lag": float(step_before) - float(versions.mean()),   # 0 = on-policy
+        })
+        logs.update(batch["stats"])
+        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=1, sync_dist=False)
+        self.log("ess", logs.get("train/ess", 1.0), prog_bar=True, logger=False, batch_size=1)
+        self.log("reward", logs["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=1)
+
+    def _clip_and_norm(self) -> Tensor:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        if not params:
+            return torch.tensor(0.0)
+        max_norm = self.hparams.max_grad_norm
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm([p.grad for p in params])
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def _finite_mask(mb: dict, lp: Tensor | None = None) -> Tensor:
+    m = mb["completion_mask"] & torch.isfinite(mb["behavior_logprobs"])
+    return m if lp is None else m & torch.isfinite(lp.detach())

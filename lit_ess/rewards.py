@@ -1,0 +1,128 @@
+"""Verifiable rewards. A reward function maps (completion text, reference answer) to a float.
+
+They only parse model text, they never execute or eval it. `RewardScorer` runs them: an exception
+scores 0 and is counted in `errors`; `math_verify` (sympy) runs in a worker process with a timeout, and
+a timeout scores 0 and is counted in `timeouts`.
+"""
+from __future__ import annotations
+
+import importlib
+import re
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable
+
+_NUMBER = r"-?[\d,]*\.?\d+"
+_GSM8K_ANSWER = re.compile(r"####\s*(" + _NUMBER + r")")
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 when the completion, stripped of surrounding whitespace, equals the answer."""
+    return float(completion.strip() == str(answer).strip())
+
+
+def _to_number(s: str) -> float | None:
+    try:
+        return float(s.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def gsm8k(completion: str, answer: str) -> float:
+    """GSM8K: the last '#### <number>' of the completion equals the reference number (commas ignored).
+
+    The reference may be the raw GSM8K solution (its own '#### 72' line) or the bare number.
+    """
+    ref_match = _GSM8K_ANSWER.findall(str(answer))
+    ref = _to_number(ref_match[-1] if ref_match else str(answer).strip())
+    found = _GSM8K_ANSWER.findall(completion)
+    pred = _to_number(found[-1]) if found else None
+    return float(ref is not None and pred is not None and abs(pred - ref) < 1e-9)
+
+
+def math_verify(completion: str, answer: str) -> float:
+    """math-verify equivalence of the completion's final (e.g. \\boxed{}) answer and the reference."""
+    from math_verify import parse, verify
+
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    return float(bool(verify(gold, parse(completion))))
+
+
+REWARDS: dict[str, Callable[[str, str], float]] = {
+    "exact_match": exact_match, "gsm8k": gsm8k, "math_verify": math_verify,
+}
+IN_WORKER = {"math_verify"}
+
+
+def resolve_reward(name: str) -> Callable[[str, str], float]:
+    """A built-in name (exact_match, gsm8k, math_verify) or 'package.module:function'."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        mod, fn = name.split(":", 1)
+        try:
+            return getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward {name!r} cannot be imported: {e}") from None
+    raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)} or 'module:function'")
+
+
+def _safe_score(fn, completion, answer):
+    try:
+        return float(fn(completion, answer)), None
+    except Exception as e:  # a reward bug must not kill the run; it is counted
+        return 0.0, f"{type(e).__name__}: {e}"
+
+
+class RewardScorer:
+    """Scores batches of completions; counts errors and timeouts.
+
+    Args:
+        name: reward name or 'module:function'.
+        timeout: seconds per completion for rewards run in a worker (math_verify).
+        in_worker: run in a worker process (default: only for math_verify).
+    """
+
+    def __init__(self, name: str = "exact_match", timeout: float = 5.0, in_worker: bool | None = None):
+        self.name, self.fn, self.timeout = name, resolve_reward(name), timeout
+        self.in_worker = name in IN_WORKER if in_worker is None else in_worker
+        self._pool: ProcessPoolExecutor | None = None
+        self.errors = 0
+        self.timeouts = 0
+        self.last_error: str | None = None
+
+    def _worker(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            import multiprocessing as mp
+
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+        return self._pool
+
+    def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
+        scores = []
+        for c, a in zip(completions, answers, strict=True):
+            if not self.in_worker:
+                s, err = _safe_score(self.fn, c, a)
+            else:
+                try:
+                    s, err = self._worker().submit(_safe_score, self.fn, c, a).result(timeout=self.timeout)
+                except FutureTimeout:
+                    self.timeouts += 1
+                    self._kill_worker()
+                    s, err = 0.0, None
+            if err is not None or s != s:            # NaN from a user reward counts as an error too
+                self.errors += 1
+                self.last_error = err or "reward returned NaN"
+                s = 0.0
+            scores.append(s)
+        return scores
+
+    def _kill_worker(self) -> None:
+        if self._pool is not None:
+            for p in list(getattr(self._pool, "_processes", {}).values()):
+                p.kill()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def close(self) -> None:
+        self._kill_worker()

@@ -1,0 +1,49 @@
+"""SFTModule: supervised fine-tuning on (prompt, answer) pairs, the warm start before RL.
+
+Loss: token-mean cross-entropy over the answer tokens (and the eos that ends them); prompt tokens are
+not trained. Used by the CPU demo to give a random tiny model a policy that RL can sharpen.
+"""
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+
+class SFTModule(L.LightningModule):
+    """Args:
+        model_path: Hugging Face causal LM folder.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear warm-up steps, then constant.
+    """
+
+    def __init__(self, model_path: str, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50):
+        super().__init__()
+        self.save_hyperparameters()
+        self.policy = None
+
+    def configure_model(self) -> None:
+        if self.policy is None:
+            from transformers import AutoModelForCausalLM
+
+            self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=torch.float32).train()
+
+    def policy_state_dict(self):
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
+
+    def training_step(self, batch, batch_idx):
+        logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        targets = batch["input_ids"][:, 1:].masked_fill(~batch["loss_mask"][:, 1:], -100)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        with torch.no_grad():
+            hit = (logits[:, :-1].argmax(-1) == batch["input_ids"][:, 1:]) | ~batch["loss_mask"][:, 1:]
+            seq_acc = hit.all(-1).float().mean()
+        self.log_dict({"sft/loss": loss, "sft/teacher_forced_seq_acc": seq_acc}, prog_bar=True, batch_size=1)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        w = self.hparams.warmup_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (w + 1)))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,55 @@
+"""Helpers for end-to-end runs: write a config, run `lit-ess` in a subprocess, read TensorBoard."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from lit_ess.report import read_scalars
+
+
+def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_per_rollout=1, lr=1e-3,
+              prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None):
+    callbacks = [
+        {"class_path": "callbacks.WeightSync", "init_args": {"every_n_steps": 1}},
+        {"class_path": "callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
+    ]
+    if ckpt_every:
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                          "init_args": {"dirpath": str(out / "ckpt"), "save_last": True,
+                                        "every_n_train_steps": ckpt_every, "save_top_k": -1}})
+    data = {"source": {"class_path": "datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
+            "engine": engine, "sampling": {"temperature": 1.0, "max_new_tokens": 6, "seed": 0},
+            "prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout}
+    data.update(extra_data or {})
+    return {
+        "seed_everything": 0,
+        "model": {"class_path": "lit_ess.module.PolicyModule",
+                  "init_args": {"model_path": model_path, "objective": objective, "lr": lr,
+                                "micro_batch_size": micro_batch_size}},
+        "data": {"class_path": "datamodules.RolloutDataModule", "init_args": data},
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "log_every_n_steps": 1,
+                    "enable_progress_bar": False, "enable_checkpointing": bool(ckpt_every),
+                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": str(out), "name": "tb", "version": "run"}},
+                    "callbacks": callbacks},
+    }
+
+
+def write_config(cfg: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, **popen) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "lit_ess.cli", *args], cwd=cwd, env=env, timeout=timeout,
+                          capture_output=True, text=True, **popen)
+
+
+def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    return read_scalars(out / "tb" / "run")

@@ -1,0 +1,130 @@
+"""Rewards, advantages, prompt sources and one real rollout phase (hf engine) of the DataModule."""
+import json
+import time
+
+import pytest
+import torch
+
+from datamodules import Arithmetic, HFPrompts, RolloutDataModule
+from lit_ess.advantages import group_advantages
+from lit_ess.engines import SamplingConfig
+from lit_ess.rewards import RewardScorer, exact_match, gsm8k, math_verify
+
+
+def test_exact_match_and_gsm8k():
+    assert exact_match(" 122\n", "122") == 1.0 and exact_match("12", "122") == 0.0
+    solution = "Natalia sold 48/2 = 24 clips in May.\n#### 72"
+    assert gsm8k("so #### 70 ... no wait #### 72", solution) == 1.0        # last match wins
+    assert gsm8k("#### 1,234", "1234") == 1.0                              # commas
+    assert gsm8k("the answer is 72", solution) == 0.0                      # needs the #### marker
+    assert gsm8k("#### -3.5", "-3.5") == 1.0
+
+
+def test_math_verify_boxed():
+    assert math_verify("so the result is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_verify("\\boxed{3}", "4") == 0.0
+
+
+def _boom(c, a):
+    raise RuntimeError("bad reward")
+
+
+def _nan(c, a):
+    return float("nan")
+
+
+def _slow(c, a):
+    time.sleep(30)
+    return 1.0
+
+
+def test_scorer_counts_errors_and_timeouts():
+    s = RewardScorer("test_data:_boom")
+    assert s(["x", "y"], ["1", "2"]) == [0.0, 0.0] and s.errors == 2 and "bad reward" in s.last_error
+    s = RewardScorer("test_data:_nan")
+    assert s(["x"], ["1"]) == [0.0] and s.errors == 1
+    s = RewardScorer("test_data:_slow", timeout=1.0, in_worker=True)
+    t0 = time.time()
+    assert s(["x"], ["1"]) == [0.0] and s.timeouts == 1
+    assert time.time() - t0 < 20
+    s.close()
+    with pytest.raises(ValueError, match="exact_match, gsm8k, math_verify"):
+        RewardScorer("nope")
+
+
+def test_group_advantages_hand_computed():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    adv, deg = group_advantages(r)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()   # unbiased: sqrt(1/3)
+    assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert deg.tolist() == [False, True] and adv[1].abs().sum() == 0
+    adv, _ = group_advantages(r, "mean")
+    assert adv[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_arithmetic_is_correct_and_distinct():
+    src = Arithmetic(digits=2, ops="+-*", size=300, seed=1)
+    assert len({e.prompt for e in src.examples}) == 300
+    for e in src.examples:
+        a, op, b = e.prompt[:-1].partition(next(c for c in "+-*" if c in e.prompt[1:]))
+        assert str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]) == e.answer
+    with pytest.raises(ValueError, match="ops"):
+        Arithmetic(ops="/")
+
+
+def test_local_jsonl_skips_and_counts_malformed_rows(tmp_path):
+    rows = [{"question": "1+1=", "ans": "2"}, {"question": "2+2="}, {"ans": "5"},
+            {"question": "", "ans": "0"}, {"question": "3+3=", "ans": 6}]
+    f = tmp_path / "train.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    src = HFPrompts(str(f), prompt_field="question", answer_field="ans", template="Q: {prompt}")
+    assert [e.prompt for e in src.examples] == ["Q: 1+1=", "Q: 3+3="]
+    assert [e.answer for e in src.examples] == ["2", "6"]
+    assert src.skipped == 3
+    with pytest.raises(ValueError, match="no usable rows"):
+        HFPrompts(str(f), prompt_field="nope")
+
+
+@pytest.fixture(scope="module")
+def phase_dm(tiny_model_dir):
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", prompts_per_rollout=4, samples_per_prompt=3,
+                           steps_per_rollout=2, sampling=SamplingConfig(max_new_tokens=5, seed=0),
+                           source=Arithmetic(size=50))
+    dm.setup("fit")
+    return dm
+
+
+def test_phase_batches_are_aligned(phase_dm, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from lit_ess.logprobs import sequence_logprobs
+
+    batches = phase_dm.generate_phase()
+    assert len(batches) == 2 and sum(b["input_ids"].shape[0] for b in batches) == 12
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for b in batches:
+        lp, _ = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["completion_mask"])
+        m = b["completion_mask"]
+        assert (lp[m] - b["behavior_logprobs"][m]).abs().max() < 1e-5      # on-policy, same alignment
+        assert not (m & (b["attention_mask"] == 0)).any()
+        assert b["stats"]["rollout/phase"] == phase_dm.phase
+        assert 0 <= b["stats"]["rollout/reward_mean"] <= 1
+
+
+def test_state_dict_round_trip_continues_the_same_prompts(tiny_model_dir, phase_dm):
+    phase_dm.generate_phase()
+    state = phase_dm.state_dict()
+    nxt = [e.prompt for e in phase_dm._next_examples(6)]
+    fresh = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=Arithmetic(size=50))
+    fresh.load_state_dict(torch.load(_save(state), weights_only=False))
+    assert [e.prompt for e in fresh._next_examples(6)] == nxt
+    assert fresh.phase == phase_dm.phase
+
+
+def _save(obj):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
