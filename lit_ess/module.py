@@ -23,6 +23,7 @@ from .logprobs import sequence_logprobs
 from .objectives import ESSStats, build_objective, ess_stats, ratio_metrics
 
 MIN_MAX_KEYS = {"ratio_min": min, "ratio_max": max, "log_ratio_abs_max": max}
+SUMMED_KEYS = {"loss", "policy_loss", "kl_term", "kl_ref", "entropy", "nonfinite_tokens", "tokens"}
 
 
 class PolicyModule(L.LightningModule):
@@ -155,11 +156,11 @@ class PolicyModule(L.LightningModule):
             dist.all_reduce(x)
         return x
 
-    def training_step(self, batch: dict, batch_idx: int):
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
-        self.rollout_position = (int(batch["phase"]), int(batch["index"]))
-        step_before = self.global_step
+    def accumulate_gradients(self, batch: dict) -> tuple[dict[str, float], Tensor | None]:
+        """Forward and backward every micro-batch of one optimizer step; return (metrics, step ESS).
+
+        Gradients accumulate in the parameters' .grad; the caller clips and steps.
+        """
         sampling = batch["sampling"]
         mbs = self._micro_batches(batch)
         masks = [mb["completion_mask"] for mb in mbs]
@@ -174,43 +175,32 @@ class PolicyModule(L.LightningModule):
                 stats = s if stats is None else stats.merge(s)
             step_ess = (stats.all_reduce() if self._world() else stats).value()
 
-        ref_needed = self.ref_policy is not None
         sums: dict[str, float] = {}
         log_ratios, mask_list = [], []
         for mb in mbs:
             lp = self._forward(mb, sampling, True)
             ref = None
-            if ref_needed:
+            if self.ref_policy is not None:
                 with torch.no_grad():
                     ref, _ = sequence_logprobs(self.ref_policy, mb["input_ids"], mb["attention_mask"],
                                                mb["completion_mask"], sampling["temperature"])
             ess = step_ess
-            if self.objective.needs_ess and ess is None:                       # single micro-batch or micro scope
+            if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
                 st = ess_stats(lp.detach() - mb["behavior_logprobs"], _finite_mask(mb, lp))
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb["behavior_logprobs"], mb["advantages"], mb["completion_mask"], ess=ess,
                                  ref_logprobs=ref, num_tokens=num_tokens, num_seqs=num_seqs)
-            self.manual_backward(out.loss)
+            self.manual_backward(out.loss) if self._trainer is not None else out.loss.backward()
             w = float(mb["completion_mask"].sum())
             for k, v in out.metrics.items():
                 if k in MIN_MAX_KEYS:
                     sums[k] = MIN_MAX_KEYS[k](sums.get(k, float(v)), float(v))
-                elif k in ("loss", "policy_loss", "kl_term", "kl_ref", "entropy"):
-                    sums[k] = sums.get(k, 0.0) + float(v)        # already scaled by the step's counts
-                elif k in ("nonfinite_tokens", "tokens"):
+                elif k in SUMMED_KEYS:              # already scaled by the whole step's counts, or counts
                     sums[k] = sums.get(k, 0.0) + float(v)
-                else:
+                else:                               # per-micro-batch means: token-weighted
                     sums[k] = sums.get(k, 0.0) + float(v) * w / max(float(num_tokens), 1.0)
             log_ratios.append((lp.detach() - mb["behavior_logprobs"]).flatten())
             mask_list.append(_finite_mask(mb, lp).flatten())
-
-        grad_norm = self._clip_and_norm()
-        if torch.isfinite(grad_norm):
-            opt.step()
-            sched.step()
-        else:
-            self.skipped_steps += 1
-        opt.zero_grad(set_to_none=True)
 
         # step-level ratio statistics over all micro-batches (same parameters throughout the step)
         lr_all, m_all = torch.cat(log_ratios), torch.cat(mask_list)
@@ -219,6 +209,22 @@ class PolicyModule(L.LightningModule):
         self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
         if ess_value is not None:
             self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), torch.tensor(float(ess_value)))
+        return sums, ess_value
+
+    def training_step(self, batch: dict, batch_idx: int):
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        self.rollout_position = (int(batch["phase"]), int(batch["index"]))
+        step_before = self.global_step
+        sums, _ = self.accumulate_gradients(batch)
+
+        grad_norm = self._clip_and_norm()
+        if torch.isfinite(grad_norm):
+            opt.step()
+            sched.step()
+        else:
+            self.skipped_steps += 1
+        opt.zero_grad(set_to_none=True)
 
         versions = batch["versions"].float()
         logs = {f"train/{k}": v for k, v in sums.items()}

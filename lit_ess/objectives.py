@@ -227,8 +227,8 @@ def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) ->
         }
         if ess is not None:
             out["ess"] = ess.detach().float()
-            # rho > e_B, with a 1e-6 margin in log space so float noise at e_B = 1 does not count
-            out["capped_frac"] = (lr > torch.log(ess.float()) + 1e-6).float().mean()
+            # rho > e_B, with a 1e-5 margin in log space so float noise at e_B = 1 does not count
+            out["capped_frac"] = (lr > torch.log(ess.float()) + 1e-5).float().mean()
         return out
 
 

@@ -11,6 +11,11 @@ import yaml
 from lit_ess.report import read_scalars
 
 
+def digit_fraction(completion: str, answer: str) -> float:
+    """A graded reward a random model can earn: the share of its characters that are digits."""
+    return sum(c.isdigit() for c in completion) / max(1, len(completion))
+
+
 def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_per_rollout=1, lr=1e-3,
               prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None):
     callbacks = [
@@ -23,7 +28,8 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
                                         "every_n_train_steps": ckpt_every, "save_top_k": -1}})
     data = {"source": {"class_path": "datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
             "engine": engine, "sampling": {"temperature": 1.0, "max_new_tokens": 6, "seed": 0},
-            "prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout}
+            "prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout,
+            "reward": "e2e_utils:digit_fraction"}
     data.update(extra_data or {})
     return {
         "seed_everything": 0,
@@ -46,7 +52,9 @@ def write_config(cfg: dict, path: Path) -> Path:
 
 
 def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, **popen) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    here = str(Path(__file__).parent)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "lit_ess.cli", *args], cwd=cwd, env=env, timeout=timeout,
                           capture_output=True, text=True, **popen)
 

@@ -26,9 +26,9 @@ def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path):
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 4 and min(ess) >= 0.9999, ess
     assert [v for _, v in s["train/policy_lag"]] == [0.0] * 4
-    # the weights really moved (else ESS = 1 would prove nothing): the loss is not the same every step
-    assert len({round(v, 6) for _, v in s["train/kl_behavior"]}) >= 1
-    assert max(v for _, v in s["train/grad_norm"]) > 0
+    # the weights really moved (else ESS = 1 would prove nothing)
+    assert min(v for _, v in s["train/grad_norm"]) > 0
+    assert max(v for _, v in s["rollout/degenerate_frac"]) < 1
 
 
 def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
@@ -55,7 +55,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
 
     cfg = write_config(rl_config(tiny_model_dir, run_dir, max_steps=steps, steps_per_rollout=2, ckpt_every=3),
                        run_dir / "config.yaml")
-    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)],
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while not list((run_dir / "ckpt").glob("*step=3*.ckpt")) and time.time() < deadline and proc.poll() is None:
