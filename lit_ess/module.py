@@ -205,7 +205,8 @@ class PolicyModule(L.LightningModule):
         # step-level ratio statistics over all micro-batches (same parameters throughout the step)
         lr_all, m_all = torch.cat(log_ratios), torch.cat(mask_list)
         ess_value = step_ess if step_ess is not None else (torch.tensor(sums["ess"]) if "ess" in sums else None)
-        sums.update({k: float(v) for k, v in ratio_metrics(lr_all[None], m_all[None], ess_value).items()})
+        if len(mbs) > 1:     # one micro-batch: the objective's ratio statistics are already the step's
+            sums.update({k: float(v) for k, v in ratio_metrics(lr_all[None], m_all[None], ess_value).items()})
         self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
         if ess_value is not None:
             self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), torch.tensor(float(ess_value)))

@@ -1,0 +1,126 @@
+"""Two throughput ratios, each measured within this one run.
+
+1. One PolicyModule optimizer step inside a Lightning Trainer against a plain PyTorch loop doing the
+   same work (same model, same batch, same objective, clipping, AdamW). Goal: <= 1.10x the time.
+2. vLLM against transformers `generate` (the hf engine) on the tiny model, generated tokens/s.
+   Goal: vLLM >= 5x (not reached on the 2M-parameter tiny model on 2 CPU cores: see README).
+
+    .venv/bin/python benchmarks/step.py [--steps 30]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lit_ess.engines import SamplingConfig, build_engine
+from lit_ess.logprobs import sequence_logprobs
+from lit_ess.module import PolicyModule
+from lit_ess.objectives import build_objective
+from lit_ess.tiny import build_tiny_model
+
+
+def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (B, P + T), generator=g)
+    comp = torch.zeros(B, P + T, dtype=torch.bool)
+    comp[:, P:] = True
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": comp,
+            "behavior_logprobs": torch.where(comp, -torch.rand(B, P + T, generator=g) * 5, 0.0),
+            "advantages": torch.randn(B, generator=g), "rewards": torch.zeros(B),
+            "versions": torch.zeros(B, dtype=torch.long),
+            "sampling": {"temperature": 1.0, "top_k": -1, "top_p": 1.0}, "stats": {"rollout/reward_mean": 0.0},
+            "phase": 0, "index": 0}
+
+
+class _Same(Dataset):
+    def __init__(self, batch, n):
+        self.batch, self.n = batch, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.batch
+
+
+class _Timer(L.Callback):
+    def __init__(self):
+        self.times = []
+
+    def on_train_batch_start(self, *a):
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, *a):
+        self.times.append(time.perf_counter() - self.t0)
+
+
+def lightning_steps(model_dir, batch, steps):
+    module = PolicyModule(model_dir, lr=1e-5)
+    timer = _Timer()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer.fit(module, DataLoader(_Same(batch, steps), batch_size=None))
+    return timer.times
+
+
+def plain_steps(model_dir, batch, steps):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    objective = build_objective("p3o")
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        lp, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        out = objective(lp, batch["behavior_logprobs"], batch["advantages"], batch["completion_mask"])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def generation(model_dir, prompts=64, n=8, new_tokens=128):
+    s = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, seed=0)
+    ps = [[1] + list(range(20, 26)) for _ in range(prompts)]
+    out = {}
+    for name in ("vllm", "hf"):
+        engine = build_engine(name, model_dir)
+        engine.generate(ps[:4], 2, s)                        # warm-up (vLLM compiles on its first call)
+        t0 = time.perf_counter()
+        groups = engine.generate(ps, n, s)
+        dt = time.perf_counter() - t0
+        out[name] = sum(len(c.token_ids) for g in groups for c in g) / dt
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = str(build_tiny_model(d + "/m"))
+        batch = make_batch(260)
+        tokens = int(batch["completion_mask"].sum())
+        lit = lightning_steps(model_dir, batch, a.steps)[3:]
+        plain = plain_steps(model_dir, batch, a.steps)[3:]
+        ml, mp = statistics.median(lit), statistics.median(plain)
+        print(f"optimizer step on [64, 64] ({tokens} completion tokens), median of {len(lit)} steps after 3 warm-up:")
+        print(f"  PolicyModule in Lightning: {ml * 1e3:8.1f} ms  {tokens / ml:10.0f} tok/s")
+        print(f"  plain PyTorch loop:        {mp * 1e3:8.1f} ms  {tokens / mp:10.0f} tok/s")
+        print(f"  time ratio Lightning / plain: {ml / mp:.3f}  (goal <= 1.10)")
+        gen = generation(model_dir)
+        print(f"generation, 64 prompts x 8 samples x up to 128 new tokens (seeded): vllm {gen['vllm']:.0f} tok/s, "
+              f"hf {gen['hf']:.0f} tok/s, ratio {gen['vllm'] / gen['hf']:.1f}x  (goal >= 5x)")
+
+
+if __name__ == "__main__":
+    main()
