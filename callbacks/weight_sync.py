@@ -40,6 +40,12 @@ class WeightSync(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self.push(trainer, pl_module)
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        # `lit-ess validate`: the engine was built from model_path, the weights may come from a
+        # checkpoint. (Inside fit the engine is already current: validation follows the step's push.)
+        if not trainer.training:
+            self.push(trainer, pl_module)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
         if step > 0 and step % self.every_n_steps == 0 and step != getattr(trainer.datamodule.engine, "version", -1):

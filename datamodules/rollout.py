@@ -77,6 +77,8 @@ class RolloutDataModule(L.LightningDataModule):
             group of a phase is degenerate they are kept, so each step still has data.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
         seed: prompt order.
+        val_source: held-out prompts for validation (None = no validation loop).
+        val_prompts: validation prompts per batch; every example of val_source is used once.
     """
 
     def __init__(
@@ -95,6 +97,8 @@ class RolloutDataModule(L.LightningDataModule):
         drop_degenerate: bool = False,
         max_prompt_tokens: int = 512,
         seed: int = 0,
+        val_source: PromptSource | None = None,
+        val_prompts: int = 64,
     ):
         super().__init__()
         if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
@@ -110,6 +114,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
         self.steps_per_rollout, self.advantage = steps_per_rollout, advantage
         self.drop_degenerate, self.max_prompt_tokens, self.seed = drop_degenerate, max_prompt_tokens, seed
+        self.val_source, self.val_prompts = val_source, val_prompts
         self.engine: RolloutEngine | None = None
         self.tokenizer = None
         self.scorer: RewardScorer | None = None
@@ -145,6 +150,23 @@ class RolloutDataModule(L.LightningDataModule):
             self.batches = None                      # a new phase is generated at the first batch
         return DataLoader(_PhaseDataset(self), batch_size=None, sampler=_ResumeSampler(self.steps_per_rollout, start),
                           num_workers=0)
+
+    def val_dataloader(self):
+        if self.val_source is None:
+            return []
+        ex = [(e.prompt, e.answer) for e in self.val_source.examples]   # tuples: Lightning moves batches
+        chunks = [ex[i:i + self.val_prompts] for i in range(0, len(ex), self.val_prompts)]
+        return DataLoader(chunks, batch_size=None, collate_fn=lambda x: x)
+
+    @torch.no_grad()
+    def evaluate(self, examples: list[tuple[str, str]]) -> dict[str, float]:
+        """One sample per held-out (prompt, answer) with the training sampling settings."""
+        prompts = [self.encode_prompt(p) for p, _ in examples]
+        groups = self.engine.generate(prompts, 1, self.sampling, call_seed=-1)
+        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
+        rewards = self.scorer(texts, [a for _, a in examples])
+        return {"val/reward_mean": sum(rewards) / len(rewards),
+                "val/response_len": sum(len(g[0].token_ids) for g in groups) / len(groups)}
 
     # ------------------------------------------------------------------ one phase
     def _phase_batch(self, i: int) -> dict:
