@@ -126,13 +126,13 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ step
-    def _forward(self, mb: dict, sampling: dict, with_grad: bool):
+    def _forward(self, mb: dict, sampling: dict, with_grad: bool, with_entropy: bool = False):
         T = self.hparams.train_temperature or sampling["temperature"]
         ctx = torch.enable_grad() if with_grad else torch.no_grad()
         with ctx:
-            lp, _ = sequence_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
-                                      T, sampling["top_k"], sampling["top_p"], with_entropy=False)
-        return lp
+            lp, ent = sequence_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
+                                        T, sampling["top_k"], sampling["top_p"], with_entropy=with_entropy)
+        return (lp, ent) if with_entropy else lp
 
     def _micro_batches(self, batch: dict) -> list[dict]:
         B = batch["input_ids"].shape[0]
@@ -178,7 +178,8 @@ class PolicyModule(L.LightningModule):
         sums: dict[str, float] = {}
         log_ratios, mask_list = [], []
         for mb in mbs:
-            lp = self._forward(mb, sampling, True)
+            lp, ent = self._forward(mb, sampling, True, with_entropy=True) if self.objective.entropy_coef \
+                else (self._forward(mb, sampling, True), None)
             ref = None
             if self.ref_policy is not None:
                 with torch.no_grad():
@@ -189,7 +190,7 @@ class PolicyModule(L.LightningModule):
                 st = ess_stats(lp.detach() - mb["behavior_logprobs"], _finite_mask(mb, lp))
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb["behavior_logprobs"], mb["advantages"], mb["completion_mask"], ess=ess,
-                                 ref_logprobs=ref, num_tokens=num_tokens, num_seqs=num_seqs)
+                                 ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs)
             self.manual_backward(out.loss) if self._trainer is not None else out.loss.backward()
             w = float(mb["completion_mask"].sum())
             for k, v in out.metrics.items():

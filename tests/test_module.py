@@ -49,3 +49,10 @@ def test_bad_module_settings_are_named(tiny_model_dir):
         PolicyModule(tiny_model_dir, ess_scope="global")
     with pytest.raises(ValueError, match="unknown objective 'ppo'"):
         PolicyModule(tiny_model_dir, objective="ppo")
+
+
+def test_entropy_bonus_and_reference_kl_run_through_the_module(tiny_model_dir, stale_batch):
+    g0, m0, _ = grads(tiny_model_dir, stale_batch)
+    g1, m1, _ = grads(tiny_model_dir, stale_batch, objective_kwargs={"entropy_coef": 0.01, "ref_kl_coef": 0.1})
+    assert m1["entropy"] > 0 and m1["kl_ref"] == pytest.approx(0.0, abs=1e-6)   # reference = the start policy
+    assert torch.isfinite(g1).all() and not torch.allclose(g0, g1)
