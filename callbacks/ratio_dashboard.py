@@ -42,8 +42,6 @@ class RatioDashboard(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         tb = _tensorboard(trainer)
         if trainer.is_global_zero and tb is not None:
-            from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: F401  (checks the plugin)
-
             tb.add_custom_scalars(LAYOUT)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

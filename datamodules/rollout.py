@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict
-
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -285,7 +283,6 @@ class RolloutDataModule(L.LightningDataModule):
             "skipped_long_prompts": self.skipped_long_prompts,
             "batches": self.batches if keep_batches else None,
             "next_index": next_index if keep_batches else 0,
-            "sampling": asdict(self.sampling),
         }
 
     def load_state_dict(self, state: dict) -> None:

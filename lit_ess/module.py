@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .logprobs import sequence_logprobs
-from .objectives import ESSStats, build_objective, ess_stats, ratio_metrics
+from .objectives import build_objective, ess_stats, ratio_metrics
 
-MIN_MAX_KEYS = {"ratio_min": min, "ratio_max": max, "log_ratio_abs_max": max}
+MIN_MAX_KEYS = {"ratio_min": torch.minimum, "ratio_max": torch.maximum, "log_ratio_abs_max": torch.maximum}
 SUMMED_KEYS = {"loss", "policy_loss", "kl_term", "kl_ref", "entropy", "nonfinite_tokens", "tokens"}
 
 
@@ -96,14 +96,7 @@ class PolicyModule(L.LightningModule):
             self.ref_policy = ref.eval().requires_grad_(False)
 
     def policy_state_dict(self) -> dict[str, Tensor]:
-        """Full (unsharded) policy weights with Hugging Face names, for the rollout engine.
-
-        Under FSDP2 every rank must call this (each DTensor is gathered with `full_tensor()`).
-        """
-        out = {}
-        for k, v in self.policy.state_dict().items():
-            out[k] = v.full_tensor() if hasattr(v, "full_tensor") else v
-        return out
+        return full_state_dict(self.policy)
 
     def configure_optimizers(self):
         h = self.hparams
@@ -126,13 +119,13 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ step
-    def _forward(self, mb: dict, sampling: dict, with_grad: bool, with_entropy: bool = False):
+    def _forward(self, mb: dict, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
+        """(logprobs, entropy or None) of the micro-batch at the training temperature."""
         T = self.hparams.train_temperature or sampling["temperature"]
-        ctx = torch.enable_grad() if with_grad else torch.no_grad()
-        with ctx:
-            lp, ent = sequence_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
-                                        T, sampling["top_k"], sampling["top_p"], with_entropy=with_entropy)
-        return (lp, ent) if with_entropy else lp
+        with torch.enable_grad() if with_grad else torch.no_grad():
+            return sequence_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
+                                     T, sampling["top_k"], sampling["top_p"],
+                                     with_entropy=with_grad and bool(self.objective.entropy_coef))
 
     def _micro_batches(self, batch: dict) -> list[dict]:
         B = batch["input_ids"].shape[0]
@@ -171,15 +164,14 @@ class PolicyModule(L.LightningModule):
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):
             stats = None
             for mb in mbs:                                                      # no-grad pre-pass
-                s = ess_stats(self._forward(mb, sampling, False) - mb["behavior_logprobs"], _finite_mask(mb))
+                s = ess_stats(self._forward(mb, sampling, False)[0] - mb["behavior_logprobs"], _finite_mask(mb))
                 stats = s if stats is None else stats.merge(s)
             step_ess = (stats.all_reduce() if self._world() else stats).value()
 
-        sums: dict[str, float] = {}
+        sums: dict[str, Tensor] = {}              # tensors until the end: no device sync per micro-batch
         log_ratios, mask_list = [], []
         for mb in mbs:
-            lp, ent = self._forward(mb, sampling, True, with_entropy=True) if self.objective.entropy_coef \
-                else (self._forward(mb, sampling, True), None)
+            lp, ent = self._forward(mb, sampling, True)
             ref = None
             if self.ref_policy is not None:
                 with torch.no_grad():
@@ -191,27 +183,31 @@ class PolicyModule(L.LightningModule):
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb["behavior_logprobs"], mb["advantages"], mb["completion_mask"], ess=ess,
                                  ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs)
-            self.manual_backward(out.loss) if self._trainer is not None else out.loss.backward()
-            w = float(mb["completion_mask"].sum())
+            if self._trainer is not None:
+                self.manual_backward(out.loss)
+            else:                                   # used without a Trainer (tests, notebooks)
+                out.loss.backward()
+            w = mb["completion_mask"].sum() / num_tokens.clamp(min=1.0)
             for k, v in out.metrics.items():
+                v = v.detach().double()
                 if k in MIN_MAX_KEYS:
-                    sums[k] = MIN_MAX_KEYS[k](sums.get(k, float(v)), float(v))
+                    sums[k] = MIN_MAX_KEYS[k](sums.get(k, v), v)
                 elif k in SUMMED_KEYS:              # already scaled by the whole step's counts, or counts
-                    sums[k] = sums.get(k, 0.0) + float(v)
+                    sums[k] = sums.get(k, 0.0) + v
                 else:                               # per-micro-batch means: token-weighted
-                    sums[k] = sums.get(k, 0.0) + float(v) * w / max(float(num_tokens), 1.0)
+                    sums[k] = sums.get(k, 0.0) + v * w
             log_ratios.append((lp.detach() - mb["behavior_logprobs"]).flatten())
             mask_list.append(_finite_mask(mb, lp).flatten())
 
         # step-level ratio statistics over all micro-batches (same parameters throughout the step)
         lr_all, m_all = torch.cat(log_ratios), torch.cat(mask_list)
-        ess_value = step_ess if step_ess is not None else (torch.tensor(sums["ess"]) if "ess" in sums else None)
+        ess_value = step_ess if step_ess is not None else sums.get("ess")
         if len(mbs) > 1:     # one micro-batch: the objective's ratio statistics are already the step's
-            sums.update({k: float(v) for k, v in ratio_metrics(lr_all[None], m_all[None], ess_value).items()})
+            sums.update(ratio_metrics(lr_all[None], m_all[None], ess_value))
         self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
         if ess_value is not None:
-            self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), torch.tensor(float(ess_value)))
-        return sums, ess_value
+            self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess_value.float().cpu())
+        return {k: float(v) for k, v in sums.items()}, ess_value
 
     def training_step(self, batch: dict, batch_idx: int):
         opt = self.optimizers()
@@ -253,6 +249,14 @@ class PolicyModule(L.LightningModule):
         if max_norm is None:
             return torch.nn.utils.get_total_norm([p.grad for p in params])
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+    """Full (unsharded) weights with Hugging Face names, for the rollout engine or an export.
+
+    Under FSDP2 every rank must call this (each DTensor is gathered with `full_tensor()`).
+    """
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
 
 
 def _finite_mask(mb: dict, lp: Tensor | None = None) -> Tensor:

@@ -9,6 +9,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from .module import full_state_dict
+
 
 class SFTModule(L.LightningModule):
     """Args:
@@ -30,7 +32,7 @@ class SFTModule(L.LightningModule):
             self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=torch.float32).train()
 
     def policy_state_dict(self):
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in self.policy.state_dict().items()}
+        return full_state_dict(self.policy)
 
     def training_step(self, batch, batch_idx):
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -39,7 +39,8 @@ class VLLMEngine(RolloutEngine):
         kv_cache_gib: KV-cache size on the CPU backend.
         max_model_len: longest prompt + completion; None = the model's.
         enforce_eager: no CUDA graphs / compilation (fast start, needed for in-place reloads on CPU).
-        engine_kwargs: passed to `vllm.LLM` as they are.
+        engine_kwargs: passed to `vllm.LLM` as they are. On CPU, enable_chunked_prefill defaults to False
+            (vLLM 0.32's CPU backend crashes on seeded requests whose prefill is split).
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float | None = None,
@@ -53,9 +54,14 @@ class VLLMEngine(RolloutEngine):
                               "or choose engine: hf") from e
         if gpu_memory_utilization is None:
             gpu_memory_utilization = 0.4 if torch.cuda.is_available() else 0.1
+        engine_kwargs = dict(engine_kwargs or {})
+        if not torch.cuda.is_available():
+            # vLLM 0.32 on CPU: a seeded request whose prefill is split over steps crashes the engine
+            # ("CPU Generator does not use offset" in _bookkeeping_sync), so prefills stay whole.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
         self.llm = LLM(model=str(model_path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", seed=seed,
-                       max_model_len=max_model_len, **(engine_kwargs or {}))
+                       max_model_len=max_model_len, **engine_kwargs)
         self.version = 0
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
