@@ -50,4 +50,5 @@ class WeightSync(L.Callback):
         step = trainer.global_step
         if step > 0 and step % self.every_n_steps == 0 and step != getattr(trainer.datamodule.engine, "version", -1):
             self.push(trainer, pl_module)
-            pl_module.log("perf/weight_sync_seconds", self.last_seconds, on_step=True, batch_size=1)
+            for lg in trainer.loggers:                       # same x-axis as PolicyModule's metrics
+                lg.log_metrics({"perf/weight_sync_seconds": self.last_seconds}, step=step)
