@@ -10,9 +10,9 @@ so Lightning's one-batch prefetch can never make a rollout stale. Set the Traine
 Each batch (tensors are `[B, L]` aligned with `input_ids` unless noted):
     input_ids, attention_mask, completion_mask (bool), behavior_logprobs,
     advantages [B], rewards [B], versions [B] (policy version that sampled each row),
-    sampling {temperature, top_k, top_p}, stats {rollout/...: float}, phase, index.
+    sampling {temperature, top_k, top_p, max_new_tokens}, stats {rollout/...: float}, phase, index.
 
-`state_dict` carries the prompt cursor, the RNG state, and the current phase's batches with the position
+`state_dict` carries the prompt cursor, the RNG state, the cumulative reward error/timeout counters, and the current phase's batches with the position
 of the next untrained one, so a run killed mid-phase resumes on the same data.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from lit_ess.advantages import group_advantages
 from lit_ess.engines import RolloutEngine, SamplingConfig, build_engine
 from lit_ess.rewards import RewardScorer
 
-from .prompts import Arithmetic, Example, PromptSource
+from .prompts import Arithmetic, Example, PromptSource, encode_prompt
 
 
 class _PhaseDataset(Dataset):
@@ -71,8 +71,9 @@ class RolloutDataModule(L.LightningDataModule):
         samples_per_prompt: completions per prompt (the group size).
         steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
         advantage: "zscore" (GRPO) or "mean" (Dr.GRPO).
-        drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). If every
-            group of a phase is degenerate they are kept, so each step still has data.
+        drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). When too
+            few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
+            every step has a row; `rollout/dropped_groups` counts the groups really dropped.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
         seed: prompt order.
         val_source: held-out prompts for validation (None = no validation loop).
@@ -124,6 +125,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.batches: list[dict] | None = None
         self.resume_index = 0
         self.skipped_long_prompts = 0
+        self._scorer_state: dict | None = None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
@@ -135,6 +137,8 @@ class RolloutDataModule(L.LightningDataModule):
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.scorer = RewardScorer(self.reward_name, self.reward_timeout)
+        if self._scorer_state:                       # restored before setup (cumulative counters)
+            self.scorer.load_state_dict(self._scorer_state)
         self.engine = build_engine(self.engine_name, self.model_path, **self.engine_kwargs)
 
     def teardown(self, stage: str) -> None:
@@ -184,33 +188,34 @@ class RolloutDataModule(L.LightningDataModule):
         return out
 
     def encode_prompt(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        else:
-            ids = tok(text, add_special_tokens=True)["input_ids"]
-            if tok.bos_token_id is not None and (not ids or ids[0] != tok.bos_token_id):
-                ids = [tok.bos_token_id] + ids
-        return list(ids)
+        return encode_prompt(self.tokenizer, text)
+
+    def _next_prompts(self, k: int) -> tuple[list[Example], list[list[int]]]:
+        """k examples that fit max_prompt_tokens, with their token ids; longer ones are skipped and
+        counted. Raises only when a streak of skips covers a whole pass over the source (2 x its size
+        consecutive draws always contain one full shuffled pass): then no prompt fits."""
+        examples, prompts, streak = [], [], 0
+        while len(examples) < k:
+            for ex in self._next_examples(k - len(examples)):
+                ids = self.encode_prompt(ex.prompt)
+                if len(ids) > self.max_prompt_tokens:
+                    self.skipped_long_prompts += 1
+                    streak += 1
+                    if streak >= 2 * len(self.source):
+                        raise ValueError(f"every prompt of the source is longer than max_prompt_tokens="
+                                         f"{self.max_prompt_tokens} tokens: raise max_prompt_tokens")
+                    continue
+                streak = 0
+                examples.append(ex)
+                prompts.append(ids)
+        return examples, prompts
 
     @torch.no_grad()
     def generate_phase(self) -> list[dict]:
         """Sample, score and batch one rollout phase."""
         self.phase += 1
         t0 = time.perf_counter()
-        examples, prompts = [], []
-        while len(examples) < self.prompts_per_rollout:
-            for ex in self._next_examples(self.prompts_per_rollout - len(examples)):
-                ids = self.encode_prompt(ex.prompt)
-                if len(ids) > self.max_prompt_tokens:
-                    self.skipped_long_prompts += 1
-                    if self.skipped_long_prompts > 10 * self.prompts_per_rollout + len(self.source):
-                        raise ValueError(f"every prompt is longer than max_prompt_tokens={self.max_prompt_tokens}")
-                    continue
-                examples.append(ex)
-                prompts.append(ids)
+        examples, prompts = self._next_prompts(self.prompts_per_rollout)
         n = self.samples_per_prompt
         groups = self.engine.generate(prompts, n, self.sampling, call_seed=self.phase)
         t_gen = time.perf_counter() - t0
@@ -220,8 +225,11 @@ class RolloutDataModule(L.LightningDataModule):
         adv, degenerate = group_advantages(rewards, self.advantage)
 
         keep = [g for g in range(len(groups)) if not (self.drop_degenerate and degenerate[g])]
-        if not keep:
-            keep = list(range(len(groups)))
+        # every optimizer step needs at least one row: restore dropped groups (zero advantage) until
+        # there are steps_per_rollout rows
+        restore = [g for g in range(len(groups)) if g not in keep]
+        while len(keep) * n < self.steps_per_rollout:
+            keep.append(restore.pop(0))
         rows = [(prompts[g], groups[g][j], float(adv[g, j]), float(rewards[g, j])) for g in keep for j in range(n)]
         self.rng.shuffle(rows)
 
@@ -268,7 +276,7 @@ class RolloutDataModule(L.LightningDataModule):
             "rewards": torch.tensor([r for _, _, _, r in rows], dtype=torch.float32),
             "versions": torch.tensor([c.version for _, c, _, _ in rows], dtype=torch.long),
             "sampling": {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
-                         "top_p": self.sampling.top_p},
+                         "top_p": self.sampling.top_p, "max_new_tokens": self.sampling.max_new_tokens},
             "stats": dict(stats), "phase": self.phase, "index": index,
         }
 
@@ -281,6 +289,7 @@ class RolloutDataModule(L.LightningDataModule):
         return {
             "cursor": self.cursor, "order": self.order, "phase": self.phase, "rng": self.rng.getstate(),
             "skipped_long_prompts": self.skipped_long_prompts,
+            "reward_counters": self.scorer.state_dict() if self.scorer is not None else self._scorer_state,
             "batches": self.batches if keep_batches else None,
             "next_index": next_index if keep_batches else 0,
         }
@@ -289,6 +298,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.cursor, self.order, self.phase = state["cursor"], list(state["order"]), state["phase"]
         self.rng.setstate(_as_tuple(state["rng"]))
         self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
+        self._scorer_state = state.get("reward_counters")
+        if self.scorer is not None and self._scorer_state:
+            self.scorer.load_state_dict(self._scorer_state)
         self.batches = state.get("batches")
         self.resume_index = state.get("next_index", 0) if self.batches is not None else 0
 

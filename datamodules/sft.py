@@ -1,4 +1,7 @@
-"""SFTDataModule: (prompt, answer + eos) pairs from a prompt source, for the supervised warm start."""
+"""SFTDataModule: (prompt, answer + eos) pairs from a prompt source, for the supervised warm start.
+
+Prompts are encoded as the RolloutDataModule encodes them (chat template when the tokenizer has one),
+so the warm start trains the policy on the very inputs RL samples from."""
 from __future__ import annotations
 
 import random
@@ -7,7 +10,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from .prompts import Arithmetic, PromptSource
+from .prompts import Arithmetic, PromptSource, encode_prompt
 
 
 class _Pairs(Dataset):
@@ -50,9 +53,7 @@ class SFTDataModule(L.LightningDataModule):
             answer = ex.answer
             if self.label_noise and rng.random() < self.label_noise:
                 answer = rng.choice(self.source.examples).answer
-            p = tok(ex.prompt)["input_ids"]
-            if tok.bos_token_id is not None and (not p or p[0] != tok.bos_token_id):
-                p = [tok.bos_token_id] + p
+            p = encode_prompt(tok, ex.prompt)            # exactly the ids RL will prompt with
             a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             items.append((p, a))
         self.items = items

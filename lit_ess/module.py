@@ -46,6 +46,9 @@ class PolicyModule(L.LightningModule):
         train_temperature: temperature of the trainer's log-probs; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
         model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
+        disable_dropout: set every dropout probability of the policy to 0 (TRL's `disable_dropout`).
+            With dropout on, the trainer scores tokens with a random sub-network: on-policy ESS is not 1
+            and the ESS pre-pass and the gradient pass see different masks.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class PolicyModule(L.LightningModule):
         train_temperature: float | None = None,
         gradient_checkpointing: bool = False,
         model_dtype: str = "float32",
+        disable_dropout: bool = True,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -89,6 +93,8 @@ class PolicyModule(L.LightningModule):
 
         dtype = getattr(torch, self.hparams.model_dtype)
         self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=dtype).train()
+        if self.hparams.disable_dropout:
+            disable_dropout(self.policy)
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.objective.ref_kl_coef:
@@ -119,13 +125,23 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ step
-    def _forward(self, mb: dict, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
-        """(logprobs, entropy or None) of the micro-batch at the training temperature."""
+    def _score(self, model, mb: dict, sampling: dict, with_grad: bool,
+               with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """(logprobs, entropy or None) of `model` on the micro-batch, processed as the engine sampled:
+        logits / T -> top-k -> top-p, with T = train_temperature or the rollout's temperature.
+
+        The policy and the reference model are both scored here, so with reference == policy the
+        reference KL is exactly 0 whatever the sampling settings.
+        """
         T = self.hparams.train_temperature or sampling["temperature"]
         with torch.enable_grad() if with_grad else torch.no_grad():
-            return sequence_logprobs(self.policy, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
-                                     T, sampling["top_k"], sampling["top_p"],
-                                     with_entropy=with_grad and bool(self.objective.entropy_coef))
+            return sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
+                                     T, sampling["top_k"], sampling["top_p"], with_entropy=with_entropy)
+
+    def _forward(self, mb: dict, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
+        """(logprobs, entropy or None) of the policy on the micro-batch."""
+        return self._score(self.policy, mb, sampling, with_grad,
+                           with_entropy=with_grad and bool(self.objective.entropy_coef))
 
     def _micro_batches(self, batch: dict) -> list[dict]:
         B = batch["input_ids"].shape[0]
@@ -164,7 +180,8 @@ class PolicyModule(L.LightningModule):
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):
             stats = None
             for mb in mbs:                                                      # no-grad pre-pass
-                s = ess_stats(self._forward(mb, sampling, False)[0] - mb["behavior_logprobs"], _finite_mask(mb))
+                lp = self._forward(mb, sampling, False)[0]
+                s = ess_stats(lp - mb["behavior_logprobs"], _finite_mask(mb, lp))
                 stats = s if stats is None else stats.merge(s)
             step_ess = (stats.all_reduce() if self._world() else stats).value()
 
@@ -172,17 +189,14 @@ class PolicyModule(L.LightningModule):
         log_ratios, mask_list = [], []
         for mb in mbs:
             lp, ent = self._forward(mb, sampling, True)
-            ref = None
-            if self.ref_policy is not None:
-                with torch.no_grad():
-                    ref, _ = sequence_logprobs(self.ref_policy, mb["input_ids"], mb["attention_mask"],
-                                               mb["completion_mask"], sampling["temperature"])
+            ref = self._score(self.ref_policy, mb, sampling, False)[0] if self.ref_policy is not None else None
             ess = step_ess
             if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
                 st = ess_stats(lp.detach() - mb["behavior_logprobs"], _finite_mask(mb, lp))
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb["behavior_logprobs"], mb["advantages"], mb["completion_mask"], ess=ess,
-                                 ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs)
+                                 ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs,
+                                 norm_len=sampling["max_new_tokens"])
             if self._trainer is not None:
                 self.manual_backward(out.loss)
             else:                                   # used without a Trainer (tests, notebooks)
@@ -217,6 +231,7 @@ class PolicyModule(L.LightningModule):
         sums, _ = self.accumulate_gradients(batch)
 
         grad_norm = self._clip_and_norm()
+        lr = sched.get_last_lr()[0]                  # the rate this step is taken with
         if torch.isfinite(grad_norm):
             opt.step()
             sched.step()
@@ -228,11 +243,17 @@ class PolicyModule(L.LightningModule):
         logs = {f"train/{k}": v for k, v in sums.items()}
         logs.update({
             "train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
-            "train/lr": sched.get_last_lr()[0], "train/batch_rows": float(batch["input_ids"].shape[0]),
+            "train/lr": lr, "train/batch_rows": float(batch["input_ids"].shape[0]),
             "train/policy_lag": float(step_before) - float(versions.mean()),   # 0 = on-policy
         })
         logs.update(batch["stats"])
         self._log_step(logs)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps}     # cumulative across resumes
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_steps = checkpoint.get("lit_ess", {}).get("skipped_steps", 0)
 
     def _log_step(self, logs: dict[str, float]) -> None:
         """One `log_metrics` call per logger every `log_every_n_steps` (x-axis: global step).
@@ -272,6 +293,23 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
 
 
-def _finite_mask(mb: dict, lp: Tensor | None = None) -> Tensor:
-    m = mb["completion_mask"] & torch.isfinite(mb["behavior_logprobs"])
-    return m if lp is None else m & torch.isfinite(lp.detach())
+def _finite_mask(mb: dict, lp: Tensor) -> Tensor:
+    """The tokens that enter the loss, and so the ESS: completion tokens whose behaviour and trainer
+    logprobs are both finite. A token outside the trainer's top-k/top-p set (-inf) or a NaN is dropped
+    from both and counted in `train/nonfinite_tokens`; one rule for the pre-pass and the gradient pass."""
+    return mb["completion_mask"] & torch.isfinite(mb["behavior_logprobs"]) & torch.isfinite(lp.detach())
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability to 0: `nn.Dropout` modules and the float `attention_dropout` /
+    `dropout` attributes that Hugging Face attention layers pass to their functional dropout."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for attr in ("attention_dropout", "dropout", "hidden_dropout", "attn_dropout"):
+            if isinstance(getattr(module, attr, None), float):
+                setattr(module, attr, 0.0)
+    config = getattr(model, "config", None)
+    for attr in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if isinstance(getattr(config, attr, None), float):
+            setattr(config, attr, 0.0)

@@ -138,7 +138,8 @@ def aggregate(
 
     token-mean               sum_{b,t} x m / N_tokens
     seq-mean-token-mean      sum_b (sum_t x m / len_b) / N_seqs
-    seq-mean-token-sum-norm  sum_{b,t} x m / (N_seqs * norm_len)       (Dr.GRPO; norm_len defaults to T)
+    seq-mean-token-sum-norm  sum_{b,t} x m / (N_seqs * norm_len)       (Dr.GRPO: norm_len is a constant,
+                             the rollout's max_new_tokens in PolicyModule; here it defaults to T)
 
     N_tokens and N_seqs default to this batch's counts; pass the counts of the whole optimizer step
     when `x` is one of its micro-batches.
@@ -245,7 +246,9 @@ class Objective:
         aggregation: one of AGGREGATIONS.
         entropy_coef: weight of an entropy bonus (needs `entropy` [B, T] at call time).
         ref_kl_coef: weight of k3 KL to a frozen reference policy (needs `ref_logprobs`).
-        norm_len: the constant length of "seq-mean-token-sum-norm" (Dr.GRPO); default T.
+        norm_len: the constant length of "seq-mean-token-sum-norm" (Dr.GRPO). None = the `norm_len`
+            given at call time (PolicyModule passes the rollout's max_new_tokens, the same for every
+            micro-batch and rank), else the width T of the call's tensors.
     """
 
     name = "base"
@@ -273,6 +276,7 @@ class Objective:
         entropy: Tensor | None = None,
         num_tokens: float | Tensor | None = None,
         num_seqs: float | Tensor | None = None,
+        norm_len: int | None = None,
     ) -> ObjectiveOutput:
         _check_inputs(logprobs=logprobs, behavior_logprobs=behavior_logprobs, advantages=advantages,
                       mask=mask, proximal_logprobs=proximal_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
@@ -285,8 +289,10 @@ class Objective:
         valid, dropped, (lp, lb, adv, prox, ref, ent) = _sanitize(
             mask, logprobs, behavior_logprobs, advantages, proximal_logprobs, ref_logprobs, entropy)
 
+        norm_len = self.norm_len or norm_len
+
         def agg(x: Tensor) -> Tensor:
-            return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, self.norm_len)
+            return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, norm_len)
 
         loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_logprobs=prox)
         metrics["policy_loss"] = loss.detach()

@@ -1,8 +1,13 @@
 """Verifiable rewards. A reward function maps (completion text, reference answer) to a float.
 
 They only parse model text, they never execute or eval it. `RewardScorer` runs them: an exception
-scores 0 and is counted in `errors`; `math_verify` (sympy) runs in a worker process with a timeout, and
-a timeout scores 0 and is counted in `timeouts`.
+scores 0 and is counted in `errors`; `math_verify` (sympy) runs in a worker process with a timeout per
+completion, and a timeout scores 0 and is counted in `timeouts`.
+
+The worker is started, and warmed up (its imports done), before any completion is timed, so its start
+(about 2 s here) never eats into a completion's timeout. A completion that times out kills the worker
+(sympy cannot be interrupted from outside); the next one gets a fresh, warmed-up worker. A worker that
+dies (segfault, out of memory) scores that completion 0, counts an error, and is replaced.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import importlib
 import re
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 _NUMBER = r"-?[\d,]*\.?\d+"
@@ -48,6 +54,21 @@ def math_verify(completion: str, answer: str) -> float:
     return float(bool(verify(gold, parse(completion))))
 
 
+def _import_math_verify() -> None:
+    import math_verify  # noqa: F401  (sympy and the parsers: about 2 s on a cold process)
+
+
+math_verify.warm_up = _import_math_verify     # run once in a new worker, before any completion is timed
+
+
+def _warm_up(fn) -> bool:
+    """Runs in a new worker: unpickling `fn` imported its module; `fn.warm_up()` does the rest."""
+    warm = getattr(fn, "warm_up", None)
+    if callable(warm):
+        warm()
+    return True
+
+
 REWARDS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "math_verify": math_verify,
 }
@@ -79,12 +100,17 @@ class RewardScorer:
 
     Args:
         name: reward name or 'module:function'.
-        timeout: seconds per completion for rewards run in a worker (math_verify).
+        timeout: seconds per completion for rewards run in a worker (math_verify), the worker's start
+            not included.
         in_worker: run in a worker process (default: only for math_verify).
+        startup_timeout: seconds a new worker may take to start and import the reward.
     """
 
-    def __init__(self, name: str = "exact_match", timeout: float = 5.0, in_worker: bool | None = None):
-        self.name, self.fn, self.timeout = name, resolve_reward(name), timeout
+    def __init__(self, name: str = "exact_match", timeout: float = 5.0, in_worker: bool | None = None,
+                 startup_timeout: float = 120.0):
+        if timeout <= 0:
+            raise ValueError(f"reward_timeout must be > 0 seconds, got {timeout}")
+        self.name, self.fn, self.timeout, self.startup_timeout = name, resolve_reward(name), timeout, startup_timeout
         self.in_worker = name in IN_WORKER if in_worker is None else in_worker
         self._pool: ProcessPoolExecutor | None = None
         self.errors = 0
@@ -92,30 +118,48 @@ class RewardScorer:
         self.last_error: str | None = None
 
     def _worker(self) -> ProcessPoolExecutor:
+        """The worker process, started and warmed up (reward imported) before any completion is timed."""
         if self._pool is None:
             import multiprocessing as mp
 
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            try:
+                self._pool.submit(_warm_up, self.fn).result(timeout=self.startup_timeout)
+            except (FutureTimeout, BrokenProcessPool) as e:
+                self._kill_worker()
+                raise RuntimeError(f"reward {self.name!r}: its worker process did not start within "
+                                   f"{self.startup_timeout:.0f} s ({type(e).__name__})") from None
         return self._pool
+
+    def _score_in_worker(self, completion: str, answer: str) -> tuple[float, str | None]:
+        future = self._worker().submit(_safe_score, self.fn, completion, answer)
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            self.timeouts += 1
+            self._kill_worker()
+            return 0.0, None
+        except BrokenProcessPool:
+            self._kill_worker()
+            return 0.0, "reward worker process died"
 
     def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
         scores = []
         for c, a in zip(completions, answers, strict=True):
-            if not self.in_worker:
-                s, err = _safe_score(self.fn, c, a)
-            else:
-                try:
-                    s, err = self._worker().submit(_safe_score, self.fn, c, a).result(timeout=self.timeout)
-                except FutureTimeout:
-                    self.timeouts += 1
-                    self._kill_worker()
-                    s, err = 0.0, None
+            s, err = self._score_in_worker(c, a) if self.in_worker else _safe_score(self.fn, c, a)
             if err is not None or s != s:            # NaN from a user reward counts as an error too
                 self.errors += 1
                 self.last_error = err or "reward returned NaN"
                 s = 0.0
             scores.append(s)
         return scores
+
+    def state_dict(self) -> dict[str, int]:
+        """Cumulative counters, kept across a resume."""
+        return {"errors": self.errors, "timeouts": self.timeouts}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.errors, self.timeouts = int(state.get("errors", 0)), int(state.get("timeouts", 0))
 
     def _kill_worker(self) -> None:
         if self._pool is not None:

@@ -52,6 +52,7 @@ def build_tiny_model(
     num_kv_heads: int = 3,
     intermediate_size: int = 512,
     max_position_embeddings: int = 256,
+    attention_dropout: float = 0.0,
     seed: int = 0,
 ) -> Path:
     """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return the path."""
@@ -73,6 +74,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
+        attention_dropout=attention_dropout,
         tie_word_embeddings=True,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

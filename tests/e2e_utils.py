@@ -17,7 +17,8 @@ def digit_fraction(completion: str, answer: str) -> float:
 
 
 def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_per_rollout=1, lr=1e-3,
-              prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None):
+              prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None,
+              extra_model=None):
     callbacks = [
         {"class_path": "callbacks.WeightSync", "init_args": {"every_n_steps": 1}},
         {"class_path": "callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
@@ -35,7 +36,7 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
         "seed_everything": 0,
         "model": {"class_path": "lit_ess.module.PolicyModule",
                   "init_args": {"model_path": model_path, "objective": objective, "lr": lr,
-                                "micro_batch_size": micro_batch_size}},
+                                "micro_batch_size": micro_batch_size, **(extra_model or {})}},
         "data": {"class_path": "datamodules.RolloutDataModule", "init_args": data},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_checkpointing": bool(ckpt_every),
@@ -61,3 +62,16 @@ def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, **popen) -
 
 def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
     return read_scalars(out / "tb" / "run")
+
+
+def flaky_digit_fraction(completion: str, answer: str) -> float:
+    """digit_fraction that raises on completions with an odd character count (counted reward errors)."""
+    if len(completion) % 2:
+        raise ValueError("flaky reward")
+    return digit_fraction(completion, answer)
+
+
+def varies_unless_const(completion: str, answer: str) -> float:
+    """0 for every sample of a prompt whose answer is 'const' (a degenerate group); otherwise a value
+    that differs between distinct completions."""
+    return 0.0 if answer == "const" else (sum(map(ord, completion)) % 97) / 97

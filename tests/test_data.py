@@ -128,3 +128,128 @@ def _save(obj):
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+# ---------------------------------------------------------------- review defects (issue 6)
+
+
+def _die_on(c, a):
+    if c == "die":
+        import os
+
+        os._exit(3)                                  # a reward worker that crashes hard
+    return 1.0
+
+
+def _slow_on(c, a):
+    if c == "slow":
+        time.sleep(30)
+    return 1.0
+
+
+def test_math_verify_worker_start_is_not_charged_to_a_completion():
+    """Starting the worker (sympy imports, ~2 s) must not count against a 1 s timeout."""
+    s = RewardScorer("math_verify", timeout=1.0)
+    try:
+        assert s(["\\boxed{4}", "so 7", "\\boxed{\\frac{1}{2}}", "\\boxed{10}"], ["4", "7", "0.5", "10"]) == [1.0] * 4
+        assert s.timeouts == 0 and s.errors == 0
+    finally:
+        s.close()
+
+
+def test_a_timeout_does_not_make_the_next_completion_time_out():
+    s = RewardScorer("test_data:_slow_on", timeout=1.0, in_worker=True)
+    try:
+        assert s(["slow", "ok", "ok"], ["1", "1", "1"]) == [0.0, 1.0, 1.0]
+        assert s.timeouts == 1 and s.errors == 0
+    finally:
+        s.close()
+
+
+def test_a_crashed_reward_worker_is_counted_and_replaced():
+    s = RewardScorer("test_data:_die_on", timeout=10.0, in_worker=True)
+    try:
+        assert s(["ok", "die", "ok"], ["1", "1", "1"]) == [1.0, 0.0, 1.0]
+        assert s.errors == 1 and "died" in s.last_error
+    finally:
+        s.close()
+
+
+def _prompt_file(tmp_path, rows):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p, "answer": a}) for p, a in rows))
+    return str(f)
+
+
+def test_drop_degenerate_keeps_a_row_for_every_step(tiny_model_dir, tmp_path):
+    """4 prompts x 2 samples, 4 steps, 3 groups degenerate: 2 rows survive, so one dropped group is
+    restored and every step gets a row."""
+    src = HFPrompts(_prompt_file(tmp_path, [("1+1=", "const"), ("2+2=", "vary"), ("3+3=", "const"), ("4+4=", "const")]))
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=src, prompts_per_rollout=4,
+                           samples_per_prompt=2, steps_per_rollout=4, drop_degenerate=True,
+                           sampling=SamplingConfig(max_new_tokens=6, seed=0), reward="e2e_utils:varies_unless_const")
+    dm.setup("fit")
+    batches = dm.generate_phase()
+    assert [b["input_ids"].shape[0] for b in batches] == [1, 1, 1, 1]
+    assert batches[0]["stats"]["rollout/degenerate_frac"] == 0.75
+    assert batches[0]["stats"]["rollout/dropped_groups"] == 2.0
+    assert sum(float(b["advantages"].abs().sum()) for b in batches) > 0      # the informative group is kept
+
+
+def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_path):
+    """10% of the prompts are too long: skipping them for 150 phases is fine (the counter used to be
+    cumulative over the run and raised 'every prompt is longer' at phase ~125)."""
+    rows = [(f"{i}+{i}=", str(2 * i)) for i in range(18)] + [("9" * 40 + "+1=", "x"), ("8" * 40 + "+1=", "y")]
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=HFPrompts(_prompt_file(tmp_path, rows)),
+                           prompts_per_rollout=8, samples_per_prompt=1, max_prompt_tokens=16,
+                           sampling=SamplingConfig(max_new_tokens=1, seed=0))
+    dm.setup("fit")
+    for _ in range(150):
+        dm.generate_phase()
+    assert dm.skipped_long_prompts > 100                    # what used to trigger the false error
+    state = dm.state_dict()
+    assert state["skipped_long_prompts"] == dm.skipped_long_prompts
+
+
+def test_all_prompts_too_long_is_named(tiny_model_dir, tmp_path):
+    rows = [("9" * 40 + f"+{i}=", "x") for i in range(5)]
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=HFPrompts(_prompt_file(tmp_path, rows)),
+                           prompts_per_rollout=2, samples_per_prompt=1, max_prompt_tokens=16,
+                           sampling=SamplingConfig(max_new_tokens=1, seed=0))
+    dm.setup("fit")
+    with pytest.raises(ValueError, match="max_prompt_tokens=16"):
+        dm.generate_phase()
+
+
+def test_sft_prompts_use_the_chat_template_as_rl_does(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from datamodules import SFTDataModule
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ("{% for m in messages %}<|sep|>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|sep|>assistant: {% endif %}")
+    folder = tmp_path / "chat"
+    tok.save_pretrained(folder)
+    src = Arithmetic(size=5)
+    dm = SFTDataModule(model_path=str(folder), source=src)
+    dm.setup("fit")
+    for ex, (prompt_ids, _) in zip(src.examples, dm.items):
+        want = tok.apply_chat_template([{"role": "user", "content": ex.prompt}], add_generation_prompt=True,
+                                       tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        assert prompt_ids == list(want)
+
+
+def test_reward_counters_survive_a_checkpoint(tiny_model_dir):
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=Arithmetic(size=20),
+                           prompts_per_rollout=2, samples_per_prompt=2, reward="test_data:_boom",
+                           sampling=SamplingConfig(max_new_tokens=2, seed=0))
+    dm.setup("fit")
+    dm.generate_phase()
+    assert dm.scorer.errors == 4
+    fresh = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=Arithmetic(size=20),
+                              reward="test_data:_boom")
+    fresh.load_state_dict(torch.load(_save(dm.state_dict()), weights_only=False))
+    fresh.setup("fit")
+    assert fresh.scorer.errors == 4

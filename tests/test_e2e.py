@@ -49,12 +49,18 @@ def test_dashboard_tags_and_histograms(tiny_model_dir, tmp_path):
 
 
 def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
-    steps = 6
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
-    ref = run_ok(rl_config(tiny_model_dir, ref_dir, max_steps=steps, steps_per_rollout=2, ckpt_every=3), ref_dir)
+    """SIGKILL mid-phase, then --ckpt_path last: the same losses as the uninterrupted run, the learning
+    rate logged is the one each step used (warm-up), and cumulative counters carry over."""
+    steps, lr, warmup = 6, 1e-3, 4
 
-    cfg = write_config(rl_config(tiny_model_dir, run_dir, max_steps=steps, steps_per_rollout=2, ckpt_every=3),
-                       run_dir / "config.yaml")
+    def config(out):
+        return rl_config(tiny_model_dir, out, max_steps=steps, steps_per_rollout=2, ckpt_every=3, lr=lr,
+                         extra_model={"warmup_steps": warmup},
+                         extra_data={"reward": "e2e_utils:flaky_digit_fraction"})
+
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    ref = run_ok(config(ref_dir), ref_dir)
+    cfg = write_config(config(run_dir), run_dir / "config.yaml")
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
     proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -67,11 +73,17 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
     got = scalars(run_dir)
-    for tag in ["train/loss", "train/ess", "rollout/reward_mean", "train/lr", "train/grad_norm"]:
+    for tag in ["train/loss", "train/ess", "rollout/reward_mean", "train/lr", "train/grad_norm",
+                "rollout/reward_errors", "train/skipped_steps"]:
         want = [v for _, v in ref[tag]]
         have = [v for _, v in got[tag]]
         assert [s for s, _ in got[tag]] == [s for s, _ in ref[tag]], tag
         assert have == pytest.approx(want, abs=1e-6), tag
+    # step s is taken with the warm-up rate lr * (s + 1) / (warmup + 1)
+    assert [v for _, v in got["train/lr"]] == pytest.approx([lr * (s + 1) / (warmup + 1) if s < warmup else lr
+                                                             for s in range(steps)], rel=1e-6)
+    errors = [v for _, v in got["rollout/reward_errors"]]
+    assert errors[-1] > errors[2] > 0                         # cumulative, also across the resume
 
 
 def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):

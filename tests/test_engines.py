@@ -117,3 +117,22 @@ def test_seeded_long_prompts_do_not_crash_the_cpu_engine(vllm_engines):
     prompts = [[1] + [20 + i % 10] * 200 for i in range(6)]
     groups = engine.generate(prompts, 2, SamplingConfig(max_new_tokens=8, seed=0))
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for g in groups for c in g)
+
+
+def test_hf_engine_ignores_generation_config_processors(tmp_path):
+    """A folder whose generation_config.json sets repetition_penalty (as many instruct models do): the hf
+    engine must sample with exactly the processors its recorded pi_b replays."""
+    import json
+
+    from lit_ess.tiny import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "m")
+    cfg = json.loads((folder / "generation_config.json").read_text())
+    cfg.update(repetition_penalty=1.5, no_repeat_ngram_size=2)
+    (folder / "generation_config.json").write_text(json.dumps(cfg))
+    engine = build_engine("hf", str(folder))
+    assert engine.ignored_generation_config == {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+    s = SamplingConfig(temperature=1.0, max_new_tokens=16, seed=3)
+    groups = engine.generate(PROMPTS, 4, s)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert max_logprob_gap(model, PROMPTS, groups, s) < 1e-5

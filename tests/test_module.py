@@ -56,3 +56,120 @@ def test_entropy_bonus_and_reference_kl_run_through_the_module(tiny_model_dir, s
     g1, m1, _ = grads(tiny_model_dir, stale_batch, objective_kwargs={"entropy_coef": 0.01, "ref_kl_coef": 0.1})
     assert m1["entropy"] > 0 and m1["kl_ref"] == pytest.approx(0.0, abs=1e-6)   # reference = the start policy
     assert torch.isfinite(g1).all() and not torch.allclose(g0, g1)
+
+
+# ---------------------------------------------------------------- review defects (issue 6)
+
+
+def _with_sampling(batch, **sampling):
+    b = dict(batch)
+    b["sampling"] = {**batch["sampling"], **sampling}
+    return b
+
+
+@pytest.mark.parametrize("sampling, train_temperature", [
+    ({"top_k": 20, "top_p": 0.7}, None),
+    ({}, 0.7),
+    ({"top_k": 20, "top_p": 0.7, "temperature": 1.3}, 0.7),
+], ids=["topk-topp", "train-T", "all"])
+def test_reference_kl_is_zero_when_reference_is_policy(tiny_model_dir, stale_batch, sampling, train_temperature):
+    """The reference is scored exactly as the policy (temperature, train_temperature, top-k, top-p)."""
+    batch = _with_sampling(stale_batch, **sampling)
+    _, m, _ = grads(tiny_model_dir, batch, objective_kwargs={"ref_kl_coef": 0.1},
+                    train_temperature=train_temperature)
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("objective", ["p3o", "grpo"])
+def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, objective):
+    """seq-mean-token-sum-norm divides by max_new_tokens, not by a micro-batch's padded width."""
+    kw = {"objective": objective, "objective_kwargs": {"aggregation": "seq-mean-token-sum-norm"}}
+    batch = dict(stale_batch)               # rows 0 and 1 end 2 tokens early: a narrower micro-batch
+    ends = stale_batch["attention_mask"].sum(-1)
+    assert (stale_batch["completion_mask"][:2].sum(-1) > 2).all()
+    for k in ("attention_mask", "completion_mask"):
+        batch[k] = batch[k].clone()
+        for r in (0, 1):
+            batch[k][r, int(ends[r]) - 2:] = 0
+    stale_batch = batch
+    g_full, m_full, _ = grads(tiny_model_dir, stale_batch, **kw)
+    g_micro, m_micro, _ = grads(tiny_model_dir, stale_batch, micro_batch_size=2, **kw)
+    assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-8)
+    assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
+    if objective == "grpo":     # hand-computed: sum of clipped surrogates / (N_seqs * max_new_tokens)
+        from transformers import AutoModelForCausalLM
+
+        from lit_ess.logprobs import sequence_logprobs
+
+        b = stale_batch
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        lp, _ = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["completion_mask"])
+        m = b["completion_mask"]
+        rho = (lp - b["behavior_logprobs"]).exp()
+        adv = b["advantages"][:, None]
+        surr = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
+        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b["sampling"]["max_new_tokens"])
+        assert m_full["policy_loss"] == pytest.approx(float(want), rel=1e-5)
+
+
+def test_step_ess_does_not_depend_on_micro_batching_with_tokens_outside_top_k(tiny_model_dir, stale_batch):
+    """Tokens sampled outside the trainer's top-k set have trainer logprob -inf: one masking rule
+    (drop them from the loss and the ESS) in the pre-pass and in the single pass."""
+    batch = _with_sampling(stale_batch, top_k=3)
+    _, m_full, e_full = grads(tiny_model_dir, batch)
+    _, m_micro, e_micro = grads(tiny_model_dir, batch, micro_batch_size=2)
+    assert m_full["nonfinite_tokens"] > 0                     # the case is really exercised
+    assert float(e_micro) == pytest.approx(float(e_full), rel=1e-6)
+    assert m_micro["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+
+
+def test_nan_trainer_logprob_gives_a_finite_step_ess(tiny_model_dir, stale_batch):
+    """A NaN in the trainer's logprobs (here: row 0's embeddings) is masked in the pre-pass as in the
+    single pass: the step ESS is finite and the same with and without micro-batches."""
+    row0 = stale_batch["input_ids"][0]
+
+    def poison_row0(embedding, inputs, out):            # NaN embeddings for the row equal to row 0
+        ids = inputs[0]
+        is_row0 = (ids == row0[: ids.shape[1]]).all(-1)
+        return torch.where(is_row0[:, None, None], torch.full_like(out, float("nan")), out)
+
+    results = []
+    for micro in (None, 2):
+        module = PolicyModule(tiny_model_dir, micro_batch_size=micro)
+        module.configure_model()
+        module.policy.get_input_embeddings().register_forward_hook(poison_row0)
+        results.append(module.accumulate_gradients(stale_batch))
+    (m_full, ess_full), (m_micro, ess_micro) = results
+    assert m_full["nonfinite_tokens"] == int(stale_batch["completion_mask"][0].sum())
+    assert torch.isfinite(ess_micro) and float(ess_micro) == pytest.approx(float(ess_full), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def dropout_model_dir(tmp_path_factory):
+    from lit_ess.tiny import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("dropout") / "model", attention_dropout=0.5))
+
+
+def test_dropout_is_off_in_the_trainer(dropout_model_dir):
+    """A model with attention dropout 0.5: on-policy data (hf engine, eval) must give ESS 1."""
+    dm = RolloutDataModule(model_path=dropout_model_dir, engine="hf", prompts_per_rollout=4, samples_per_prompt=4,
+                           sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
+                           reward="e2e_utils:digit_fraction")
+    dm.setup("fit")
+    batch = dm.generate_phase()[0]
+    batch["advantages"] = torch.randn(batch["input_ids"].shape[0], generator=torch.Generator().manual_seed(0))
+    _, m, ess = grads(dropout_model_dir, batch, micro_batch_size=4)
+    assert float(ess) >= 0.99999 and m["ratio_max"] < 1.0001
+    _, _, ess_on = grads(dropout_model_dir, batch, micro_batch_size=4, disable_dropout=False)
+    assert float(ess_on) < 0.999                              # the knob is real: dropout on breaks ESS 1
+
+
+def test_skipped_steps_survive_a_checkpoint(tiny_model_dir):
+    module = PolicyModule(tiny_model_dir)
+    module.skipped_steps = 3
+    ckpt = {}
+    module.on_save_checkpoint(ckpt)
+    fresh = PolicyModule(tiny_model_dir)
+    fresh.on_load_checkpoint(ckpt)
+    assert fresh.skipped_steps == 3

@@ -2,16 +2,26 @@
 
 The behaviour logprob of each sampled token is recomputed from the logits `generate` sampled from,
 with the same temperature / top-k / top-p processing as the trainer (lit_ess.logprobs).
+
+It samples with exactly those three processors. A model folder's `generation_config.json` may carry
+others (repetition_penalty, min_p, no_repeat_ngram_size, ... which several instruct models ship);
+`generate()` would apply them while the recorded pi_b would not, so the engine replaces the model's
+generation config with a clean one and logs (INFO) what it ignored. vLLM needs no such care: it
+applies only the SamplingParams it is given, and its processed logprobs are what it sampled from.
 """
 from __future__ import annotations
 
 from typing import Iterable
+
+import logging
 
 import torch
 from torch import Tensor
 
 from ..logprobs import token_logprobs
 from .base import Completion, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
+
+log = logging.getLogger(__name__)
 
 
 class HFEngine(RolloutEngine):
@@ -27,6 +37,10 @@ class HFEngine(RolloutEngine):
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.ignored_generation_config = _reset_generation_config(self.model, self.tokenizer)
+        if self.ignored_generation_config:
+            log.info("hf engine: ignoring %s from %s/generation_config.json (pi_b replays only temperature, "
+                     "top_k and top_p)", self.ignored_generation_config, model_path)
         self.device, self.batch_size, self.version = device, batch_size, 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
@@ -76,3 +90,16 @@ class HFEngine(RolloutEngine):
         if real_missing or unexpected:
             raise ValueError(f"HFEngine.load_weights: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
         self.version = version
+
+
+def _reset_generation_config(model, tokenizer) -> dict:
+    """Replace `model.generation_config` by one with no sampling processors; return what was dropped."""
+    from transformers import GenerationConfig
+
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+    dropped = {k: v for k, v in model.generation_config.to_diff_dict().items()
+               if k not in ids and not k.startswith("_") and k != "transformers_version"}
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    return dropped
