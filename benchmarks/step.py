@@ -35,7 +35,7 @@ def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> dict:
             "behavior_logprobs": torch.where(comp, -torch.rand(B, P + T, generator=g) * 5, 0.0),
             "advantages": torch.randn(B, generator=g), "rewards": torch.zeros(B),
             "versions": torch.zeros(B, dtype=torch.long),
-            "sampling": {"temperature": 1.0, "top_k": -1, "top_p": 1.0}, "stats": {"rollout/reward_mean": 0.0},
+            "sampling": {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 64}, "stats": {"rollout/reward_mean": 0.0},
             "phase": 0, "index": 0}
 
 

@@ -10,6 +10,7 @@ so Lightning's one-batch prefetch can never make a rollout stale. Set the Traine
 Each batch (tensors are `[B, L]` aligned with `input_ids` unless noted):
     input_ids, attention_mask, completion_mask (bool), behavior_logprobs,
     advantages [B], rewards [B], versions [B] (policy version that sampled each row),
+    prompt_texts, completion_texts (lists of B strings, for logging),
     sampling {temperature, top_k, top_p, max_new_tokens}, stats {rollout/...: float}, phase, index.
 
 `state_dict` carries the prompt cursor, the RNG state, the cumulative reward error/timeout counters, and the current phase's batches with the position
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Literal
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lit_ess.advantages import group_advantages
-from lit_ess.engines import RolloutEngine, SamplingConfig, build_engine
+from lit_ess.engines import EngineConfig, RolloutEngine, SamplingConfig, VLLMConfig
 from lit_ess.rewards import RewardScorer
 
 from .prompts import Arithmetic, Example, PromptSource, encode_prompt
@@ -61,8 +63,9 @@ class RolloutDataModule(L.LightningDataModule):
     Args:
         model_path: the policy's Hugging Face folder (linked from the model by the CLI).
         source: where prompts come from (default: 2-digit addition).
-        engine: "vllm" (in-process vLLM) or "hf" (transformers generate).
-        engine_kwargs: passed to the engine (e.g. dtype: bfloat16 for a precision mismatch).
+        engine: the rollout engine's typed config: lit_ess.engines.VLLMConfig (in-process vLLM, the
+            default) or lit_ess.engines.HFConfig (transformers generate); e.g. dtype: bfloat16 for a
+            precision mismatch.
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function".
@@ -84,15 +87,14 @@ class RolloutDataModule(L.LightningDataModule):
         self,
         model_path: str = "",
         source: PromptSource | None = None,
-        engine: str = "vllm",
-        engine_kwargs: dict | None = None,
-        sampling: SamplingConfig | None = None,
+        engine: EngineConfig = VLLMConfig(),
+        sampling: SamplingConfig = SamplingConfig(seed=0),
         reward: str = "exact_match",
         reward_timeout: float = 5.0,
         prompts_per_rollout: int = 32,
         samples_per_prompt: int = 8,
         steps_per_rollout: int = 1,
-        advantage: str = "zscore",
+        advantage: Literal["zscore", "mean"] = "zscore",
         drop_degenerate: bool = False,
         max_prompt_tokens: int = 512,
         seed: int = 0,
@@ -107,8 +109,9 @@ class RolloutDataModule(L.LightningDataModule):
                              f"{samples_per_prompt} rows of a rollout")
         self.model_path = model_path
         self.source = source if source is not None else Arithmetic()
-        self.engine_name, self.engine_kwargs = engine, dict(engine_kwargs or {})
-        self.sampling = sampling if sampling is not None else SamplingConfig(seed=0)
+        if not isinstance(engine, EngineConfig):
+            raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
+        self.engine_config, self.sampling = engine, sampling
         self.reward_name, self.reward_timeout = reward, reward_timeout
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
         self.steps_per_rollout, self.advantage = steps_per_rollout, advantage
@@ -139,7 +142,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.scorer = RewardScorer(self.reward_name, self.reward_timeout)
         if self._scorer_state:                       # restored before setup (cumulative counters)
             self.scorer.load_state_dict(self._scorer_state)
-        self.engine = build_engine(self.engine_name, self.model_path, **self.engine_kwargs)
+        self.engine = self.engine_config.build(self.model_path)
 
     def teardown(self, stage: str) -> None:
         if self.scorer is not None:
@@ -230,7 +233,8 @@ class RolloutDataModule(L.LightningDataModule):
         restore = [g for g in range(len(groups)) if g not in keep]
         while len(keep) * n < self.steps_per_rollout:
             keep.append(restore.pop(0))
-        rows = [(prompts[g], groups[g][j], float(adv[g, j]), float(rewards[g, j])) for g in keep for j in range(n)]
+        rows = [(prompts[g], groups[g][j], float(adv[g, j]), float(rewards[g, j]), examples[g].prompt, texts[g * n + j])
+                for g in keep for j in range(n)]
         self.rng.shuffle(rows)
 
         lengths = torch.tensor([len(c.token_ids) for g in groups for c in g], dtype=torch.float32)
@@ -257,13 +261,13 @@ class RolloutDataModule(L.LightningDataModule):
 
     def collate(self, rows, stats: dict, index: int) -> dict:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        L_ = max(len(p) + len(c.token_ids) for p, c, _, _ in rows)
+        L_ = max(len(p) + len(c.token_ids) for p, c, *_ in rows)
         B = len(rows)
         input_ids = torch.full((B, L_), pad, dtype=torch.long)
         attention = torch.zeros(B, L_, dtype=torch.long)
         comp = torch.zeros(B, L_, dtype=torch.bool)
         blp = torch.zeros(B, L_, dtype=torch.float32)
-        for r, (p, c, _, _) in enumerate(rows):
+        for r, (p, c, *_) in enumerate(rows):
             P, T = len(p), len(c.token_ids)
             input_ids[r, :P + T] = torch.tensor(p + c.token_ids)
             attention[r, :P + T] = 1
@@ -272,9 +276,10 @@ class RolloutDataModule(L.LightningDataModule):
         return {
             "input_ids": input_ids, "attention_mask": attention, "completion_mask": comp,
             "behavior_logprobs": blp,
-            "advantages": torch.tensor([a for _, _, a, _ in rows], dtype=torch.float32),
-            "rewards": torch.tensor([r for _, _, _, r in rows], dtype=torch.float32),
-            "versions": torch.tensor([c.version for _, c, _, _ in rows], dtype=torch.long),
+            "advantages": torch.tensor([row[2] for row in rows], dtype=torch.float32),
+            "rewards": torch.tensor([row[3] for row in rows], dtype=torch.float32),
+            "versions": torch.tensor([row[1].version for row in rows], dtype=torch.long),
+            "prompt_texts": [row[4] for row in rows], "completion_texts": [row[5] for row in rows],
             "sampling": {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
                          "top_p": self.sampling.top_p, "max_new_tokens": self.sampling.max_new_tokens},
             "stats": dict(stats), "phase": self.phase, "index": index,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -237,31 +237,44 @@ def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) ->
 # Objectives
 
 
+@dataclass
 class Objective:
     """Base class: input checks, NaN masking, entropy bonus and reference-KL penalty.
 
+    Objectives are dataclasses: their fields are the hyper-parameters, so a config can name one as
+    `class_path: lit_ess.objectives.GRPO` with `init_args`, and `--print_config` lists every field.
     Subclasses implement `policy_loss(lp, lb, adv, mask, agg, **extra) -> (loss, metrics)`.
 
     Args:
-        aggregation: one of AGGREGATIONS.
-        entropy_coef: weight of an entropy bonus (needs `entropy` [B, T] at call time).
-        ref_kl_coef: weight of k3 KL to a frozen reference policy (needs `ref_logprobs`).
-        norm_len: the constant length of "seq-mean-token-sum-norm" (Dr.GRPO). None = the `norm_len`
-            given at call time (PolicyModule passes the rollout's max_new_tokens, the same for every
-            micro-batch and rank), else the width T of the call's tensors.
+        aggregation: how per-token terms become a scalar: token-mean (over every token of the
+            optimizer step), seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO). None = the
+            objective's own default (token-mean; seq-mean-token-mean for GSPO), so switching the
+            class_path of a config does not carry one objective's aggregation over to another.
+        entropy_coef: weight of an entropy bonus (0 = off).
+        ref_kl_coef: weight of a k3 KL penalty to a frozen reference model (0 = off; > 0 loads the
+            reference model, which is scored exactly as the policy).
+        norm_len: the constant length of seq-mean-token-sum-norm. None = the rollout's
+            max_new_tokens (PolicyModule passes it), else the width T of the call's tensors.
     """
 
-    name = "base"
-    needs_ess = False
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
+    entropy_coef: float = 0.0
+    ref_kl_coef: float = 0.0
+    norm_len: int | None = None
 
-    def __init__(self, aggregation: str = "token-mean", entropy_coef: float = 0.0, ref_kl_coef: float = 0.0,
-                 norm_len: int | None = None):
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation={aggregation!r} is not one of {AGGREGATIONS}")
-        self.aggregation = aggregation
-        self.entropy_coef = entropy_coef
-        self.ref_kl_coef = ref_kl_coef
-        self.norm_len = norm_len
+    name: ClassVar[str] = "base"
+    needs_ess: ClassVar[bool] = False
+    default_aggregation: ClassVar[str] = "token-mean"
+
+    def __post_init__(self):
+        if self.aggregation is None:
+            self.aggregation = self.default_aggregation
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation={self.aggregation!r} is not one of {AGGREGATIONS}")
+        if self.entropy_coef < 0 or self.ref_kl_coef < 0:
+            raise ValueError(f"entropy_coef and ref_kl_coef must be >= 0, got {self.entropy_coef}, {self.ref_kl_coef}")
+        if self.norm_len is not None and self.norm_len < 1:
+            raise ValueError(f"norm_len must be >= 1 or None, got {self.norm_len}")
 
     def __call__(
         self,
@@ -323,8 +336,9 @@ def _clip_fractions(ratio: Tensor, adv: Tensor, mask: Tensor, low: float, high: 
             "clip_ratio": (low_hit + high_hit).sum() / n}
 
 
+@dataclass
 class P3O(Objective):
-    """Batch-adaptive ESS objective.
+    """Batch-adaptive ESS objective (no clip range, no extra hyper-parameter).
 
         L = -agg[ sg(min(rho, e_B)) * lp * A ] + (1 - e_B) * agg[ k3(lp - lb) ]
 
@@ -332,8 +346,8 @@ class P3O(Objective):
     ranks); otherwise it is the ESS of this call's tokens.
     """
 
-    name = "p3o"
-    needs_ess = True
+    name: ClassVar[str] = "p3o"
+    needs_ess: ClassVar[bool] = True
 
     def policy_loss(self, lp, lb, adv, mask, agg, ess=None, **_):
         log_ratio = lp - lb
@@ -348,62 +362,69 @@ class P3O(Objective):
         return loss, metrics
 
 
-class PPOClip(Objective):
-    """PPO/GRPO clipped surrogate against the behaviour policy:
+def _ppo_clip_loss(lp, lb, adv, mask, agg, clip_low: float, clip_high: float):
+    """-agg[ min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) ], rho = pi_theta / pi_b; log-ratios
+    are clamped to +-20 before exp so rho stays finite."""
+    log_ratio = lp - lb
+    ratio = log_ratio.clamp(-20.0, 20.0).exp()
+    low, high = 1 - clip_low, 1 + clip_high
+    surr = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    metrics = ratio_metrics(log_ratio, mask)
+    metrics.update(_clip_fractions(ratio.detach(), adv, mask, low, high))
+    return agg(-surr), metrics
 
-        L = -agg[ min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) ]
 
-    `grpo` uses clip_low = clip_high = clip_eps; `dapo` the decoupled (clip-higher) pair and
-    token-mean aggregation. Log-ratios are clamped to +-20 before exp so rho stays finite.
+@dataclass
+class GRPO(Objective):
+    """GRPO: PPO's clipped surrogate against the behaviour policy, symmetric clip.
+
+        L = -agg[ min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) ]
+
+    Args:
+        clip_eps: clip range epsilon.
     """
 
-    name = "grpo"
-
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.2, **kw):
-        super().__init__(**kw)
-        self.clip_low, self.clip_high = clip_low, clip_high
+    clip_eps: float = 0.2
+    name: ClassVar[str] = "grpo"
 
     def policy_loss(self, lp, lb, adv, mask, agg, **_):
-        log_ratio = lp - lb
-        ratio = log_ratio.clamp(-20.0, 20.0).exp()
-        low, high = 1 - self.clip_low, 1 + self.clip_high
-        surr = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
-        metrics = ratio_metrics(log_ratio, mask)
-        metrics.update(_clip_fractions(ratio.detach(), adv, mask, low, high))
-        return agg(-surr), metrics
+        return _ppo_clip_loss(lp, lb, adv, mask, agg, self.clip_eps, self.clip_eps)
 
 
-class GRPO(PPOClip):
-    """GRPO: symmetric clip `clip_eps` (default 0.2)."""
+@dataclass
+class DAPO(Objective):
+    """DAPO: the clipped surrogate with decoupled bounds (clip-higher) and token-mean aggregation.
 
-    name = "grpo"
+    Args:
+        clip_low: lower clip, rho >= 1 - clip_low.
+        clip_high: upper clip, rho <= 1 + clip_high.
+    """
 
-    def __init__(self, clip_eps: float = 0.2, **kw):
-        super().__init__(clip_low=clip_eps, clip_high=clip_eps, **kw)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    name: ClassVar[str] = "dapo"
 
-
-class DAPO(PPOClip):
-    """DAPO: clip-higher (clip_low 0.2, clip_high 0.28), token-mean aggregation."""
-
-    name = "dapo"
-
-    def __init__(self, clip_low: float = 0.2, clip_high: float = 0.28, **kw):
-        super().__init__(clip_low=clip_low, clip_high=clip_high, **kw)
+    def policy_loss(self, lp, lb, adv, mask, agg, **_):
+        return _ppo_clip_loss(lp, lb, adv, mask, agg, self.clip_low, self.clip_high)
 
 
+@dataclass
 class GSPO(Objective):
     """GSPO: one length-normalised ratio per sequence, s_b = exp(mean_t (lp - lb)).
 
     Token form: s_bt = sg(s_b) * exp(lp - sg(lp)) (same value, per-token gradient), then
         L = -agg[ min(s_bt A, clip(s_bt, 1 - clip_low, 1 + clip_high) A) ]
-    with seq-mean-token-mean aggregation by default, as in the paper (clip 3e-4 / 4e-4).
+    with seq-mean-token-mean aggregation by default, as in the paper.
+
+    Args:
+        clip_low: lower clip of the sequence ratio.
+        clip_high: upper clip of the sequence ratio.
     """
 
-    name = "gspo"
-
-    def __init__(self, clip_low: float = 3e-4, clip_high: float = 4e-4, aggregation: str = "seq-mean-token-mean", **kw):
-        super().__init__(aggregation=aggregation, **kw)
-        self.clip_low, self.clip_high = clip_low, clip_high
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    name: ClassVar[str] = "gspo"
+    default_aggregation: ClassVar[str] = "seq-mean-token-mean"
 
     def policy_loss(self, lp, lb, adv, mask, agg, **_):
         m = mask.to(lp.dtype)
@@ -417,19 +438,20 @@ class GSPO(Objective):
         return agg(-surr), metrics
 
 
+@dataclass
 class CISPO(Objective):
     """CISPO: REINFORCE weighted by the clipped, detached IS ratio.
 
         L = -agg[ sg(clip(rho, 1 - clip_low, 1 + clip_high)) * lp * A ]
 
-    clip_low=None (default) puts no lower bound on the weight.
+    Args:
+        clip_high: upper bound of the weight is 1 + clip_high.
+        clip_low: lower bound of the weight is 1 - clip_low; None = no lower bound.
     """
 
-    name = "cispo"
-
-    def __init__(self, clip_high: float = 4.0, clip_low: float | None = None, **kw):
-        super().__init__(**kw)
-        self.clip_low, self.clip_high = clip_low, clip_high
+    clip_high: float = 4.0
+    clip_low: float | None = None
+    name: ClassVar[str] = "cispo"
 
     def policy_loss(self, lp, lb, adv, mask, agg, **_):
         log_ratio = lp - lb
@@ -441,6 +463,7 @@ class CISPO(Objective):
         return agg(-weight * lp * adv), metrics
 
 
+@dataclass
 class DecoupledPPO(Objective):
     """Decoupled PPO (Hilton et al. 2022; AReaL): PPO clip around a proximal policy pi_prox, with the
     behaviour correction as a separate, capped, detached weight.
@@ -450,13 +473,15 @@ class DecoupledPPO(Objective):
 
     `proximal_logprobs` default to the detached current logprobs, which is exact when one call is one
     optimizer step (the policy just before this update is the proximal policy).
+
+    Args:
+        clip_eps: clip range around the proximal policy.
+        behavior_cap: cap of the behaviour weight pi_prox / pi_b.
     """
 
-    name = "decoupled"
-
-    def __init__(self, clip_eps: float = 0.2, behavior_cap: float = 5.0, **kw):
-        super().__init__(**kw)
-        self.clip_eps, self.behavior_cap = clip_eps, behavior_cap
+    clip_eps: float = 0.2
+    behavior_cap: float = 5.0
+    name: ClassVar[str] = "decoupled"
 
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         prox = lp.detach() if proximal_logprobs is None else proximal_logprobs.detach()
@@ -470,10 +495,11 @@ class DecoupledPPO(Objective):
         return agg(-behave_w * surr), metrics
 
 
+@dataclass
 class REINFORCE(Objective):
     """Plain policy gradient, no importance weight: L = -agg[ lp * A ]."""
 
-    name = "reinforce"
+    name: ClassVar[str] = "reinforce"
 
     def policy_loss(self, lp, lb, adv, mask, agg, **_):
         return agg(-lp * adv), ratio_metrics(lp - lb, mask)
@@ -486,7 +512,8 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
 
 
 def build_objective(name: str, **hparams) -> Objective:
-    """Build an objective by name: p3o, grpo, dapo, gspo, cispo, decoupled, reinforce."""
+    """Build an objective by name (p3o, grpo, dapo, gspo, cispo, decoupled, reinforce); the same as
+    `OBJECTIVES[name](**hparams)` with errors that name the culprit."""
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
     try:

@@ -34,6 +34,23 @@ def read_histogram_tags(logdir: str | Path) -> set[str]:
     return tags
 
 
+def read_texts(logdir: str | Path) -> dict[str, list[tuple[int, str]]]:
+    """{tag: [(step, markdown), ...]} of the text summaries (TensorBoard's Text tab) under `logdir`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, str]]] = {}
+    for f in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f), size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            if not tag.endswith("/text_summary"):       # other tensors hold binary plugin data
+                continue
+            for e in acc.Tensors(tag):
+                if e.tensor_proto.string_val:
+                    out.setdefault(tag, []).append((e.step, e.tensor_proto.string_val[0].decode()))
+    return out
+
+
 def first_last(values: list[float], frac: float = 0.1) -> tuple[float, float]:
     k = max(1, int(len(values) * frac))
     return sum(values[:k]) / k, sum(values[-k:]) / k

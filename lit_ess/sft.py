@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from .model_path import check_model_path
 from .module import full_state_dict
 
 
@@ -23,6 +24,7 @@ class SFTModule(L.LightningModule):
     def __init__(self, model_path: str, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50):
         super().__init__()
         self.save_hyperparameters()
+        check_model_path(model_path)
         self.policy = None
 
     def configure_model(self) -> None:

@@ -94,6 +94,9 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")     # no "Writing model shards" bar
     p = argparse.ArgumentParser(description="Build a tiny offline causal LM folder.")
     p.add_argument("out_dir")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])

@@ -7,8 +7,8 @@ bash scripts/setup.sh
 rm -rf runs/demo
 .venv/bin/lit-ess-tiny runs/demo/init
 echo "== 1/2 supervised warm start (configs/demo_sft.yaml)"
-.venv/bin/lit-ess fit --config configs/demo_sft.yaml --trainer.enable_progress_bar false
+.venv/bin/lit-ess fit --config configs/demo_sft.yaml
 echo "== 2/2 RL with P3O (configs/demo.yaml)"
-.venv/bin/lit-ess fit --config configs/demo.yaml --trainer.enable_progress_bar false
+.venv/bin/lit-ess fit --config configs/demo.yaml
 echo "== summary (from the TensorBoard event files)"
 .venv/bin/python -m lit_ess.report runs/demo/tb/rl

@@ -7,7 +7,7 @@ import torch
 
 from datamodules import Arithmetic, HFPrompts, RolloutDataModule
 from lit_ess.advantages import group_advantages
-from lit_ess.engines import SamplingConfig
+from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.rewards import RewardScorer, exact_match, gsm8k, math_verify
 
 
@@ -87,7 +87,7 @@ def test_local_jsonl_skips_and_counts_malformed_rows(tmp_path):
 
 @pytest.fixture(scope="module")
 def phase_dm(tiny_model_dir):
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", prompts_per_rollout=4, samples_per_prompt=3,
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=3,
                            steps_per_rollout=2, sampling=SamplingConfig(max_new_tokens=5, seed=0),
                            source=Arithmetic(size=50))
     dm.setup("fit")
@@ -115,7 +115,7 @@ def test_state_dict_round_trip_continues_the_same_prompts(tiny_model_dir, phase_
     phase_dm.generate_phase()
     state = phase_dm.state_dict()
     nxt = [e.prompt for e in phase_dm._next_examples(6)]
-    fresh = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=Arithmetic(size=50))
+    fresh = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50))
     fresh.load_state_dict(torch.load(_save(state), weights_only=False))
     assert [e.prompt for e in fresh._next_examples(6)] == nxt
     assert fresh.phase == phase_dm.phase
@@ -185,7 +185,7 @@ def test_drop_degenerate_keeps_a_row_for_every_step(tiny_model_dir, tmp_path):
     """4 prompts x 2 samples, 4 steps, 3 groups degenerate: 2 rows survive, so one dropped group is
     restored and every step gets a row."""
     src = HFPrompts(_prompt_file(tmp_path, [("1+1=", "const"), ("2+2=", "vary"), ("3+3=", "const"), ("4+4=", "const")]))
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=src, prompts_per_rollout=4,
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=src, prompts_per_rollout=4,
                            samples_per_prompt=2, steps_per_rollout=4, drop_degenerate=True,
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), reward="e2e_utils:varies_unless_const")
     dm.setup("fit")
@@ -200,7 +200,7 @@ def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_p
     """10% of the prompts are too long: skipping them for 150 phases is fine (the counter used to be
     cumulative over the run and raised 'every prompt is longer' at phase ~125)."""
     rows = [(f"{i}+{i}=", str(2 * i)) for i in range(18)] + [("9" * 40 + "+1=", "x"), ("8" * 40 + "+1=", "y")]
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=HFPrompts(_prompt_file(tmp_path, rows)),
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=HFPrompts(_prompt_file(tmp_path, rows)),
                            prompts_per_rollout=8, samples_per_prompt=1, max_prompt_tokens=16,
                            sampling=SamplingConfig(max_new_tokens=1, seed=0))
     dm.setup("fit")
@@ -213,7 +213,7 @@ def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_p
 
 def test_all_prompts_too_long_is_named(tiny_model_dir, tmp_path):
     rows = [("9" * 40 + f"+{i}=", "x") for i in range(5)]
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=HFPrompts(_prompt_file(tmp_path, rows)),
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=HFPrompts(_prompt_file(tmp_path, rows)),
                            prompts_per_rollout=2, samples_per_prompt=1, max_prompt_tokens=16,
                            sampling=SamplingConfig(max_new_tokens=1, seed=0))
     dm.setup("fit")
@@ -242,13 +242,13 @@ def test_sft_prompts_use_the_chat_template_as_rl_does(tiny_model_dir, tmp_path):
 
 
 def test_reward_counters_survive_a_checkpoint(tiny_model_dir):
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=Arithmetic(size=20),
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
                            prompts_per_rollout=2, samples_per_prompt=2, reward="test_data:_boom",
                            sampling=SamplingConfig(max_new_tokens=2, seed=0))
     dm.setup("fit")
     dm.generate_phase()
     assert dm.scorer.errors == 4
-    fresh = RolloutDataModule(model_path=tiny_model_dir, engine="hf", source=Arithmetic(size=20),
+    fresh = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
                               reward="test_data:_boom")
     fresh.load_state_dict(torch.load(_save(dm.state_dict()), weights_only=False))
     fresh.setup("fit")

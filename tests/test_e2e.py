@@ -89,8 +89,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
 def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
     cfg = rl_config(tiny_model_dir, tmp_path, objective="ppo9000")
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))])
-    assert res.returncode != 0
-    for name in ["p3o", "grpo", "dapo", "gspo", "cispo", "decoupled", "reinforce"]:
+    assert res.returncode == 2
+    for name in ["P3O", "GRPO", "DAPO", "GSPO", "CISPO", "DecoupledPPO", "REINFORCE"]:
         assert name in res.stderr
     assert "Traceback" not in res.stderr
 

@@ -113,7 +113,7 @@ def test_bad_sampling_settings_are_named():
 def test_seeded_long_prompts_do_not_crash_the_cpu_engine(vllm_engines):
     """Regression: with chunked prefill, vLLM 0.32 on CPU crashed on seeded requests whose prefill was
     split ("CPU Generator does not use offset"). The engine keeps prefills whole on CPU."""
-    engine = vllm_engines("long", max_model_len=256, engine_kwargs={"max_num_batched_tokens": 256})
+    engine = vllm_engines("long", max_model_len=256, vllm_kwargs={"max_num_batched_tokens": 256})
     prompts = [[1] + [20 + i % 10] * 200 for i in range(6)]
     groups = engine.generate(prompts, 2, SamplingConfig(max_new_tokens=8, seed=0))
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for g in groups for c in g)

@@ -60,6 +60,15 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
+class EngineConfig:
+    """Base of the engines' typed configs: a config names its engine's settings (shown by
+    `--print_config`) and `build(model_path)` starts the engine. Configs are plain values, so one can
+    be shipped to another process and built there."""
+
+    def build(self, model_path: str) -> "RolloutEngine":
+        raise NotImplementedError
+
+
 class RolloutEngine(ABC):
     """Generate, refresh weights, report version. `version` is the optimizer step whose weights the
     engine holds (0 = the initial checkpoint)."""

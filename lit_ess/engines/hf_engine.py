@@ -14,34 +14,50 @@ from __future__ import annotations
 from typing import Iterable
 
 import logging
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from ..logprobs import token_logprobs
-from .base import Completion, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
 
 log = logging.getLogger(__name__)
 
 
-class HFEngine(RolloutEngine):
-    """Args:
-        model_path: Hugging Face model folder.
-        dtype: engine precision ("float32", "bfloat16", "float16").
-        device: where the engine's copy of the model lives.
+@dataclass
+class HFConfig(EngineConfig):
+    """transformers `generate` as the rollout engine (no vLLM needed; slower).
+
+    Args:
+        dtype: engine precision: float32, bfloat16 or float16.
+        device: where the engine's copy of the model lives (cpu, cuda, cuda:1, ...).
         batch_size: sequences generated at once.
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", batch_size: int = 256):
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    batch_size: int = 256
+
+    def build(self, model_path: str) -> "HFEngine":
+        return HFEngine(model_path, self)
+
+
+class HFEngine(RolloutEngine):
+    """A transformers copy of the model at `model_path`, sampling with the settings of `config`."""
+
+    def __init__(self, model_path: str, config: HFConfig | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        c = config if config is not None else HFConfig()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, c.dtype)).to(c.device).eval()
         self.ignored_generation_config = _reset_generation_config(self.model, self.tokenizer)
         if self.ignored_generation_config:
             log.info("hf engine: ignoring %s from %s/generation_config.json (pi_b replays only temperature, "
                      "top_k and top_p)", self.ignored_generation_config, model_path)
-        self.device, self.batch_size, self.version = device, batch_size, 0
+        self.device, self.batch_size, self.version = c.device, c.batch_size, 0
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     @torch.no_grad()

