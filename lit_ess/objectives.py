@@ -511,6 +511,10 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
 }
 
 
+# Objectives are saved in checkpoints' hyper-parameters: let torch.load(weights_only=True) rebuild them.
+torch.serialization.add_safe_globals(list(OBJECTIVES.values()))
+
+
 def build_objective(name: str, **hparams) -> Objective:
     """Build an objective by name (p3o, grpo, dapo, gspo, cispo, decoupled, reinforce); the same as
     `OBJECTIVES[name](**hparams)` with errors that name the culprit."""

@@ -174,3 +174,27 @@ def test_skipped_steps_survive_a_checkpoint(tiny_model_dir):
     fresh = PolicyModule(tiny_model_dir)
     fresh.on_load_checkpoint(ckpt)
     assert fresh.skipped_steps == 3
+
+
+def test_plain_trainer_resumes_with_a_typed_objective(tiny_model_dir, tmp_path):
+    """Without the CLI the objective dataclass is pickled in the checkpoint's hparams; torch.load's
+    weights_only default must accept it (regression: 'Unsupported global: lit_ess.objectives.GRPO')."""
+    import lightning as L
+
+    from callbacks import WeightSync
+    from lit_ess.objectives import GRPO
+
+    def fit(steps, ckpt=None):
+        module = PolicyModule(tiny_model_dir, objective=GRPO(clip_eps=0.3))
+        dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50),
+                               prompts_per_rollout=4, samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0))
+        saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+        trainer = L.Trainer(accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
+                            callbacks=[WeightSync(), saver])
+        trainer.fit(module, dm, ckpt_path=ckpt)
+        return trainer, module
+
+    fit(2)
+    trainer, module = fit(3, str(tmp_path / "last.ckpt"))
+    assert trainer.global_step == 3 and module.objective == GRPO(clip_eps=0.3)
