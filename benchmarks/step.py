@@ -79,8 +79,8 @@ def plain_steps(model_dir, batch, steps):
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        lp, _ = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
-        out = objective(lp, batch["behavior_logprobs"], batch["advantages"], batch["completion_mask"])
+        lp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        out = objective(lp, batch.behavior_logprobs, batch.advantages, batch.completion_mask)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -111,7 +111,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         model_dir = str(build_tiny_model(d + "/m"))
         batch = make_batch(260)
-        tokens = int(batch["completion_mask"].sum())
+        tokens = int(batch.completion_mask.sum())
         lit, plain = [], []
         for _ in range(a.rounds):            # alternate, so slow phases of the machine hit both alike
             lit += lightning_steps(model_dir, batch, a.steps)[3:]

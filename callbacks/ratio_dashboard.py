@@ -1,7 +1,7 @@
 """RatioDashboard: TensorBoard histograms of the importance ratios and a custom-scalars layout.
 
 Every `every_n_steps` it writes histograms of the step's token log-ratios log(pi_theta / pi_b) and of
-the capped weights min(rho, e_B) (P3O), gathered from all ranks and written by rank 0 (the logger is a
+the capped weights min(rho, e_B) (P3O), and of the rows' policy lag (steps), gathered from all ranks and written by rank 0 (the logger is a
 dummy elsewhere). At fit start it writes a custom-scalars layout that groups ESS, KL, reward, lengths.
 """
 from __future__ import annotations
@@ -16,7 +16,10 @@ LAYOUT = {
         "KL": ["Multiline", ["train/kl_behavior", "train/approx_kl", "train/kl_term"]],
         "Reward": ["Multiline", ["rollout/reward_mean", "rollout/reward_std", "rollout/degenerate_frac"]],
         "Lengths": ["Multiline", ["rollout/response_len", "rollout/response_len_max", "rollout/truncated_frac"]],
-        "Optimisation": ["Multiline", ["train/loss", "train/grad_norm", "train/lr", "train/policy_lag"]],
+        "Optimisation": ["Multiline", ["train/loss", "train/grad_norm", "train/lr"]],
+        "Staleness": ["Multiline", ["train/policy_lag", "train/policy_lag_max", "rollout/stale_dropped",
+                                    "rollout/buffer_size"]],
+        "Throughput": ["Multiline", ["perf/trainer_wait_frac", "perf/worker_idle_frac", "perf/weight_sync_seconds"]],
     }
 }
 
@@ -63,6 +66,8 @@ class RatioDashboard(L.Callback):
             tb.add_histogram("ratio/log_ratio", gathered["log_ratio"], step)
         if "weight" in gathered and gathered["weight"].numel():
             tb.add_histogram("ratio/capped_weight", gathered["weight"], step)
+        if "policy_lag" in gathered and gathered["policy_lag"].numel():
+            tb.add_histogram("rollout/policy_lag", gathered["policy_lag"], step)
 
 
 def _all_gather_varlen(t: torch.Tensor) -> list[torch.Tensor]:

@@ -1,39 +1,48 @@
-"""WeightSync: push the trainer's policy weights into the rollout engine.
+"""WeightSync: hand the trainer's policy weights to the rollout engine when it will generate next.
 
-Pushes at the start of training (which covers a resume: Lightning has restored the checkpoint's weights
-by then, and the engine was built from the initial folder) and after every `every_n_steps` optimizer
-steps. Samples carry the engine's version (the global step of the weights that produced them), so the
-policy lag of every batch is logged.
-
-With `every_n_steps: 1` and one optimizer step per rollout the data is exactly on-policy (ESS = 1 in
-fp32). Larger values make rollouts deliberately stale.
+The data side declares what it needs through two methods (`WeightReceiver`, implemented by
+`datamodules.RolloutDataModule`): `wants_weights(version)` says whether the engine generates before the
+trainer's next step, `push_weights(named_tensors, version)` takes the weights of optimizer step
+`version`. So with k optimizer steps per rollout the full weights are gathered once per phase, not
+after every step. The callback pushes at train start (which covers a resume: Lightning has restored
+the checkpoint's weights by then, while the engine was built from the initial folder), after every
+step whose successor needs new weights, and before a stand-alone `lit-ess validate`.
 """
 from __future__ import annotations
 
 import time
+from typing import Iterable, Protocol, runtime_checkable
 
 import lightning as L
+from torch import Tensor
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    def wants_weights(self, version: int) -> bool: ...
+
+    def push_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
 
 
 class WeightSync(L.Callback):
-    """Args:
-        every_n_steps: refresh the engine after this many optimizer steps.
-    """
+    """Pushes `pl_module.policy_state_dict()` (gathered on every rank under FSDP) to the datamodule;
+    logs `perf/weight_sync_seconds` on the step axis."""
 
-    def __init__(self, every_n_steps: int = 1):
-        if every_n_steps < 1:
-            raise ValueError(f"WeightSync.every_n_steps must be >= 1, got {every_n_steps}")
-        self.every_n_steps = every_n_steps
+    def __init__(self):
         self.pushes = 0
         self.last_seconds = 0.0
 
+    def _receiver(self, trainer) -> WeightReceiver:
+        dm = trainer.datamodule
+        if not isinstance(dm, WeightReceiver):
+            raise RuntimeError(f"WeightSync needs a datamodule with wants_weights/push_weights (a RolloutDataModule), "
+                               f"got {type(dm).__name__}")
+        return dm
+
     def push(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = getattr(trainer.datamodule, "engine", None)
-        if engine is None:
-            raise RuntimeError("WeightSync: the datamodule has no rollout engine (is it a RolloutDataModule?)")
         t0 = time.perf_counter()
         state = pl_module.policy_state_dict()   # every rank gathers (FSDP) and feeds its colocated engine
-        engine.load_weights(state.items(), version=trainer.global_step)
+        self._receiver(trainer).push_weights(state.items(), version=trainer.global_step)
         self.pushes += 1
         self.last_seconds = time.perf_counter() - t0
 
@@ -41,14 +50,14 @@ class WeightSync(L.Callback):
         self.push(trainer, pl_module)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        # `lit-ess validate`: the engine was built from model_path, the weights may come from a
-        # checkpoint. (Inside fit the engine is already current: validation follows the step's push.)
+        # `lit-ess validate`: the engine was built from model_path, the weights may come from a checkpoint.
+        # Inside fit, validation samples with the weights the engine holds for the next rollout.
         if not trainer.training:
             self.push(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if step > 0 and step % self.every_n_steps == 0 and step != getattr(trainer.datamodule.engine, "version", -1):
+        if self._receiver(trainer).wants_weights(step):
             self.push(trainer, pl_module)
             for lg in trainer.loggers:                       # same x-axis as PolicyModule's metrics
                 lg.log_metrics({"perf/weight_sync_seconds": self.last_seconds}, step=step)

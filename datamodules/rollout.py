@@ -1,71 +1,80 @@
-"""RolloutDataModule: prompts -> engine samples -> rewards -> group advantages -> optimizer-step batches.
+"""RolloutDataModule: a stream of optimizer-step batches read from a versioned rollout buffer.
 
-One *rollout phase* is one Lightning epoch: at its first batch the module samples `prompts_per_rollout`
-prompts, asks the engine for `samples_per_prompt` completions each, scores them, and splits the rows
-into `steps_per_rollout` padded optimizer-step batches. Generation happens lazily when the loop asks
-for the phase's first batch, i.e. after the previous phase's last optimizer step and weight refresh,
-so Lightning's one-batch prefetch can never make a rollout stale. Set the Trainer's
-`reload_dataloaders_every_n_epochs: 1` (the CLI does) so each epoch asks for a new phase.
+    prompts (this module: cursor, order)  ->  RolloutWorker (engine, rewards, advantages)  ->  RolloutBuffer
+        -> one RolloutBatch per optimizer step  ->  PolicyModule.training_step
 
-Each batch (tensors are `[B, L]` aligned with `input_ids` unless noted):
-    input_ids, attention_mask, completion_mask (bool), behavior_logprobs,
-    advantages [B], rewards [B], versions [B] (policy version that sampled each row),
-    prompt_texts, completion_texts (lists of B strings, for logging),
-    sampling {temperature, top_k, top_p, max_new_tokens}, stats {rollout/...: float}, phase, index.
+`mode: sync` (default): when the trainer asks for a batch and the buffer is empty, the worker generates
+the next phase in this process with the weights of the current step: exactly on-policy for one step
+per rollout. `mode: async`: the worker runs in its own process and generates ahead, as far as
+`max_staleness` allows (see lit_ess/rollout/buffer.py for the bound and its two checks).
 
-`state_dict` carries the prompt cursor, the RNG state, the cumulative reward error/timeout counters, and the current phase's batches with the position
-of the next untrained one, so a run killed mid-phase resumes on the same data.
+The train loader has a known length (`steps_per_epoch` batches), so Lightning never prefetches: the
+batch of step s is assembled after step s-1's update and weight push. Each item pulls the next batch
+from the buffer, so data is never reused, and no Trainer flag is needed. Weights arrive through the
+two methods `callbacks.WeightSync` calls, `wants_weights(version)` and `push_weights(tensors, version)`:
+only when the engine will generate next (with k steps per rollout, once per phase). Without them the
+first rollout that would need newer weights fails with an error that names the callback.
+
+`state_dict` holds the prompt cursor and order, the buffer (batches not yet trained, with the
+version of each row), and the requests in flight, which are regenerated after a resume.
 """
 from __future__ import annotations
 
 import random
 import time
 from typing import Literal
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from lit_ess.advantages import group_advantages
-from lit_ess.engines import EngineConfig, RolloutEngine, SamplingConfig, VLLMConfig
-from lit_ess.rewards import RewardScorer
+from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
+from lit_ess.rollout import (PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
+                             WorkerProcess)
 
 from .prompts import Arithmetic, Example, PromptSource, encode_prompt
 
+MAX_PHASES_IN_FLIGHT = 2
 
-class _PhaseDataset(Dataset):
+
+class _StepDataset(Dataset):
+    """`steps_per_epoch` items; item i is the next batch of the stream (the index is not used)."""
+
     def __init__(self, dm: "RolloutDataModule"):
         self.dm = dm
 
     def __len__(self) -> int:
-        return self.dm.steps_per_rollout
+        return self.dm.steps_per_epoch
 
-    def __getitem__(self, i: int) -> dict:
-        return self.dm._phase_batch(i)
+    def __getitem__(self, i: int) -> RolloutBatch:
+        return self.dm.next_batch(self.dm.trainer_step())
 
 
 class _ResumeSampler(Sampler):
     """Indices start..k-1 while reporting length k, so Lightning's restored batch counter stays right."""
 
-    def __init__(self, k: int, start: int):
-        self.k, self.start = k, start
+    def __init__(self, k: int, dm: "RolloutDataModule"):
+        self.k, self.dm = k, dm
 
     def __len__(self) -> int:
         return self.k
 
     def __iter__(self):
-        start, self.start = self.start, 0
+        start, self.dm.resume_offset = self.dm.resume_offset, 0
         return iter(range(start, self.k))
 
 
-class RolloutDataModule(L.LightningDataModule):
-    """Streams engine generations as optimizer-step batches.
+def _identity(x):
+    return x
 
-    Args:
+
+class RolloutDataModule(L.LightningDataModule):
+    """Args:
         model_path: the policy's Hugging Face folder (linked from the model by the CLI).
         source: where prompts come from (default: 2-digit addition).
-        engine: the rollout engine's typed config: lit_ess.engines.VLLMConfig (in-process vLLM, the
-            default) or lit_ess.engines.HFConfig (transformers generate); e.g. dtype: bfloat16 for a
-            precision mismatch.
+        engine: the rollout engine's typed config: lit_ess.engines.VLLMConfig (vLLM, the default) or
+            lit_ess.engines.HFConfig (transformers generate); e.g. dtype: bfloat16 for a precision
+            mismatch, behavior_logprobs: raw for the authors' definition of pi_b.
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function".
@@ -73,12 +82,20 @@ class RolloutDataModule(L.LightningDataModule):
         prompts_per_rollout: prompts sampled per phase.
         samples_per_prompt: completions per prompt (the group size).
         steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
+        mode: "sync" (generate when the trainer needs data, in this process) or "async" (a worker
+            process generates ahead while the trainer trains, within max_staleness).
+        max_staleness: S, the largest policy lag (optimizer steps between the weights that sampled a
+            row and the step that trains on it) ever trained on. None = steps_per_rollout - 1, the
+            synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
+            above it lets the worker start a phase one optimizer step earlier.
+        steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout, one phase per epoch),
+            the unit of check_val_every_n_epoch.
         advantage: "zscore" (GRPO) or "mean" (Dr.GRPO).
         drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). When too
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
-        seed: prompt order.
+        seed: prompt order and row shuffling.
         val_source: held-out prompts for validation (None = no validation loop).
         val_prompts: validation prompts per batch; every example of val_source is used once.
     """
@@ -94,6 +111,9 @@ class RolloutDataModule(L.LightningDataModule):
         prompts_per_rollout: int = 32,
         samples_per_prompt: int = 8,
         steps_per_rollout: int = 1,
+        mode: Literal["sync", "async"] = "sync",
+        max_staleness: int | None = None,
+        steps_per_epoch: int | None = None,
         advantage: Literal["zscore", "mean"] = "zscore",
         drop_degenerate: bool = False,
         max_prompt_tokens: int = 512,
@@ -107,99 +127,182 @@ class RolloutDataModule(L.LightningDataModule):
         if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
             raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
                              f"{samples_per_prompt} rows of a rollout")
-        self.model_path = model_path
-        self.source = source if source is not None else Arithmetic()
+        if mode not in ("sync", "async"):
+            raise ValueError(f"mode={mode!r} is not one of ('sync', 'async')")
+        if steps_per_epoch is not None and steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be >= 1 or null, got {steps_per_epoch}")
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
+        self.model_path = model_path
+        self.source = source if source is not None else Arithmetic()
         self.engine_config, self.sampling = engine, sampling
         self.reward_name, self.reward_timeout = reward, reward_timeout
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
-        self.steps_per_rollout, self.advantage = steps_per_rollout, advantage
-        self.drop_degenerate, self.max_prompt_tokens, self.seed = drop_degenerate, max_prompt_tokens, seed
+        self.steps_per_rollout, self.mode = steps_per_rollout, mode
+        self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
+        self.steps_per_epoch = steps_per_epoch or steps_per_rollout
+        self.advantage, self.drop_degenerate = advantage, drop_degenerate
+        self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.val_source, self.val_prompts = val_source, val_prompts
-        self.engine: RolloutEngine | None = None
+        self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
+        self.worker: RolloutWorker | WorkerProcess | None = None
         self.tokenizer = None
-        self.scorer: RewardScorer | None = None
         # resumable state
         self.rng = random.Random(seed)
         self.order: list[int] = []
         self.cursor = 0
-        self.phase = -1
-        self.batches: list[dict] | None = None
-        self.resume_index = 0
+        self.next_plan = 0                                  # next phase whose prompts are drawn
+        self.requests: dict[int, RolloutRequest] = {}      # planned and not yet in the buffer, by phase
+        self.submitted: dict[int, int] = {}                # async: request id -> phase
         self.skipped_long_prompts = 0
-        self._scorer_state: dict | None = None
+        self.reward_counters: dict = {}
+        self.resume_offset = 0
+        self.wait_seconds, self.t_start = 0.0, None
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
-        if self.engine is not None:
+        if self.worker is not None:
             return
         if not self.model_path:
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.scorer = RewardScorer(self.reward_name, self.reward_timeout)
-        if self._scorer_state:                       # restored before setup (cumulative counters)
-            self.scorer.load_state_dict(self._scorer_state)
-        self.engine = self.engine_config.build(self.model_path)
+        config = WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
+                              self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
+                              self.seed, self.max_staleness, dict(self.reward_counters))
+        self.worker = RolloutWorker(config) if self.mode == "sync" else WorkerProcess(config)
 
     def teardown(self, stage: str) -> None:
-        if self.scorer is not None:
-            self.scorer.close()
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     def train_dataloader(self) -> DataLoader:
-        start = self.resume_index
-        self.resume_index = 0
-        if start == 0:
-            self.batches = None                      # a new phase is generated at the first batch
-        return DataLoader(_PhaseDataset(self), batch_size=None, sampler=_ResumeSampler(self.steps_per_rollout, start),
-                          num_workers=0)
+        return DataLoader(_StepDataset(self), batch_size=None, sampler=_ResumeSampler(self.steps_per_epoch, self),
+                          collate_fn=_identity, num_workers=0)
 
     def val_dataloader(self):
         if self.val_source is None:
             return []
         ex = [(e.prompt, e.answer) for e in self.val_source.examples]   # tuples: Lightning moves batches
         chunks = [ex[i:i + self.val_prompts] for i in range(0, len(ex), self.val_prompts)]
-        return DataLoader(chunks, batch_size=None, collate_fn=lambda x: x)
+        return DataLoader(chunks, batch_size=None, collate_fn=_identity)
 
-    @torch.no_grad()
-    def evaluate(self, examples: list[tuple[str, str]]) -> dict[str, float]:
-        """One sample per held-out (prompt, answer) with the training sampling settings."""
-        prompts = [self.encode_prompt(p) for p, _ in examples]
-        groups = self.engine.generate(prompts, 1, self.sampling, call_seed=-1)
-        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
-        rewards = self.scorer(texts, [a for _, a in examples])
-        return {"val/reward_mean": sum(rewards) / len(rewards),
-                "val/response_len": sum(len(g[0].token_ids) for g in groups) / len(groups)}
+    # ------------------------------------------------------------------ weights (callbacks.WeightSync)
+    def wants_weights(self, version: int) -> bool:
+        """True when the engine will generate before the trainer's next step, so new weights are needed."""
+        if self.mode == "sync":
+            return not self.buffer.has_next() and self.worker.version != version
+        self._collect(timeout=0.0)
+        return self._admissible(version) is not None
 
-    # ------------------------------------------------------------------ one phase
-    def _phase_batch(self, i: int) -> dict:
-        if self.batches is None:
-            self.batches = self.generate_phase()
-        return self.batches[i]
+    def push_weights(self, named_tensors, version: int) -> None:
+        """Hand the policy's weights (Hugging Face names) of optimizer step `version` to the engine; in
+        async mode also start every phase they make admissible."""
+        self.worker.load_weights(named_tensors, version)
+        if self.mode == "async":
+            while (p := self._admissible(version)) is not None:
+                self.submitted[self.worker.submit("phase", self._request(p))] = p
 
-    def _next_examples(self, k: int) -> list[Example]:
+    def _admissible(self, version: int) -> int | None:
+        """The next phase to start if weights of `version` may generate it and a slot is free."""
+        p = min((q for q in self.requests if q not in self.submitted.values()), default=self.next_plan)
+        if len(self.submitted) >= MAX_PHASES_IN_FLIGHT or self.buffer.need(p) > version:
+            return None
+        return p
+
+    # ------------------------------------------------------------------ the stream
+    def next_batch(self, step: int) -> RolloutBatch:
+        """The batch of optimizer step `step` (blocks until it is there)."""
+        if self.t_start is None:
+            self.t_start = time.perf_counter()
+        t0 = time.perf_counter()
+        batch = self.buffer.take(step)
+        while batch is None:
+            self._fill(step)
+            batch = self.buffer.take(step)
+        self.wait_seconds += time.perf_counter() - t0
+        elapsed = max(time.perf_counter() - self.t_start, 1e-9)
+        stats = {**batch.stats, "rollout/skipped_long_prompts": float(self.skipped_long_prompts),
+                 "data/skipped_rows": float(self.source.skipped), "rollout/stale_dropped": float(self.buffer.stale_dropped),
+                 "rollout/buffer_size": float(self.buffer.rows()), "perf/trainer_wait_frac": self.wait_seconds / elapsed}
+        if self.mode == "async":
+            w = self.worker
+            stats["perf/worker_idle_frac"] = w.idle_seconds / max(w.idle_seconds + w.busy_seconds, 1e-9)
+            stats["rollout/phases_in_flight"] = float(len(self.submitted))
+        batch.stats = stats
+        return batch
+
+    def _fill(self, step: int) -> None:
+        """Bring the next phase into the buffer: generate it (sync) or wait for it (async)."""
+        p = self.buffer.next_phase
+        if self.mode == "sync":
+            if self.worker.version < self.buffer.need(p):
+                raise RuntimeError(
+                    f"rollout phase {p} needs the weights of step {self.buffer.need(p)} or later, but the engine "
+                    f"holds step {self.worker.version}'s: add callbacks.WeightSync to the Trainer's callbacks "
+                    f"(it pushes weights before each rollout)")
+            self._add(self.worker.run(self._request(p)))
+            return
+        if p not in self.submitted.values():
+            raise RuntimeError(
+                f"no rollout is in flight for phase {p} at step {step}: weights of step >= {self.buffer.need(p)} were "
+                f"never pushed. Add callbacks.WeightSync to the Trainer's callbacks")
+        self._collect(timeout=1.0)
+
+    def _collect(self, timeout: float) -> None:
+        """Move finished phases from the worker process into the buffer (waits up to `timeout` s)."""
+        for rid, result in self.worker.poll(timeout=timeout):
+            del self.submitted[rid]
+            self._add(result)
+
+    def _add(self, result: PhaseResult) -> None:
+        self.requests.pop(result.phase, None)
+        self.reward_counters = result.reward_counters
+        self.buffer.put(result.phase, result.batches)
+
+    def trainer_step(self) -> int:
+        """The optimizer step the trainer takes next (the global step)."""
+        if self.trainer is None:
+            raise RuntimeError("RolloutDataModule.train_dataloader is read by a Lightning Trainer; without one, "
+                               "call next_batch(step)")
+        return self.trainer.global_step
+
+    # ------------------------------------------------------------------ prompts
+    def _request(self, phase: int) -> RolloutRequest:
+        """The prompts of `phase`: drawn once (cursor order), kept until the phase is in the buffer."""
+        if phase not in self.requests:
+            if phase != self.next_plan:
+                raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
+            idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
+            self.requests[phase] = RolloutRequest(phase, idx, prompts, [e.prompt for e in examples],
+                                                  [e.answer for e in examples])
+            self.next_plan += 1
+        return self.requests[phase]
+
+    def _next_examples(self, k: int) -> list[tuple[int, Example]]:
         out = []
         while len(out) < k:
             if self.cursor >= len(self.order):
                 self.order = list(range(len(self.source)))
                 self.rng.shuffle(self.order)
                 self.cursor = 0
-            out.append(self.source.examples[self.order[self.cursor]])
+            i = self.order[self.cursor]
+            out.append((i, self.source.examples[i]))
             self.cursor += 1
         return out
 
     def encode_prompt(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
 
-    def _next_prompts(self, k: int) -> tuple[list[Example], list[list[int]]]:
-        """k examples that fit max_prompt_tokens, with their token ids; longer ones are skipped and
-        counted. Raises only when a streak of skips covers a whole pass over the source (2 x its size
-        consecutive draws always contain one full shuffled pass): then no prompt fits."""
-        examples, prompts, streak = [], [], 0
+    def _next_prompts(self, k: int) -> tuple[list[int], list[Example], list[list[int]]]:
+        """k examples that fit max_prompt_tokens, with their source indices and token ids; longer ones
+        are skipped and counted. Raises only when a streak of skips covers a whole pass over the source
+        (2 x its size consecutive draws always contain one full shuffled pass): then no prompt fits."""
+        idx, examples, prompts, streak = [], [], [], 0
         while len(examples) < k:
-            for ex in self._next_examples(k - len(examples)):
+            for i, ex in self._next_examples(k - len(examples)):
                 ids = self.encode_prompt(ex.prompt)
                 if len(ids) > self.max_prompt_tokens:
                     self.skipped_long_prompts += 1
@@ -209,111 +312,58 @@ class RolloutDataModule(L.LightningDataModule):
                                          f"{self.max_prompt_tokens} tokens: raise max_prompt_tokens")
                     continue
                 streak = 0
+                idx.append(i)
                 examples.append(ex)
                 prompts.append(ids)
-        return examples, prompts
+        return idx, examples, prompts
 
+    def generate_phase(self) -> list[RolloutBatch]:
+        """Generate the next phase with the engine's current weights and return all its batches, as if
+        they were trained (sync mode; for inspection and tests)."""
+        if self.mode != "sync":
+            raise RuntimeError("generate_phase is for sync mode; async phases are read with next_batch()")
+        p = self.buffer.next_phase
+        self._add(self.worker.run(self._request(p)))
+        return self.buffer.pop_phase(p)
+
+    # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def generate_phase(self) -> list[dict]:
-        """Sample, score and batch one rollout phase."""
-        self.phase += 1
-        t0 = time.perf_counter()
-        examples, prompts = self._next_prompts(self.prompts_per_rollout)
-        n = self.samples_per_prompt
-        groups = self.engine.generate(prompts, n, self.sampling, call_seed=self.phase)
-        t_gen = time.perf_counter() - t0
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-        answers = [ex.answer for ex in examples for _ in range(n)]
-        rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
-        adv, degenerate = group_advantages(rewards, self.advantage)
-
-        keep = [g for g in range(len(groups)) if not (self.drop_degenerate and degenerate[g])]
-        # every optimizer step needs at least one row: restore dropped groups (zero advantage) until
-        # there are steps_per_rollout rows
-        restore = [g for g in range(len(groups)) if g not in keep]
-        while len(keep) * n < self.steps_per_rollout:
-            keep.append(restore.pop(0))
-        rows = [(prompts[g], groups[g][j], float(adv[g, j]), float(rewards[g, j]), examples[g].prompt, texts[g * n + j])
-                for g in keep for j in range(n)]
-        self.rng.shuffle(rows)
-
-        lengths = torch.tensor([len(c.token_ids) for g in groups for c in g], dtype=torch.float32)
-        n_tokens = float(lengths.sum())
-        stats = {
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "rollout/response_len": float(lengths.mean()),
-            "rollout/response_len_max": float(lengths.max()),
-            "rollout/truncated_frac": sum(c.finish_reason == "length" for g in groups for c in g) / lengths.numel(),
-            "rollout/degenerate_frac": float(degenerate.float().mean()),
-            "rollout/dropped_groups": float(len(groups) - len(keep)),
-            "rollout/gen_seconds": t_gen,
-            "rollout/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
-            "rollout/reward_errors": float(self.scorer.errors),
-            "rollout/reward_timeouts": float(self.scorer.timeouts),
-            "rollout/skipped_long_prompts": float(self.skipped_long_prompts),
-            "data/skipped_rows": float(self.source.skipped),
-            "rollout/phase": float(self.phase),
-        }
-        k = self.steps_per_rollout
-        chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
-        return [self.collate(chunk, stats, i) for i, chunk in enumerate(chunks)]
-
-    def collate(self, rows, stats: dict, index: int) -> dict:
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        L_ = max(len(p) + len(c.token_ids) for p, c, *_ in rows)
-        B = len(rows)
-        input_ids = torch.full((B, L_), pad, dtype=torch.long)
-        attention = torch.zeros(B, L_, dtype=torch.long)
-        comp = torch.zeros(B, L_, dtype=torch.bool)
-        blp = torch.zeros(B, L_, dtype=torch.float32)
-        for r, (p, c, *_) in enumerate(rows):
-            P, T = len(p), len(c.token_ids)
-            input_ids[r, :P + T] = torch.tensor(p + c.token_ids)
-            attention[r, :P + T] = 1
-            comp[r, P:P + T] = True
-            blp[r, P:P + T] = torch.tensor(c.logprobs, dtype=torch.float32)
-        return {
-            "input_ids": input_ids, "attention_mask": attention, "completion_mask": comp,
-            "behavior_logprobs": blp,
-            "advantages": torch.tensor([row[2] for row in rows], dtype=torch.float32),
-            "rewards": torch.tensor([row[3] for row in rows], dtype=torch.float32),
-            "versions": torch.tensor([row[1].version for row in rows], dtype=torch.long),
-            "prompt_texts": [row[4] for row in rows], "completion_texts": [row[5] for row in rows],
-            "sampling": {"temperature": self.sampling.temperature, "top_k": self.sampling.top_k,
-                         "top_p": self.sampling.top_p, "max_new_tokens": self.sampling.max_new_tokens},
-            "stats": dict(stats), "phase": self.phase, "index": index,
-        }
+    def evaluate(self, examples: list[tuple[str, str]]) -> dict[str, float]:
+        """One sample per held-out (prompt, answer) with the training sampling settings."""
+        payload = ([self.encode_prompt(p) for p, _ in examples], [a for _, a in examples])
+        if self.mode == "sync":
+            return self.worker.evaluate(*payload)
+        rid = self.worker.submit("evaluate", payload)
+        while True:
+            for r, result in self.worker.poll(timeout=1.0):
+                if r == rid:
+                    return result
+                del self.submitted[r]
+                self._add(result)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
-        module = self.trainer.lightning_module if self._trainer_attached() else None
-        pos = getattr(module, "rollout_position", None)
-        next_index = pos[1] + 1 if pos is not None and pos[0] == self.phase else 0
-        keep_batches = self.batches is not None and 0 < next_index < len(self.batches)
         return {
-            "cursor": self.cursor, "order": self.order, "phase": self.phase, "rng": self.rng.getstate(),
-            "skipped_long_prompts": self.skipped_long_prompts,
-            "reward_counters": self.scorer.state_dict() if self.scorer is not None else self._scorer_state,
-            "batches": self.batches if keep_batches else None,
-            "next_index": next_index if keep_batches else 0,
+            "cursor": self.cursor, "order": self.order, "rng": self.rng.getstate(), "next_plan": self.next_plan,
+            "requests": list(self.requests.values()),     # in flight: regenerated after a resume
+            "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
+            "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.cursor, self.order, self.phase = state["cursor"], list(state["order"]), state["phase"]
+        if "buffer" not in state:
+            raise ValueError("this checkpoint's rollout state comes from lit-ess before the rollout buffer "
+                             "(issue 8); resume it with that version or start a new run from its weights")
+        self.cursor, self.order, self.next_plan = state["cursor"], list(state["order"]), state["next_plan"]
         self.rng.setstate(_as_tuple(state["rng"]))
+        self.requests = {r.phase: r for r in state["requests"]}
+        self.submitted = {}
+        self.buffer.load_state_dict(state["buffer"])
         self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
-        self._scorer_state = state.get("reward_counters")
-        if self.scorer is not None and self._scorer_state:
-            self.scorer.load_state_dict(self._scorer_state)
-        self.batches = state.get("batches")
-        self.resume_index = state.get("next_index", 0) if self.batches is not None else 0
-
-    def _trainer_attached(self) -> bool:
-        try:
-            return self.trainer is not None and self.trainer.lightning_module is not None
-        except RuntimeError:
-            return False
+        self.reward_counters = state.get("reward_counters") or {}
+        if self.worker is not None and self.reward_counters and self.mode == "sync":
+            self.worker.scorer.load_state_dict(self.reward_counters)
+        self.resume_offset = state.get("epoch_offset", 0)
 
 
 def _as_tuple(x):

@@ -9,8 +9,8 @@ The model and data classes are chosen in the config (`class_path`): lit_ess.modu
 datamodules.RolloutDataModule for RL, lit_ess.sft.SFTModule with datamodules.SFTDataModule for SFT.
 Objectives (lit_ess.objectives.P3O, GRPO, ...) and engines (lit_ess.engines.VLLMConfig, HFConfig) are
 typed configs too. `model_path` is linked from the model to the data module. The Trainer defaults to
-`reload_dataloaders_every_n_epochs: 1` (each epoch is one rollout phase), `max_epochs: -1` (stop on
-`max_steps`) and a one-line progress bar over optimizer steps (callbacks.StepProgressBar).
+`max_epochs: -1` (stop on `max_steps`) and a one-line progress bar over optimizer steps
+(callbacks.StepProgressBar).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
 traceback). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
@@ -102,7 +102,7 @@ def _fail(message: str) -> None:
 class LitESSCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.model_path", "data.init_args.model_path")
-        parser.set_defaults({"trainer.reload_dataloaders_every_n_epochs": 1, "trainer.max_epochs": -1,
+        parser.set_defaults({"trainer.max_epochs": -1,
                              "trainer.num_sanity_val_steps": 0})
 
     def _instantiate_trainer(self, config, callbacks):

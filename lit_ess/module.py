@@ -1,13 +1,14 @@
 """PolicyModule: the policy, the objective and one optimizer step per `training_step`.
 
-Manual optimization: a step's batch (one `RolloutDataModule` batch) is split into micro-batches, each
+Manual optimization: a step's batch (one `RolloutBatch`) is split into micro-batches, each
 is forwarded and back-propagated, then gradients are clipped and the optimizer steps once. Token-mean
 losses are normalised by the token count of the *whole step* (all micro-batches, all ranks), so the
 update does not depend on `micro_batch_size`.
 
 The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with several micro-batches a
 no-grad pre-pass collects its statistics first. `ess_scope: micro` reproduces the authors' reference,
-which computes it per micro-batch.
+which computes it per micro-batch. Every objective logs the step's ESS (`train/ess`), as a diagnostic
+of how off-policy its data was; only P3O uses it in the loss.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from torch import Tensor
 from .logprobs import sequence_logprobs
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
+from .rollout import RolloutBatch
 
 MIN_MAX_KEYS = {"ratio_min": torch.minimum, "ratio_max": torch.maximum, "log_ratio_abs_max": torch.maximum}
 SUMMED_KEYS = {"loss", "policy_loss", "kl_term", "kl_ref", "entropy", "nonfinite_tokens", "tokens"}
@@ -85,7 +87,6 @@ class PolicyModule(L.LightningModule):
         self.automatic_optimization = False
         self.policy = None
         self.ref_policy = None
-        self.rollout_position: tuple[int, int] | None = None
         self.skipped_steps = 0
         self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
 
@@ -129,7 +130,7 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ step
-    def _score(self, model, mb: dict, sampling: dict, with_grad: bool,
+    def _score(self, model, mb: RolloutBatch, sampling: dict, with_grad: bool,
                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """(logprobs, entropy or None) of `model` on the micro-batch, processed as the engine sampled:
         logits / T -> top-k -> top-p, with T = train_temperature or the rollout's temperature.
@@ -139,26 +140,13 @@ class PolicyModule(L.LightningModule):
         """
         T = self.hparams.train_temperature or sampling["temperature"]
         with torch.enable_grad() if with_grad else torch.no_grad():
-            return sequence_logprobs(model, mb["input_ids"], mb["attention_mask"], mb["completion_mask"],
+            return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                      T, sampling["top_k"], sampling["top_p"], with_entropy=with_entropy)
 
-    def _forward(self, mb: dict, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, mb: RolloutBatch, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
         """(logprobs, entropy or None) of the policy on the micro-batch."""
         return self._score(self.policy, mb, sampling, with_grad,
                            with_entropy=with_grad and bool(self.objective.entropy_coef))
-
-    def _micro_batches(self, batch: dict) -> list[dict]:
-        B = batch["input_ids"].shape[0]
-        size = self.hparams.micro_batch_size or B
-        keys = ("input_ids", "attention_mask", "completion_mask", "behavior_logprobs", "advantages")
-        out = []
-        for s in range(0, B, size):
-            mb = {k: batch[k][s:s + size] for k in keys}
-            width = int(mb["attention_mask"].sum(-1).max())          # trim padding columns
-            for k in keys[:4]:
-                mb[k] = mb[k][:, :width]
-            out.append(mb)
-        return out
 
     def _world(self):
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -169,14 +157,14 @@ class PolicyModule(L.LightningModule):
             dist.all_reduce(x)
         return x
 
-    def accumulate_gradients(self, batch: dict) -> tuple[dict[str, float], Tensor | None]:
+    def accumulate_gradients(self, batch: RolloutBatch) -> tuple[dict[str, float], Tensor | None]:
         """Forward and backward every micro-batch of one optimizer step; return (metrics, step ESS).
 
         Gradients accumulate in the parameters' .grad; the caller clips and steps.
         """
-        sampling = batch["sampling"]
-        mbs = self._micro_batches(batch)
-        masks = [mb["completion_mask"] for mb in mbs]
+        sampling = batch.sampling
+        mbs = batch.micro_batches(self.hparams.micro_batch_size)
+        masks = [mb.completion_mask for mb in mbs]
         num_tokens = self._global_sum(sum(m.sum() for m in masks))
         num_seqs = self._global_sum(sum((m.sum(-1) > 0).sum() for m in masks))
 
@@ -185,7 +173,7 @@ class PolicyModule(L.LightningModule):
             stats = None
             for mb in mbs:                                                      # no-grad pre-pass
                 lp = self._forward(mb, sampling, False)[0]
-                s = ess_stats(lp - mb["behavior_logprobs"], _finite_mask(mb, lp))
+                s = ess_stats(lp - mb.behavior_logprobs, _finite_mask(mb, lp))
                 stats = s if stats is None else stats.merge(s)
             step_ess = (stats.all_reduce() if self._world() else stats).value()
 
@@ -196,16 +184,16 @@ class PolicyModule(L.LightningModule):
             ref = self._score(self.ref_policy, mb, sampling, False)[0] if self.ref_policy is not None else None
             ess = step_ess
             if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
-                st = ess_stats(lp.detach() - mb["behavior_logprobs"], _finite_mask(mb, lp))
+                st = ess_stats(lp.detach() - mb.behavior_logprobs, _finite_mask(mb, lp))
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
-            out = self.objective(lp, mb["behavior_logprobs"], mb["advantages"], mb["completion_mask"], ess=ess,
+            out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
                                  ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs,
                                  norm_len=sampling["max_new_tokens"])
             if self._trainer is not None:
                 self.manual_backward(out.loss)
             else:                                   # used without a Trainer (tests, notebooks)
                 out.loss.backward()
-            w = mb["completion_mask"].sum() / num_tokens.clamp(min=1.0)
+            w = mb.completion_mask.sum() / num_tokens.clamp(min=1.0)
             for k, v in out.metrics.items():
                 v = v.detach().double()
                 if k in MIN_MAX_KEYS:
@@ -214,7 +202,7 @@ class PolicyModule(L.LightningModule):
                     sums[k] = sums.get(k, 0.0) + v
                 else:                               # per-micro-batch means: token-weighted
                     sums[k] = sums.get(k, 0.0) + v * w
-            log_ratios.append((lp.detach() - mb["behavior_logprobs"]).flatten())
+            log_ratios.append((lp.detach() - mb.behavior_logprobs).flatten())
             mask_list.append(_finite_mask(mb, lp).flatten())
 
         # step-level ratio statistics over all micro-batches (same parameters throughout the step)
@@ -222,16 +210,23 @@ class PolicyModule(L.LightningModule):
         ess_value = step_ess if step_ess is not None else sums.get("ess")
         if len(mbs) > 1:     # one micro-batch: the objective's ratio statistics are already the step's
             sums.update(ratio_metrics(lr_all[None], m_all[None], ess_value))
+        if not self.objective.needs_ess and m_all.any():       # diagnostic: how off-policy was the data
+            st = ess_stats(lr_all, m_all)
+            sums["ess"] = (st.all_reduce() if self._world() else st).value().double()
         self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
         if ess_value is not None:
             self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess_value.float().cpu())
         return {k: float(v) for k, v in sums.items()}, ess_value
 
-    def training_step(self, batch: dict, batch_idx: int):
+    def training_step(self, batch: RolloutBatch, batch_idx: int):
         opt = self.optimizers()
         sched = self.lr_schedulers()
-        self.rollout_position = (int(batch["phase"]), int(batch["index"]))
         step_before = self.global_step
+        lag = step_before - batch.versions.float()
+        if float(lag.max()) > batch.max_staleness:
+            raise RuntimeError(f"step {step_before} got rows sampled at step {int(batch.versions.min())}, older than "
+                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
+                               f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
         sums, _ = self.accumulate_gradients(batch)
 
         grad_norm = self._clip_and_norm()
@@ -243,14 +238,14 @@ class PolicyModule(L.LightningModule):
             self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
 
-        versions = batch["versions"].float()
         logs = {f"train/{k}": v for k, v in sums.items()}
         logs.update({
             "train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
-            "train/lr": lr, "train/batch_rows": float(batch["input_ids"].shape[0]),
-            "train/policy_lag": float(step_before) - float(versions.mean()),   # 0 = on-policy
+            "train/lr": lr, "train/batch_rows": float(batch.rows),
+            "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
         })
-        logs.update(batch["stats"])
+        logs.update(batch.stats)
+        self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -297,11 +292,11 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
 
 
-def _finite_mask(mb: dict, lp: Tensor) -> Tensor:
+def _finite_mask(mb: RolloutBatch, lp: Tensor) -> Tensor:
     """The tokens that enter the loss, and so the ESS: completion tokens whose behaviour and trainer
     logprobs are both finite. A token outside the trainer's top-k/top-p set (-inf) or a NaN is dropped
     from both and counted in `train/nonfinite_tokens`; one rule for the pre-pass and the gradient pass."""
-    return mb["completion_mask"] & torch.isfinite(mb["behavior_logprobs"]) & torch.isfinite(lp.detach())
+    return mb.completion_mask & torch.isfinite(mb.behavior_logprobs) & torch.isfinite(lp.detach())
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

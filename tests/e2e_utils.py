@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import yaml
 
 from lit_ess.report import read_scalars
@@ -25,7 +26,7 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
               prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None,
               extra_model=None):
     callbacks = [
-        {"class_path": "callbacks.WeightSync", "init_args": {"every_n_steps": 1}},
+        {"class_path": "callbacks.WeightSync"},
         {"class_path": "callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
     ]
     if ckpt_every:
@@ -84,3 +85,45 @@ def varies_unless_const(completion: str, answer: str) -> float:
     """0 for every sample of a prompt whose answer is 'const' (a degenerate group); otherwise a value
     that differs between distinct completions."""
     return 0.0 if answer == "const" else (sum(map(ord, completion)) % 97) / 97
+
+
+class RecordPrompts(L.Callback):
+    """A callback for audits: appends each trained step's prompt ids and row versions to a JSONL file."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": trainer.global_step - 1, "prompt_ids": batch.prompt_ids.tolist(),
+                                "versions": batch.versions.tolist()}) + "\n")
+
+
+def trained_prompts(path) -> dict[int, dict]:
+    """The last record of every step (a step retrained after a resume replaces the killed run's)."""
+    import json
+
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        out[r["step"]] = r
+    return out
+
+
+def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float = 300) -> None:
+    """Start `lit-ess fit --config cfg`, SIGKILL its process group as soon as the checkpoint of `step`
+    exists (mid-run), and check that it was written."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout
+    while not list(ckpt_dir.glob(f"*step={step}*.ckpt")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert list(ckpt_dir.glob(f"*step={step}*.ckpt")), "no checkpoint was written before the kill"

@@ -35,10 +35,11 @@ def test_print_config_lists_every_objective_hyper_parameter(tiny_model_dir, name
 def test_print_config_lists_engine_settings(tiny_model_dir):
     cfg = print_config(tiny_model_dir, "--data.init_args.engine", "HFConfig")
     assert cfg["data"]["init_args"]["engine"] == {"class_path": "lit_ess.engines.HFConfig",
-                                                  "init_args": {"dtype": "float32", "device": "cpu", "batch_size": 256}}
+                                                  "init_args": {"dtype": "float32", "device": "cpu", "batch_size": 256,
+                                                                "behavior_logprobs": "processed"}}
     vllm = print_config(tiny_model_dir)["data"]["init_args"]["engine"]["init_args"]
     assert {"dtype", "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "enforce_eager", "seed",
-            "vllm_kwargs"} == set(vllm)
+            "behavior_logprobs", "vllm_kwargs"} == set(vllm)
 
 
 def _one_error_line(res):

@@ -100,25 +100,25 @@ def test_phase_batches_are_aligned(phase_dm, tiny_model_dir):
     from lit_ess.logprobs import sequence_logprobs
 
     batches = phase_dm.generate_phase()
-    assert len(batches) == 2 and sum(b["input_ids"].shape[0] for b in batches) == 12
+    assert len(batches) == 2 and sum(b.input_ids.shape[0] for b in batches) == 12
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     for b in batches:
-        lp, _ = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["completion_mask"])
-        m = b["completion_mask"]
-        assert (lp[m] - b["behavior_logprobs"][m]).abs().max() < 1e-5      # on-policy, same alignment
-        assert not (m & (b["attention_mask"] == 0)).any()
-        assert b["stats"]["rollout/phase"] == phase_dm.phase
-        assert 0 <= b["stats"]["rollout/reward_mean"] <= 1
+        lp, _ = sequence_logprobs(model, b.input_ids, b.attention_mask, b.completion_mask)
+        m = b.completion_mask
+        assert (lp[m] - b.behavior_logprobs[m]).abs().max() < 1e-5      # on-policy, same alignment
+        assert not (m & (b.attention_mask == 0)).any()
+        assert b.stats["rollout/phase"] == phase_dm.buffer.next_phase - 1
+        assert 0 <= b.stats["rollout/reward_mean"] <= 1
 
 
 def test_state_dict_round_trip_continues_the_same_prompts(tiny_model_dir, phase_dm):
     phase_dm.generate_phase()
     state = phase_dm.state_dict()
-    nxt = [e.prompt for e in phase_dm._next_examples(6)]
+    nxt = [e.prompt for _, e in phase_dm._next_examples(6)]
     fresh = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50))
     fresh.load_state_dict(torch.load(_save(state), weights_only=False))
-    assert [e.prompt for e in fresh._next_examples(6)] == nxt
-    assert fresh.phase == phase_dm.phase
+    assert [e.prompt for _, e in fresh._next_examples(6)] == nxt
+    assert fresh.buffer.next_phase == phase_dm.buffer.next_phase
 
 
 def _save(obj):
@@ -190,10 +190,10 @@ def test_drop_degenerate_keeps_a_row_for_every_step(tiny_model_dir, tmp_path):
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), reward="e2e_utils:varies_unless_const")
     dm.setup("fit")
     batches = dm.generate_phase()
-    assert [b["input_ids"].shape[0] for b in batches] == [1, 1, 1, 1]
-    assert batches[0]["stats"]["rollout/degenerate_frac"] == 0.75
-    assert batches[0]["stats"]["rollout/dropped_groups"] == 2.0
-    assert sum(float(b["advantages"].abs().sum()) for b in batches) > 0      # the informative group is kept
+    assert [b.input_ids.shape[0] for b in batches] == [1, 1, 1, 1]
+    assert batches[0].stats["rollout/degenerate_frac"] == 0.75
+    assert batches[0].stats["rollout/dropped_groups"] == 2.0
+    assert sum(float(b.advantages.abs().sum()) for b in batches) > 0      # the informative group is kept
 
 
 def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_path):
@@ -247,9 +247,9 @@ def test_reward_counters_survive_a_checkpoint(tiny_model_dir):
                            sampling=SamplingConfig(max_new_tokens=2, seed=0))
     dm.setup("fit")
     dm.generate_phase()
-    assert dm.scorer.errors == 4
+    assert dm.worker.scorer.errors == 4
     fresh = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
                               reward="test_data:_boom")
     fresh.load_state_dict(torch.load(_save(dm.state_dict()), weights_only=False))
     fresh.setup("fit")
-    assert fresh.scorer.errors == 4
+    assert fresh.worker.scorer.errors == 4

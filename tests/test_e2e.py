@@ -1,13 +1,8 @@
 """End-to-end runs on the tiny model: real vLLM, real TensorBoard files, real checkpoints."""
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from e2e_utils import cli, rl_config, scalars, write_config
+from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
 from lit_ess.report import read_histogram_tags
 
 pytestmark = pytest.mark.e2e
@@ -61,15 +56,7 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref = run_ok(config(ref_dir), ref_dir)
     cfg = write_config(config(run_dir), run_dir / "config.yaml")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
-    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while not list((run_dir / "ckpt").glob("*step=3*.ckpt")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)                       # mid-run, mid-phase (step 3 of phases of 2)
-    proc.wait()
-    assert list((run_dir / "ckpt").glob("*step=3*.ckpt")), "no checkpoint was written before the kill"
+    kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
     res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
     got = scalars(run_dir)

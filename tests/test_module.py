@@ -1,4 +1,6 @@
 """PolicyModule without a Trainer: the step's gradient does not depend on micro_batch_size."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,9 +18,9 @@ def stale_batch(tiny_model_dir):
     dm.setup("fit")
     batch = dm.generate_phase()[0]
     g = torch.Generator().manual_seed(0)
-    m = batch["completion_mask"]
-    batch["behavior_logprobs"] = torch.where(m, batch["behavior_logprobs"] + 0.3 * torch.randn(m.shape, generator=g), 0.0)
-    batch["advantages"] = torch.randn(m.shape[0], generator=g)        # non-degenerate, off-policy
+    m = batch.completion_mask
+    batch.behavior_logprobs = torch.where(m, batch.behavior_logprobs + 0.3 * torch.randn(m.shape, generator=g), 0.0)
+    batch.advantages = torch.randn(m.shape[0], generator=g)        # non-degenerate, off-policy
     return batch
 
 
@@ -63,9 +65,7 @@ def test_entropy_bonus_and_reference_kl_run_through_the_module(tiny_model_dir, s
 
 
 def _with_sampling(batch, **sampling):
-    b = dict(batch)
-    b["sampling"] = {**batch["sampling"], **sampling}
-    return b
+    return replace(batch, sampling={**batch.sampling, **sampling})
 
 
 @pytest.mark.parametrize("sampling, train_temperature", [
@@ -85,14 +85,13 @@ def test_reference_kl_is_zero_when_reference_is_policy(tiny_model_dir, stale_bat
 def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, objective):
     """seq-mean-token-sum-norm divides by max_new_tokens, not by a micro-batch's padded width."""
     kw = {"objective": objective, "objective_kwargs": {"aggregation": "seq-mean-token-sum-norm"}}
-    batch = dict(stale_batch)               # rows 0 and 1 end 2 tokens early: a narrower micro-batch
-    ends = stale_batch["attention_mask"].sum(-1)
-    assert (stale_batch["completion_mask"][:2].sum(-1) > 2).all()
-    for k in ("attention_mask", "completion_mask"):
-        batch[k] = batch[k].clone()
+    ends = stale_batch.attention_mask.sum(-1)     # rows 0 and 1 end 2 tokens early: a narrower micro-batch
+    assert (stale_batch.completion_mask[:2].sum(-1) > 2).all()
+    masks = {k: getattr(stale_batch, k).clone() for k in ("attention_mask", "completion_mask")}
+    for k in masks:
         for r in (0, 1):
-            batch[k][r, int(ends[r]) - 2:] = 0
-    stale_batch = batch
+            masks[k][r, int(ends[r]) - 2:] = 0
+    stale_batch = replace(stale_batch, **masks)
     g_full, m_full, _ = grads(tiny_model_dir, stale_batch, **kw)
     g_micro, m_micro, _ = grads(tiny_model_dir, stale_batch, micro_batch_size=2, **kw)
     assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-8)
@@ -104,12 +103,12 @@ def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, object
 
         b = stale_batch
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        lp, _ = sequence_logprobs(model, b["input_ids"], b["attention_mask"], b["completion_mask"])
-        m = b["completion_mask"]
-        rho = (lp - b["behavior_logprobs"]).exp()
-        adv = b["advantages"][:, None]
+        lp, _ = sequence_logprobs(model, b.input_ids, b.attention_mask, b.completion_mask)
+        m = b.completion_mask
+        rho = (lp - b.behavior_logprobs).exp()
+        adv = b.advantages[:, None]
         surr = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
-        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b["sampling"]["max_new_tokens"])
+        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b.sampling["max_new_tokens"])
         assert m_full["policy_loss"] == pytest.approx(float(want.detach()), rel=1e-5)
 
 
@@ -127,7 +126,7 @@ def test_step_ess_does_not_depend_on_micro_batching_with_tokens_outside_top_k(ti
 def test_nan_trainer_logprob_gives_a_finite_step_ess(tiny_model_dir, stale_batch):
     """A NaN in the trainer's logprobs (here: row 0's embeddings) is masked in the pre-pass as in the
     single pass: the step ESS is finite and the same with and without micro-batches."""
-    row0 = stale_batch["input_ids"][0]
+    row0 = stale_batch.input_ids[0]
 
     def poison_row0(embedding, inputs, out):            # NaN embeddings for the row equal to row 0
         ids = inputs[0]
@@ -141,7 +140,7 @@ def test_nan_trainer_logprob_gives_a_finite_step_ess(tiny_model_dir, stale_batch
         module.policy.get_input_embeddings().register_forward_hook(poison_row0)
         results.append(module.accumulate_gradients(stale_batch))
     (m_full, ess_full), (m_micro, ess_micro) = results
-    assert m_full["nonfinite_tokens"] == int(stale_batch["completion_mask"][0].sum())
+    assert m_full["nonfinite_tokens"] == int(stale_batch.completion_mask[0].sum())
     assert torch.isfinite(ess_micro) and float(ess_micro) == pytest.approx(float(ess_full), rel=1e-6)
 
 
@@ -159,7 +158,7 @@ def test_dropout_is_off_in_the_trainer(dropout_model_dir):
                            reward="e2e_utils:digit_fraction")
     dm.setup("fit")
     batch = dm.generate_phase()[0]
-    batch["advantages"] = torch.randn(batch["input_ids"].shape[0], generator=torch.Generator().manual_seed(0))
+    batch.advantages = torch.randn(batch.input_ids.shape[0], generator=torch.Generator().manual_seed(0))
     _, m, ess = grads(dropout_model_dir, batch, micro_batch_size=4)
     assert float(ess) >= 0.99999 and m["ratio_max"] < 1.0001
     _, _, ess_on = grads(dropout_model_dir, batch, micro_batch_size=4, disable_dropout=False)
@@ -190,7 +189,7 @@ def test_plain_trainer_resumes_with_a_typed_objective(tiny_model_dir, tmp_path):
                                prompts_per_rollout=4, samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0))
         saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
         trainer = L.Trainer(accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
+                            enable_model_summary=False,
                             callbacks=[WeightSync(), saver])
         trainer.fit(module, dm, ckpt_path=ckpt)
         return trainer, module

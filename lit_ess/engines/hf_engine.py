@@ -34,11 +34,18 @@ class HFConfig(EngineConfig):
         dtype: engine precision: float32, bfloat16 or float16.
         device: where the engine's copy of the model lives (cpu, cuda, cuda:1, ...).
         batch_size: sequences generated at once.
+        behavior_logprobs: "processed" (the distribution sampled from: temperature, top-k, top-p) or
+            "raw" (log-softmax of the untempered, untruncated logits, what the authors' code records).
     """
 
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
     batch_size: int = 256
+    behavior_logprobs: Literal["processed", "raw"] = "processed"
+
+    def __post_init__(self):
+        if self.behavior_logprobs not in ("processed", "raw"):
+            raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
 
     def build(self, model_path: str) -> "HFEngine":
         return HFEngine(model_path, self)
@@ -58,6 +65,7 @@ class HFEngine(RolloutEngine):
             log.info("hf engine: ignoring %s from %s/generation_config.json (pi_b replays only temperature, "
                      "top_k and top_p)", self.ignored_generation_config, model_path)
         self.device, self.batch_size, self.version = c.device, c.batch_size, 0
+        self.raw = c.behavior_logprobs == "raw"
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -88,7 +96,7 @@ class HFEngine(RolloutEngine):
                 pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id)
         new = out.sequences[:, width:].cpu()                              # [N, T]
         logits = torch.stack(out.logits, dim=1).cpu()                     # [N, T, V], before processing
-        lps, _ = token_logprobs(logits, new, s.temperature, s.top_k, s.top_p)
+        lps, _ = token_logprobs(logits, new) if self.raw else token_logprobs(logits, new, s.temperature, s.top_k, s.top_p)
         result = []
         for r in range(len(prompts)):
             toks = new[r].tolist()

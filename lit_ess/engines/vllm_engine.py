@@ -44,6 +44,9 @@ class VLLMConfig(EngineConfig):
         max_model_len: longest prompt + completion; None = the model's.
         enforce_eager: no CUDA graphs / compilation (fast start; needed for in-place reloads on CPU).
         seed: the engine's own seed (each request also gets a derived seed from the sampling seed).
+        behavior_logprobs: "processed" (vLLM's processed logprobs: the distribution it sampled from,
+            after temperature, top-k, top-p) or "raw" (the untempered, untruncated logprobs, what the
+            authors' reference code records as pi_b; a mismatch whenever T != 1 or top-k/top-p are on).
         vllm_kwargs: passed to `vllm.LLM` as they are, e.g. {max_num_seqs: 256, quantization: fp8}.
             On CPU, enable_chunked_prefill defaults to False (vLLM 0.32's CPU backend crashes on
             seeded requests whose prefill is split).
@@ -55,7 +58,12 @@ class VLLMConfig(EngineConfig):
     max_model_len: int | None = None
     enforce_eager: bool = True
     seed: int = 0
+    behavior_logprobs: Literal["processed", "raw"] = "processed"
     vllm_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.behavior_logprobs not in ("processed", "raw"):
+            raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
 
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)
@@ -83,7 +91,7 @@ class VLLMEngine(RolloutEngine):
         kwargs.setdefault("use_tqdm_on_load", verbose())
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
             self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
-                           enforce_eager=c.enforce_eager, logprobs_mode="processed_logprobs", seed=c.seed,
+                           enforce_eager=c.enforce_eager, logprobs_mode=f"{c.behavior_logprobs}_logprobs", seed=c.seed,
                            max_model_len=c.max_model_len, **kwargs)
         self.version = 0
 
@@ -114,7 +122,8 @@ class VLLMEngine(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         weights = [(k, v.detach()) for k, v in named_tensors]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        if self.llm.reset_prefix_cache() is False:       # refused (requests running): stale KV would be reused
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.version = version
 
     def close(self) -> None:

@@ -1,0 +1,101 @@
+"""RolloutBatch: the rows of one optimizer step, as the trainer consumes them.
+
+Tensors are `[B, T]` over prompt + completion tokens, left-aligned and right-padded, unless noted:
+
+    input_ids          [B, T] long    prompt tokens, then completion tokens, then padding
+    attention_mask     [B, T] long    1 on prompt and completion tokens
+    completion_mask    [B, T] bool    True on completion tokens (the tokens that are trained on)
+    behavior_logprobs  [B, T] float   log pi_b of each completion token (0 elsewhere)
+    advantages         [B]    float   group advantage of each row
+    rewards            [B]    float   reward of each row
+    versions           [B]    long    policy version (optimizer step of the weights) that sampled each row
+    prompt_ids         [B]    long    index of each row's prompt in its source (for audits)
+
+plus what the step needs to score tokens as the engine sampled them (`sampling`), the texts for
+logging, the rollout statistics of the phase the rows come from, and `max_staleness`: the trainer
+refuses a batch whose oldest row is more than that many optimizer steps old.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_mask: Tensor
+    behavior_logprobs: Tensor
+    advantages: Tensor
+    rewards: Tensor
+    versions: Tensor
+    prompt_ids: Tensor
+    sampling: dict = field(default_factory=dict)      # temperature, top_k, top_p, max_new_tokens
+    prompt_texts: list[str] = field(default_factory=list)
+    completion_texts: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)          # rollout/... of the phase, floats
+    phase: int = 0
+    index: int = 0                                     # position of this batch in its phase
+    max_staleness: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def micro_batches(self, size: int | None) -> list["RolloutBatch"]:
+        """Consecutive slices of `size` rows (None = one slice), each trimmed to its longest row."""
+        size = size or self.rows
+        out = []
+        for s in range(0, self.rows, size):
+            width = int(self.attention_mask[s:s + size].sum(-1).max())
+            out.append(replace(
+                self,
+                input_ids=self.input_ids[s:s + size, :width], attention_mask=self.attention_mask[s:s + size, :width],
+                completion_mask=self.completion_mask[s:s + size, :width],
+                behavior_logprobs=self.behavior_logprobs[s:s + size, :width],
+                advantages=self.advantages[s:s + size], rewards=self.rewards[s:s + size],
+                versions=self.versions[s:s + size], prompt_ids=self.prompt_ids[s:s + size],
+                prompt_texts=self.prompt_texts[s:s + size], completion_texts=self.completion_texts[s:s + size]))
+        return out
+
+
+@dataclass
+class Row:
+    """One sampled completion with its prompt, before padding."""
+    prompt: list[int]
+    completion: list[int]
+    logprobs: list[float]
+    advantage: float
+    reward: float
+    version: int
+    prompt_id: int
+    prompt_text: str
+    completion_text: str
+
+
+def collate(rows: list[Row], pad_id: int, **fields) -> RolloutBatch:
+    """Pad rows into a RolloutBatch; `fields` fills sampling, stats, phase, index, max_staleness."""
+    if not rows:
+        raise ValueError("collate: no rows")
+    T = max(len(r.prompt) + len(r.completion) for r in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros(B, T, dtype=torch.long)
+    comp = torch.zeros(B, T, dtype=torch.bool)
+    blp = torch.zeros(B, T, dtype=torch.float32)
+    for b, r in enumerate(rows):
+        P, C = len(r.prompt), len(r.completion)
+        input_ids[b, :P + C] = torch.tensor(r.prompt + r.completion)
+        attention[b, :P + C] = 1
+        comp[b, P:P + C] = True
+        blp[b, P:P + C] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        input_ids=input_ids, attention_mask=attention, completion_mask=comp, behavior_logprobs=blp,
+        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
+        rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
+        versions=torch.tensor([r.version for r in rows], dtype=torch.long),
+        prompt_ids=torch.tensor([r.prompt_id for r in rows], dtype=torch.long),
+        prompt_texts=[r.prompt_text for r in rows], completion_texts=[r.completion_text for r in rows], **fields)

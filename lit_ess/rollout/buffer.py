@@ -1,0 +1,100 @@
+"""RolloutBuffer: generated phases waiting to be trained, in order, with a hard staleness bound.
+
+Phase p holds `k = steps_per_rollout` batches. Served in order, phase p's batches are trained at steps
+`start(p) .. start(p) + k - 1` with `start(p) = p * k + shift` (`shift` counts batches the staleness
+filter dropped whole, which push later phases back one step each). A row sampled by policy version v
+and trained at step s has lag `s - v`; the bound is `lag <= S` (`max_staleness`). So phase p may be
+generated only with weights of version
+
+    v >= need(p) = start(p) + k - 1 - S                  (admission)
+
+and when a batch is served, rows with lag > S are dropped and counted (`stale_dropped`): a sample
+older than S steps is never trained on, whatever happened before (a resume with a smaller S, a slow
+worker). Synchronous training is S = k - 1: phase p is generated with the weights of step start(p).
+
+The buffer's state (ready batches with their versions, the serve position, counters) is part of the
+checkpoint; `in_flight` requests are kept by the owner and regenerated after a resume.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .batch import RolloutBatch
+
+
+class RolloutBuffer:
+    def __init__(self, steps_per_rollout: int, max_staleness: int):
+        if max_staleness < steps_per_rollout - 1:
+            raise ValueError(f"max_staleness={max_staleness} is below steps_per_rollout - 1 = {steps_per_rollout - 1}: "
+                             f"the last step of a phase trains on data that many steps old")
+        self.k, self.S = steps_per_rollout, max_staleness
+        self.ready: dict[int, list[RolloutBatch]] = {}     # phase -> its batches not yet served
+        self.next_phase = 0                                 # the phase being served
+        self.shift = 0
+        self.stale_dropped = 0                              # rows
+        self.served = 0                                     # batches handed to the trainer
+
+    def need(self, phase: int) -> int:
+        """The oldest weights version that may generate `phase` without breaking the bound."""
+        return phase * self.k + self.shift + self.k - 1 - self.S
+
+    def put(self, phase: int, batches: list[RolloutBatch]) -> None:
+        if phase < self.next_phase or phase in self.ready:
+            raise RuntimeError(f"rollout phase {phase} arrived twice (serving phase {self.next_phase})")
+        self.ready[phase] = list(batches)
+
+    def has_next(self) -> bool:
+        return bool(self.ready.get(self.next_phase))
+
+    def rows(self) -> int:
+        return sum(b.rows for bs in self.ready.values() for b in bs)
+
+    def take(self, step: int) -> RolloutBatch | None:
+        """The next batch to train at `step`, rows older than S dropped; None if its phase is not ready."""
+        while self.has_next():
+            batches = self.ready[self.next_phase]
+            batch = batches.pop(0)
+            if not batches:
+                del self.ready[self.next_phase]
+                self.next_phase += 1
+            fresh = (step - batch.versions) <= self.S
+            if bool(fresh.all()):
+                self.served += 1
+                return batch
+            self.stale_dropped += int((~fresh).sum())
+            if bool(fresh.any()):
+                self.served += 1
+                return _select(batch, fresh)
+            self.shift += 1                                   # a whole batch dropped: later phases move back
+        return None
+
+    def pop_phase(self, phase: int) -> list[RolloutBatch]:
+        """All remaining batches of the phase being served, unfiltered (inspection and tests)."""
+        if phase != self.next_phase:
+            raise RuntimeError(f"phase {phase} is not the one being served ({self.next_phase})")
+        batches = self.ready.pop(phase)
+        self.next_phase += 1
+        self.served += len(batches)
+        return batches
+
+    def state_dict(self) -> dict:
+        return {"ready": self.ready, "next_phase": self.next_phase, "shift": self.shift,
+                "stale_dropped": self.stale_dropped, "served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ready = {int(p): list(b) for p, b in state["ready"].items()}
+        self.next_phase, self.shift = state["next_phase"], state["shift"]
+        self.stale_dropped, self.served = state["stale_dropped"], state["served"]
+
+
+def _select(batch: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
+    idx = keep.nonzero().flatten().tolist()
+    width = int(batch.attention_mask[idx].sum(-1).max())
+    return replace(batch, input_ids=batch.input_ids[idx, :width], attention_mask=batch.attention_mask[idx, :width],
+                   completion_mask=batch.completion_mask[idx, :width],
+                   behavior_logprobs=batch.behavior_logprobs[idx, :width], advantages=batch.advantages[idx],
+                   rewards=batch.rewards[idx], versions=batch.versions[idx], prompt_ids=batch.prompt_ids[idx],
+                   prompt_texts=[batch.prompt_texts[i] for i in idx],
+                   completion_texts=[batch.completion_texts[i] for i in idx])

@@ -1,0 +1,185 @@
+"""WorkerProcess: a RolloutWorker in its own OS process, so generation runs beside training.
+
+    trainer process                                   worker process (spawn)
+    ---------------                                   ----------------------
+    load_weights(state, v) -> copy into a free        requests.get() -> if the request names newer
+        shared-memory slot (one flat tensor per           weights: engine.load_weights(slot views, v)
+        dtype; 4 slots, never one in use)             -> worker.run(request) -> results.put(pickled)
+    submit(kind, payload) -> requests.put(...)
+    poll(timeout) -> [(id, result)]
+
+This is the cross-process CPU transport: the trainer's tensors are copied once into memory both
+processes map, and the worker's engine reads them from there (vLLM: `reload_weights`, then the prefix
+cache is reset and checked). A slot is rewritten only when no queued request still names it. The
+worker exits when told to, or when it finds the trainer process gone (kill -9).
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import time
+import traceback
+
+import torch
+
+from .worker import RolloutWorker, WorkerConfig
+
+SLOTS = 4
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class WorkerProcess:
+    def __init__(self, config: WorkerConfig, start_timeout: float = 600.0):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_child_main, args=(config, self.requests, self.results, os.getpid()),
+                                name="lit-ess-rollout-worker")
+        self.proc.start()
+        atexit.register(self.close)                           # before multiprocessing joins its children
+        self.start_timeout = start_timeout
+        self.started = False
+        self._pending: list[tuple[int, object]] = []           # results read while waiting for the start
+        self.slots: list[dict[torch.dtype, torch.Tensor]] | None = None
+        self.layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}
+        self.current: tuple[int, int] | None = None            # (slot, version) of the newest weights
+        self.in_flight: dict[int, int | None] = {}             # request id -> slot it names
+        self.next_id = 0
+        self.version = -1
+        self.idle_seconds = self.busy_seconds = self.weight_load_seconds = 0.0
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, named_tensors, version: int) -> None:
+        if version == self.version and self.current is not None:
+            return                                             # the worker already has these weights
+        state = {k: v.detach() for k, v in named_tensors}
+        if self.slots is None:
+            self._allocate(state)
+        busy = {s for s in self.in_flight.values() if s is not None}
+        if self.current is not None:
+            busy.add(self.current[0])                          # newest weights: kept until replaced
+        free = [j for j in range(SLOTS) if j not in busy]
+        if not free:
+            raise WorkerError("no free weight slot: more requests in flight than the transport allows")
+        j = free[0]
+        if set(state) != set(self.layout):
+            raise WorkerError(f"weights changed names between pushes: {sorted(set(state) ^ set(self.layout))[:5]}")
+        with torch.no_grad():
+            for name, t in state.items():
+                dtype, off, shape = self.layout[name]
+                self.slots[j][dtype][off:off + t.numel()].view(shape).copy_(t)
+        self.current, self.version = (j, version), version
+
+    def _allocate(self, state: dict[str, torch.Tensor]) -> None:
+        sizes: dict[torch.dtype, int] = {}
+        for name, t in state.items():
+            off = sizes.get(t.dtype, 0)
+            self.layout[name] = (t.dtype, off, t.shape)
+            sizes[t.dtype] = off + t.numel()
+        self.slots = [{d: torch.empty(n, dtype=d).share_memory_() for d, n in sizes.items()} for _ in range(SLOTS)]
+        self.requests.put(("slots", -1, (self.slots, self.layout), None))
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, kind: str, payload) -> int:
+        """Queue a request ("phase": a RolloutRequest, "evaluate": (prompts, answers)); it runs with
+        the newest weights pushed before it."""
+        rid, self.next_id = self.next_id, self.next_id + 1
+        self.in_flight[rid] = self.current[0] if self.current else None
+        self.requests.put((kind, rid, payload, self.current))
+        return rid
+
+    def poll(self, timeout: float, _from_wait: bool = False) -> list[tuple[int, object]]:
+        """Finished requests as (id, result); waits up to `timeout` s for the first one."""
+        out, deadline = [], time.monotonic() + timeout
+        if not _from_wait and self._pending:
+            out, self._pending = self._pending, []
+        while True:
+            if _from_wait and self.started:
+                return out
+            wait = deadline - time.monotonic() if not out else 0.0
+            try:
+                kind, rid, payload, info = self.results.get(timeout=max(wait, 0.0)) if wait > 0 else self.results.get_nowait()
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise WorkerError(f"the rollout worker process died (exit code {self.proc.exitcode})") from None
+                return out
+            if kind == "error":
+                raise WorkerError(f"the rollout worker failed:\n{payload}")
+            if kind == "ready":
+                self.started = True
+                continue
+            self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info
+            self.in_flight.pop(rid, None)
+            out.append((rid, pickle.loads(payload)))
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the worker has built its engine (or raise its error)."""
+        deadline = time.monotonic() + timeout
+        while not self.started and time.monotonic() < deadline:
+            self._pending.extend(self.poll(timeout=min(0.2, max(deadline - time.monotonic(), 0.0)), _from_wait=True))
+        if not self.started:
+            raise WorkerError(f"the rollout worker did not start within {timeout:.0f} s")
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.requests.put(("stop", -1, None, None))
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=10)
+
+
+def _parent_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return os.getppid() == pid
+
+
+def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> None:
+    from lit_ess.console import quiet_console
+
+    quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
+    try:
+        worker = RolloutWorker(config)
+    except BaseException:
+        results.put(("error", -1, traceback.format_exc(), None))
+        return
+    results.put(("ready", -1, None, None))
+    slots, layout, loaded = None, {}, None
+    idle = busy = wsec = 0.0
+    try:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                kind, rid, payload, weights = requests.get(timeout=1.0)
+            except queue.Empty:
+                idle += time.perf_counter() - t0
+                if not _parent_alive(parent_pid):
+                    return
+                continue
+            idle += time.perf_counter() - t0
+            if kind == "stop":
+                return
+            if kind == "slots":
+                slots, layout = payload
+                continue
+            t1 = time.perf_counter()
+            if weights is not None and weights != loaded:
+                j, version = weights
+                views = ((n, slots[j][d][off:off + shape.numel()].view(shape)) for n, (d, off, shape) in layout.items())
+                worker.load_weights(views, version)
+                loaded = weights
+                wsec += time.perf_counter() - t1
+            out = worker.run(payload) if kind == "phase" else worker.evaluate(*payload)
+            busy += time.perf_counter() - t1
+            results.put(("result", rid, pickle.dumps(out), (idle, busy, wsec)))
+    except BaseException:
+        results.put(("error", -1, traceback.format_exc(), None))
+    finally:
+        worker.close()

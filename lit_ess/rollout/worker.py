@@ -1,0 +1,134 @@
+"""RolloutWorker: prompts -> engine -> rewards -> group advantages -> optimizer-step batches.
+
+One `RolloutRequest` is one rollout *phase*: `P` prompts (chosen by the DataModule, which owns the
+prompt cursor) x `n` samples each, split into `steps_per_rollout` batches. The worker holds the engine
+and the reward scorer; it runs in the trainer's process (sync mode) or in its own (async mode, see
+`process.py`), and it is the same code in both.
+
+Weights change only between requests, so every token of a phase was sampled by one policy version and
+each row carries it (`RolloutBatch.versions`).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lit_ess.advantages import group_advantages
+from lit_ess.engines import EngineConfig, SamplingConfig, derive_seed
+from lit_ess.rewards import RewardScorer
+
+from .batch import RolloutBatch, Row, collate
+
+
+@dataclass
+class RolloutRequest:
+    """The prompts of one phase. `prompt_ids` index the prompt source; `prompts` are token ids."""
+    phase: int
+    prompt_ids: list[int]
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    answers: list[str]
+
+
+@dataclass
+class PhaseResult:
+    phase: int
+    batches: list[RolloutBatch]
+    reward_counters: dict
+    gen_seconds: float
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker needs to start, as plain values (so a child process can build it)."""
+    model_path: str
+    engine: EngineConfig
+    sampling: SamplingConfig
+    reward: str = "exact_match"
+    reward_timeout: float = 5.0
+    samples_per_prompt: int = 8
+    steps_per_rollout: int = 1
+    advantage: str = "zscore"
+    drop_degenerate: bool = False
+    seed: int = 0
+    max_staleness: int = 0
+    reward_counters: dict = field(default_factory=dict)
+
+
+class RolloutWorker:
+    def __init__(self, config: WorkerConfig):
+        from transformers import AutoTokenizer
+
+        self.config = c = config
+        self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.scorer = RewardScorer(c.reward, c.reward_timeout)
+        if c.reward_counters:
+            self.scorer.load_state_dict(c.reward_counters)
+        self.engine = c.engine.build(c.model_path)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        self.engine.load_weights(named_tensors, version)
+
+    @torch.no_grad()
+    def run(self, req: RolloutRequest) -> PhaseResult:
+        c, n = self.config, self.config.samples_per_prompt
+        t0 = time.perf_counter()
+        groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase)
+        t_gen = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+        answers = [a for a in req.answers for _ in range(n)]
+        rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+        adv, degenerate = group_advantages(rewards, c.advantage)
+
+        keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
+        # every optimizer step needs at least one row: restore dropped groups (zero advantage) in order
+        restore = [g for g in range(len(groups)) if g not in keep]
+        while len(keep) * n < c.steps_per_rollout:
+            keep.append(restore.pop(0))
+        rows = [Row(req.prompts[g], groups[g][j].token_ids, groups[g][j].logprobs, float(adv[g, j]),
+                    float(rewards[g, j]), groups[g][j].version, req.prompt_ids[g], req.prompt_texts[g], texts[g * n + j])
+                for g in keep for j in range(n)]
+        random.Random(derive_seed(c.seed, req.phase)).shuffle(rows)     # per phase: same order in sync and async
+
+        lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
+        stats = {
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "rollout/response_len": float(lengths.mean()),
+            "rollout/response_len_max": float(lengths.max()),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel(),
+            "rollout/degenerate_frac": float(degenerate.float().mean()),
+            "rollout/dropped_groups": float(len(groups) - len(keep)),
+            "rollout/gen_seconds": t_gen,
+            "rollout/gen_tokens_per_s": float(lengths.sum()) / max(t_gen, 1e-9),
+            "rollout/reward_errors": float(self.scorer.errors),
+            "rollout/reward_timeouts": float(self.scorer.timeouts),
+            "rollout/phase": float(req.phase),
+        }
+        sampling = {"temperature": c.sampling.temperature, "top_k": c.sampling.top_k, "top_p": c.sampling.top_p,
+                    "max_new_tokens": c.sampling.max_new_tokens}
+        k = c.steps_per_rollout
+        chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
+        batches = [collate(chunk, self.pad_id, sampling=sampling, stats=dict(stats), phase=req.phase, index=i,
+                           max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
+        return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
+
+    @torch.no_grad()
+    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> dict[str, float]:
+        """One sample per held-out prompt with the training sampling settings."""
+        groups = self.engine.generate(prompts, 1, self.config.sampling, call_seed=-1)
+        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
+        rewards = self.scorer(texts, answers)
+        return {"val/reward_mean": sum(rewards) / len(rewards),
+                "val/response_len": sum(len(g[0].token_ids) for g in groups) / len(groups)}
+
+    def close(self) -> None:
+        self.scorer.close()

@@ -1,0 +1,157 @@
+"""Asynchronous rollouts: the scheduling invariants with a fake engine (latency injected, milliseconds
+per step), the buffer's hard staleness filter, and the worker process's failure modes."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from datamodules import Arithmetic, RolloutDataModule
+from fake_engine import FakeConfig
+from lit_ess.engines import SamplingConfig
+from lit_ess.rollout import RolloutBuffer, Row, WorkerError, collate
+
+
+def weights(version: int):
+    return {"w": torch.tensor([float(version)])}.items()
+
+
+def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, samples=2, **kw):
+    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=latency), mode=mode, max_staleness=S,
+                           steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples,
+                           source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward="e2e_utils:digit_fraction", **kw)
+    dm.setup("fit")
+    return dm
+
+
+def drive(dm, steps, train_seconds=0.0, planned=None):
+    """What the Trainer and callbacks.WeightSync do: push at start, take a batch per step, push when
+    the data side asks. Returns the batches; `planned` collects (step, phases planned) after each push."""
+    dm.push_weights(weights(0), 0)
+    out = []
+    for step in range(steps):
+        out.append(dm.next_batch(step))
+        time.sleep(train_seconds)
+        if dm.wants_weights(step + 1):
+            dm.push_weights(weights(step + 1), step + 1)
+        if planned is not None:
+            planned.append((step + 1, dm.next_plan, len(dm.submitted)))
+    return out
+
+
+@pytest.mark.parametrize("S, k, latency, train", [
+    (0, 1, 0.02, 0.0), (1, 1, 0.02, 0.0), (2, 1, 0.02, 0.0), (4, 1, 0.0, 0.02), (3, 2, 0.02, 0.0), (1, 2, 0.0, 0.01)])
+def test_async_bound_never_exceeded_nothing_lost_or_duplicated(tiny_model_dir, S, k, latency, train):
+    dm = make_dm(tiny_model_dir, S=S, k=k, latency=latency)
+    planned = []
+    try:
+        batches = drive(dm, 12, train, planned)
+    finally:
+        dm.teardown("fit")
+    lags = [int(step - v) for step, b in enumerate(batches) for v in b.versions]
+    assert max(lags) <= S and dm.buffer.stale_dropped == 0          # admission alone kept the bound
+    if S > k - 1:
+        # training is the bottleneck: finished phases wait in the buffer, as far ahead as the bound allows;
+        # generation is: one phase generating and one queued (never more), so data is at most one phase older
+        assert max(lags) == (S if train else min(S, 2 * k - 1))
+    for b in batches:                                                  # each row came from the weights of
+        m = b.completion_mask                                          # its version (shared-memory transport)
+        assert torch.equal(b.behavior_logprobs[m], (-b.versions.float())[:, None].expand_as(m)[m])
+    # every phase trained whole and once: its prompts' rows are all there, no row twice
+    by_phase = {}
+    for b in batches:
+        by_phase.setdefault(b.phase, []).extend(b.prompt_ids.tolist())
+    assert sorted(by_phase) == list(range(12 // k))
+    for rows in by_phase.values():
+        assert len(rows) == 3 * 2 and sorted(set(rows)) == sorted(set(rows)) and len(set(rows)) == 3
+    # admission: a phase is started only with weights fresh enough, so never more than the bound allows
+    for version, next_plan, in_flight in planned:
+        assert next_plan - 1 <= (version + S - k + 1) // k and in_flight <= 2
+
+
+def test_async_with_staleness_zero_equals_sync(tiny_model_dir):
+    got = {}
+    for mode in ("sync", "async"):
+        dm = make_dm(tiny_model_dir, mode=mode, S=0, k=1)
+        try:
+            got[mode] = drive(dm, 5)
+        finally:
+            dm.teardown("fit")
+    for a, b in zip(got["sync"], got["async"]):
+        for f in ("input_ids", "completion_mask", "behavior_logprobs", "advantages", "versions", "prompt_ids"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def _batch(versions):
+    rows = [Row([1, 2], [3], [-0.5], 1.0, 1.0, v, i, "p", "c") for i, v in enumerate(versions)]
+    return collate(rows, 0, phase=0, index=0)
+
+
+def test_buffer_drops_and_counts_rows_past_the_bound():
+    buf = RolloutBuffer(steps_per_rollout=1, max_staleness=1)
+    buf.put(0, [_batch([5, 3, 4])])
+    b = buf.take(step=5)                           # lags 0, 2, 1: the row of version 3 is too old
+    assert b.versions.tolist() == [5, 4] and buf.stale_dropped == 1
+    buf.put(1, [_batch([1, 1])])
+    buf.put(2, [_batch([6])])
+    assert buf.take(step=6).versions.tolist() == [6]          # phase 1 dropped whole, phase 2 served
+    assert buf.stale_dropped == 3 and buf.shift == 1 and buf.need(3) == 3 + 1 + 0 - 1
+
+
+def test_max_staleness_below_the_sync_lag_is_named(tiny_model_dir):
+    with pytest.raises(ValueError, match="max_staleness=0 is below steps_per_rollout - 1 = 1"):
+        RolloutDataModule(model_path=tiny_model_dir, steps_per_rollout=2, max_staleness=0)
+
+
+def test_worker_errors_reach_the_trainer_with_their_cause(tiny_model_dir):
+    dm = make_dm(tiny_model_dir, latency=-1.0)                  # time.sleep(-1) raises in the worker
+    try:
+        dm.push_weights(weights(0), 0)
+        with pytest.raises(WorkerError, match="sleep length must be non-negative"):
+            dm.next_batch(0)
+    finally:
+        dm.teardown("fit")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_without_weight_pushes_the_stream_fails_loudly(tiny_model_dir, mode):
+    dm = make_dm(tiny_model_dir, mode=mode)
+    try:
+        if mode == "async":
+            with pytest.raises(RuntimeError, match="callbacks.WeightSync"):
+                dm.next_batch(0)
+        else:
+            dm.next_batch(0)                                      # version 0: the engine's own weights
+            with pytest.raises(RuntimeError, match="callbacks.WeightSync"):
+                dm.next_batch(1)
+    finally:
+        dm.teardown("fit")
+
+
+CHILD = """
+import sys, os
+sys.path.insert(0, {tests!r})
+from test_async import make_dm
+dm = make_dm({model!r})
+print(dm.worker.proc.pid, flush=True)
+dm.worker.wait_ready(timeout=60)
+os._exit(0)                         # as after kill -9: no teardown
+"""
+
+
+def test_worker_exits_when_the_trainer_dies(tiny_model_dir):
+    code = CHILD.format(tests=os.path.dirname(__file__), model=tiny_model_dir)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout.split()[0])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    pytest.fail("the worker process outlived its trainer by 10 s")
