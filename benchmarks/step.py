@@ -23,20 +23,21 @@ from lit_ess.engines import SamplingConfig, build_engine
 from lit_ess.logprobs import sequence_logprobs
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import build_objective
+from lit_ess.rollout import RolloutBatch
 from lit_ess.tiny import build_tiny_model
 
 
-def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> dict:
+def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> RolloutBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (B, P + T), generator=g)
     comp = torch.zeros(B, P + T, dtype=torch.bool)
     comp[:, P:] = True
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": comp,
-            "behavior_logprobs": torch.where(comp, -torch.rand(B, P + T, generator=g) * 5, 0.0),
-            "advantages": torch.randn(B, generator=g), "rewards": torch.zeros(B),
-            "versions": torch.zeros(B, dtype=torch.long),
-            "sampling": {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 64}, "stats": {"rollout/reward_mean": 0.0},
-            "phase": 0, "index": 0}
+    return RolloutBatch(input_ids=ids, attention_mask=torch.ones_like(ids), completion_mask=comp,
+                        behavior_logprobs=torch.where(comp, -torch.rand(B, P + T, generator=g) * 5, 0.0),
+                        advantages=torch.randn(B, generator=g), rewards=torch.zeros(B),
+                        versions=torch.zeros(B, dtype=torch.long), prompt_ids=torch.arange(B),
+                        sampling={"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 64},
+                        stats={"rollout/reward_mean": 0.0}, max_staleness=10**9)   # the same batch every step
 
 
 class _Same(Dataset):

@@ -57,6 +57,8 @@ class WeightSync(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
+        if 0 <= trainer.max_steps <= step:                   # the run ends here: nothing will be generated
+            return
         if self._receiver(trainer).wants_weights(step):
             self.push(trainer, pl_module)
             for lg in trainer.loggers:                       # same x-axis as PolicyModule's metrics

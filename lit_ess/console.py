@@ -62,6 +62,10 @@ HARMLESS_WARNINGS: tuple[str, ...] = (
     # lit-ess checkpoints the state after the optimizer step on purpose: `--ckpt_path last` then
     # continues exactly (tests/test_e2e.py::test_kill_and_resume_matches_uninterrupted).
     r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
+    # The in-process vLLM engine starts a one-process torch.distributed group, so Lightning thinks
+    # the run is distributed and asks for sync_dist; PolicyModule logs val/ with sync_dist=True, and
+    # Lightning warns only when its world size is 1 (nothing to reduce).
+    r"It is recommended to use `self\.log\('val/",
 )
 
 # lines written straight to file descriptor 2 by C++ code while vLLM starts

@@ -136,3 +136,18 @@ def test_hf_engine_ignores_generation_config_processors(tmp_path):
     groups = engine.generate(PROMPTS, 4, s)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert max_logprob_gap(model, PROMPTS, groups, s) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["vllm", "hf"])
+def test_raw_behavior_logprobs_are_untempered_and_untruncated(name, tiny_model_dir, vllm_engines, hf_model):
+    """behavior_logprobs: raw records log-softmax of the plain logits (T = 1, no top-k/top-p), the
+    authors' definition of pi_b, while the tokens are still sampled at T with top-k/top-p."""
+    from lit_ess.engines import HFConfig
+
+    engine = (vllm_engines("raw", behavior_logprobs="raw") if name == "vllm"
+              else HFConfig(behavior_logprobs="raw").build(tiny_model_dir))
+    s = SamplingConfig(temperature=0.6, top_k=5, top_p=0.9, max_new_tokens=12, seed=3)
+    groups = engine.generate(PROMPTS, 4, s)
+    raw = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    assert max_logprob_gap(hf_model, PROMPTS, groups, raw) < 1e-5
+    assert max_logprob_gap(hf_model, PROMPTS, groups, s) > 0.05        # not the processed distribution

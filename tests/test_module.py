@@ -1,6 +1,7 @@
 """PolicyModule without a Trainer: the step's gradient does not depend on micro_batch_size."""
 from dataclasses import replace
 
+import lightning as L
 import pytest
 import torch
 
@@ -178,8 +179,6 @@ def test_skipped_steps_survive_a_checkpoint(tiny_model_dir):
 def test_plain_trainer_resumes_with_a_typed_objective(tiny_model_dir, tmp_path):
     """Without the CLI the objective dataclass is pickled in the checkpoint's hparams; torch.load's
     weights_only default must accept it (regression: 'Unsupported global: lit_ess.objectives.GRPO')."""
-    import lightning as L
-
     from callbacks import WeightSync
     from lit_ess.objectives import GRPO
 
@@ -197,3 +196,33 @@ def test_plain_trainer_resumes_with_a_typed_objective(tiny_model_dir, tmp_path):
     fit(2)
     trainer, module = fit(3, str(tmp_path / "last.ckpt"))
     assert trainer.global_step == 3 and module.objective == GRPO(clip_eps=0.3)
+
+
+class _Recorder(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append((trainer.global_step - 1, batch.versions.tolist(), batch.prompt_ids.tolist()))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_plain_trainer_needs_no_flag_and_never_reuses_a_rollout(tiny_model_dir, k):
+    """A plain Trainer (no reload_dataloaders_every_n_epochs): every phase is new data generated with
+    the weights of its first step, and the full weights are pushed once per phase, not per step."""
+    from callbacks import WeightSync
+
+    rec, sync = _Recorder(), WeightSync()
+    module = PolicyModule(tiny_model_dir, lr=1e-3)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=200),
+                           prompts_per_rollout=4, samples_per_prompt=2, steps_per_rollout=k,
+                           sampling=SamplingConfig(max_new_tokens=4, seed=0))
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[sync, rec])
+    trainer.fit(module, dm)
+    assert [s for s, _, _ in rec.steps] == list(range(6))
+    for step, versions, _ in rec.steps:
+        assert set(versions) == {step - step % k}                 # the weights of the phase's first step
+    phases = [sorted(p for _, _, ids in rec.steps[i:i + k] for p in ids) for i in range(0, 6, k)]
+    assert len({tuple(p) for p in phases}) == 6 // k               # no rollout trained twice
+    assert sync.pushes == 6 // k                                   # at start, then once per new phase

@@ -4,7 +4,9 @@
     ---------------                                   ----------------------
     load_weights(state, v) -> copy into a free        requests.get() -> if the request names newer
         shared-memory slot (one flat tensor per           weights: engine.load_weights(slot views, v)
-        dtype; 4 slots, never one in use)             -> worker.run(request) -> results.put(pickled)
+        dtype; 4 slots, never one in use)             -> worker.sample(request)     (engine)
+                                                      -> scoring thread: worker.score(...) (rewards)
+                                                         -> results.put(pickled)
     submit(kind, payload) -> requests.put(...)
     poll(timeout) -> [(id, result)]
 
@@ -29,17 +31,34 @@ from .worker import RolloutWorker, WorkerConfig
 SLOTS = 4
 
 
+def cpu_sharing_env() -> dict[str, str]:
+    """Environment for a worker that shares the CPU cores with the trainer: vLLM must not pin its
+    OpenMP threads to cores (VLLM_CPU_OMP_THREADS_BIND=nobind) and idle OpenMP threads must sleep, not
+    spin (OMP_WAIT_POLICY=PASSIVE). Measured on 2 cores (benchmarks/async.py, 15 steps): the demo
+    config went from 1.40x to 1.21x the sync step time, the latency-bound case from 1.34x to 0.78x.
+    A variable the user already set is kept."""
+    wanted = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
+    return {k: v for k, v in wanted.items() if k not in os.environ}
+
+
 class WorkerError(RuntimeError):
     pass
 
 
 class WorkerProcess:
-    def __init__(self, config: WorkerConfig, start_timeout: float = 600.0):
+    def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None):
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_child_main, args=(config, self.requests, self.results, os.getpid()),
                                 name="lit-ess-rollout-worker")
-        self.proc.start()
+        env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **(env or {})}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)                   # read by the child's OpenMP and vLLM when they load
+        try:
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         atexit.register(self.close)                           # before multiprocessing joins its children
         self.start_timeout = start_timeout
         self.started = False
@@ -142,6 +161,11 @@ def _parent_alive(pid: int) -> bool:
 
 
 def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> None:
+    """The worker process: the main thread samples (engine), a second thread scores (rewards,
+    batching) and sends results, so phase p is scored while phase p + 1 is sampled. Results leave in
+    request order (one scoring thread, FIFO)."""
+    import threading
+
     from lit_ess.console import quiet_console
 
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
@@ -151,19 +175,33 @@ def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> Non
         results.put(("error", -1, traceback.format_exc(), None))
         return
     results.put(("ready", -1, None, None))
+    to_score: queue.Queue = queue.Queue()
+    clock = {"idle": 0.0, "busy": 0.0, "weights": 0.0}       # of the engine (main thread)
+
+    def score_loop():
+        while (item := to_score.get()) is not None:
+            kind, rid, payload, sampled = item
+            try:
+                out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload[1], *sampled)
+                results.put(("result", rid, pickle.dumps(out), (clock["idle"], clock["busy"], clock["weights"])))
+            except BaseException:
+                results.put(("error", rid, traceback.format_exc(), None))
+                return
+
+    scorer = threading.Thread(target=score_loop, name="lit-ess-scorer", daemon=True)
+    scorer.start()
     slots, layout, loaded = None, {}, None
-    idle = busy = wsec = 0.0
     try:
         while True:
             t0 = time.perf_counter()
             try:
                 kind, rid, payload, weights = requests.get(timeout=1.0)
             except queue.Empty:
-                idle += time.perf_counter() - t0
-                if not _parent_alive(parent_pid):
+                clock["idle"] += time.perf_counter() - t0
+                if not _parent_alive(parent_pid) or not scorer.is_alive():
                     return
                 continue
-            idle += time.perf_counter() - t0
+            clock["idle"] += time.perf_counter() - t0
             if kind == "stop":
                 return
             if kind == "slots":
@@ -175,11 +213,13 @@ def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> Non
                 views = ((n, slots[j][d][off:off + shape.numel()].view(shape)) for n, (d, off, shape) in layout.items())
                 worker.load_weights(views, version)
                 loaded = weights
-                wsec += time.perf_counter() - t1
-            out = worker.run(payload) if kind == "phase" else worker.evaluate(*payload)
-            busy += time.perf_counter() - t1
-            results.put(("result", rid, pickle.dumps(out), (idle, busy, wsec)))
+                clock["weights"] += time.perf_counter() - t1
+            sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload[0])
+            clock["busy"] += time.perf_counter() - t1
+            to_score.put((kind, rid, payload, sampled))
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
     finally:
+        to_score.put(None)
+        scorer.join(timeout=60)
         worker.close()

@@ -5,6 +5,10 @@ prompt cursor) x `n` samples each, split into `steps_per_rollout` batches. The w
 and the reward scorer; it runs in the trainer's process (sync mode) or in its own (async mode, see
 `process.py`), and it is the same code in both.
 
+A phase has two stages: `sample` (the engine) and `score` (rewards and batching, no engine). In the
+trainer's process they run one after the other; the worker process scores a phase in a thread while
+its engine samples the next one, so a reward that waits (a remote verifier) overlaps generation.
+
 Weights change only between requests, so every token of a phase was sampled by one policy version and
 each row carries it (`RolloutBatch.versions`).
 """
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lit_ess.advantages import group_advantages
-from lit_ess.engines import EngineConfig, SamplingConfig, derive_seed
+from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_seed
 from lit_ess.rewards import RewardScorer
 
 from .batch import RolloutBatch, Row, collate
@@ -77,13 +81,23 @@ class RolloutWorker:
     def load_weights(self, named_tensors, version: int) -> None:
         self.engine.load_weights(named_tensors, version)
 
-    @torch.no_grad()
     def run(self, req: RolloutRequest) -> PhaseResult:
-        c, n = self.config, self.config.samples_per_prompt
+        return self.score(req, *self.sample(req))
+
+    @torch.no_grad()
+    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]], list[str], float]:
+        """Stage 1, the engine: n completions per prompt, their texts and the generation time."""
         t0 = time.perf_counter()
-        groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase)
+        groups = self.engine.generate(req.prompts, self.config.samples_per_prompt, self.config.sampling,
+                                      call_seed=req.phase)
         t_gen = time.perf_counter() - t0
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+        return groups, texts, t_gen
+
+    def score(self, req: RolloutRequest, groups: list[list[Completion]], texts: list[str], t_gen: float) -> PhaseResult:
+        """Stage 2, no engine: rewards, group advantages, rows, the phase's batches and statistics.
+        (The worker process runs it in a thread, beside the next phase's sampling.)"""
+        c, n = self.config, self.config.samples_per_prompt
         answers = [a for a in req.answers for _ in range(n)]
         rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
         adv, degenerate = group_advantages(rewards, c.advantage)
@@ -121,14 +135,19 @@ class RolloutWorker:
                            max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
 
-    @torch.no_grad()
     def evaluate(self, prompts: list[list[int]], answers: list[str]) -> dict[str, float]:
         """One sample per held-out prompt with the training sampling settings."""
+        return self.score_eval(answers, *self.sample_eval(prompts))
+
+    @torch.no_grad()
+    def sample_eval(self, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
         groups = self.engine.generate(prompts, 1, self.config.sampling, call_seed=-1)
-        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
+        return ([self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups],
+                [len(g[0].token_ids) for g in groups])
+
+    def score_eval(self, answers: list[str], texts: list[str], lengths: list[int]) -> dict[str, float]:
         rewards = self.scorer(texts, answers)
-        return {"val/reward_mean": sum(rewards) / len(rewards),
-                "val/response_len": sum(len(g[0].token_ids) for g in groups) / len(groups)}
+        return {"val/reward_mean": sum(rewards) / len(rewards), "val/response_len": sum(lengths) / len(lengths)}
 
     def close(self) -> None:
         self.scorer.close()

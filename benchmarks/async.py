@@ -1,0 +1,81 @@
+"""Wall-clock per optimizer step, asynchronous (S = 1) against synchronous rollouts, in one run.
+
+(a) the demo config (configs/demo.yaml: 32 prompts x 8 samples, P3O, 2-digit addition);
+(b) the same with a latency-bound reward: a verifier that waits 2 ms per completion (0.5 s per rollout
+    of 256 completions, about one training step here), as remote sandboxes and judges do.
+Goal for (b): async <= 0.6x sync. In (a) generation and training both compute on the same 2 CPU
+cores, so overlapping them cannot make both faster; the number is reported as measured.
+
+Runs alternate sync / async for `--rounds` rounds, each a `lit-ess fit` of `--steps` steps; the
+first 3 steps of each run are dropped (vLLM warm-up) and the median step time is kept.
+
+    .venv/bin/python benchmarks/async.py [--model runs/demo/sft] [--steps 25 --rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(model: str, out: Path, mode: str, steps: int, reward: str) -> list[float]:
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["model"]["init_args"]["model_path"] = model
+    data = cfg["data"]["init_args"]
+    data.update({"mode": mode, "max_staleness": 1 if mode == "async" else None, "reward": reward, "val_source": None})
+    times = out / f"{mode}.json"
+    cfg["trainer"].update({"max_steps": steps, "logger": False, "enable_checkpointing": False,
+                           "enable_progress_bar": False, "check_val_every_n_epoch": 1,
+                           "callbacks": [{"class_path": "callbacks.WeightSync"},
+                                         {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}]})
+    path = out / f"{mode}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"benchmarks/async.py: the {mode} run failed:\n{res.stderr[-3000:]}")
+    t = json.loads(times.read_text())
+    return [b - a for a, b in zip(t[3:], t[4:])]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="runs/demo/sft", help="policy folder (default: the demo's SFT model)")
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/async.json")
+    a = p.parse_args(argv)
+    if not Path(a.model).is_dir():
+        sys.exit(f"benchmarks/async.py: no model folder {a.model}: run `bash scripts/demo.sh` first, or pass --model")
+    model = str(Path(a.model).resolve())
+    results = {}
+    cases = {"(a) demo config": "exact_match", "(b) latency-bound reward": "benchmarks.timing:waiting_exact_match"}
+    with tempfile.TemporaryDirectory() as d:
+        for case, reward in cases.items():
+            times = {"sync": [], "async": []}
+            for r in range(a.rounds):
+                for mode in ("sync", "async"):
+                    out = Path(d) / f"{len(results)}-{r}"
+                    out.mkdir(parents=True, exist_ok=True)
+                    times[mode] += run(model, out, mode, a.steps, reward)
+            s, y = statistics.median(times["sync"]), statistics.median(times["async"])
+            results[case] = {"sync_s_per_step": s, "async_s_per_step": y, "ratio": y / s, "steps_timed": len(times["sync"])}
+            goal = "  (goal <= 0.6)" if case.startswith("(b)") else ""
+            print(f"{case}: sync {s:.3f} s/step, async S=1 {y:.3f} s/step, ratio {y / s:.2f}{goal}", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "rounds": a.rounds, "results": results}, indent=1))
+    print(f"written: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
