@@ -26,9 +26,18 @@ class WeightReceiver(Protocol):
 
 class WeightSync(L.Callback):
     """Pushes `pl_module.policy_state_dict()` (gathered on every rank under FSDP) to the datamodule;
-    logs `perf/weight_sync_seconds` on the step axis."""
+    logs `perf/weight_sync_seconds` on the step axis.
 
-    def __init__(self):
+    Args:
+        every_n_steps: gone (lit-ess 0.2 pushes when the engine generates next); 1 is accepted so that
+            older configs keep working, any other value stops with a message that says what to use.
+    """
+
+    def __init__(self, every_n_steps: int | None = None):
+        if every_n_steps not in (None, 1):
+            raise ValueError(f"WeightSync.every_n_steps={every_n_steps} is gone: weights now reach the engine "
+                             f"whenever it generates next. For deliberately stale data set "
+                             f"data.steps_per_rollout, or data.mode: async with data.max_staleness")
         self.pushes = 0
         self.last_seconds = 0.0
 

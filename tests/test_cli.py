@@ -74,9 +74,19 @@ def test_old_configs_say_how_to_update(tiny_model_dir, args, says):
     assert says in _one_error_line(res)
 
 
-def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool):
+def test_old_weight_sync_period_says_what_to_use(tiny_model_dir, tmp_path):
+    cfg = yaml.safe_load(open(DEMO))
+    cfg["model"]["init_args"]["model_path"] = tiny_model_dir
+    cfg["trainer"]["callbacks"][0] = {"class_path": "callbacks.WeightSync", "init_args": {"every_n_steps": 4}}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    line = _one_error_line(cli(["fit", "--config", str(path)], cwd=tmp_path))
+    assert "every_n_steps=4 is gone" in line and "max_staleness" in line, line
+
+
+def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO):
     env = dict(os.environ, LIT_ESS_VERBOSE="1" if verbose else "0")
-    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir, "--trainer.max_steps", "2",
+    res = cli(["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--trainer.max_steps", "2",
                "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4"],
               cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -94,3 +104,12 @@ def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, 
 
     loud = _run_demo_rl(tiny_model_dir, tmp_path / "loud", verbose=True)
     assert re.search("warning", loud.stderr + loud.stdout, re.I)
+
+
+@pytest.mark.e2e
+def test_async_demo_console_is_quiet(tiny_model_dir, tmp_path):
+    """The worker process (vLLM in a child) follows the same console rules as the trainer."""
+    res = _run_demo_rl(tiny_model_dir, tmp_path, verbose=False, config=str(CONFIGS / "demo_async.yaml"))
+    noisy = [ln for ln in (res.stderr + res.stdout).splitlines() if re.search("warning", ln, re.I)]
+    assert noisy == [], noisy
+    assert "steps: 100%" in res.stderr
