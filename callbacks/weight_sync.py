@@ -6,7 +6,7 @@ trainer's next step, `push_weights(named_tensors, version)` takes the weights of
 `version`. So with k optimizer steps per rollout the full weights are gathered once per phase, not
 after every step. The callback pushes at train start (which covers a resume: Lightning has restored
 the checkpoint's weights by then, while the engine was built from the initial folder), after every
-step whose successor needs new weights, and before a stand-alone `lit-ess validate`.
+step whose successor needs new weights, and before every validation.
 """
 from __future__ import annotations
 
@@ -59,10 +59,10 @@ class WeightSync(L.Callback):
         self.push(trainer, pl_module)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        # `lit-ess validate`: the engine was built from model_path, the weights may come from a checkpoint.
-        # Inside fit, validation samples with the weights the engine holds for the next rollout.
-        if not trainer.training:
-            self.push(trainer, pl_module)
+        # Validation samples with the current policy: in `lit-ess validate` the engine was built from
+        # model_path while the weights come from a checkpoint; inside fit the engine may hold older
+        # weights (several steps per rollout, or async). A push starts no rollout.
+        self.push(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step

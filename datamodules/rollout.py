@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import asdict
 from typing import Literal
 
 import lightning as L
@@ -167,16 +168,31 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
         from transformers import AutoTokenizer
 
+        if self.mode == "async" and self._world_size() > 1:
+            raise ValueError("mode: async runs one worker process per trainer process and does not shard prompts "
+                             "across ranks yet: use one device, or mode: sync")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        config = WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
-                              self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
-                              self.seed, self.max_staleness, dict(self.reward_counters))
-        self.worker = RolloutWorker(config) if self.mode == "sync" else WorkerProcess(config)
+        if self.mode == "sync":
+            self.worker = RolloutWorker(self._worker_config())
+        else:
+            self.worker = _LazyProcess(self._worker_config)   # started at first use, after a checkpoint's restore
+
+    def _worker_config(self) -> WorkerConfig:
+        return WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
+                            self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
+                            self.seed, self.max_staleness, dict(self.reward_counters))
+
+    def _world_size(self) -> int:
+        try:
+            return self.trainer.world_size if self.trainer is not None else 1
+        except RuntimeError:
+            return 1
 
     def teardown(self, stage: str) -> None:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+        self.submitted = {}          # their requests stay in self.requests and are generated again
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_StepDataset(self), batch_size=None, sampler=_ResumeSampler(self.steps_per_epoch, self),
@@ -195,20 +211,24 @@ class RolloutDataModule(L.LightningDataModule):
         if self.mode == "sync":
             return not self.buffer.has_next() and self.worker.version != version
         self._collect(timeout=0.0)
-        return self._admissible(version) is not None
+        return self._admissible(version, step=version) is not None
 
     def push_weights(self, named_tensors, version: int) -> None:
-        """Hand the policy's weights (Hugging Face names) of optimizer step `version` to the engine; in
-        async mode also start every phase they make admissible."""
+        """Hand the policy's weights (Hugging Face names) of optimizer step `version` to the engine.
+        (Async: the phases they make admissible start at the trainer's next request for data, so a
+        stand-alone `lit-ess validate` starts none.)"""
         self.worker.load_weights(named_tensors, version)
-        if self.mode == "async":
-            while (p := self._admissible(version)) is not None:
-                self.submitted[self.worker.submit("phase", self._request(p))] = p
 
-    def _admissible(self, version: int) -> int | None:
-        """The next phase to start if weights of `version` may generate it and a slot is free."""
+    def _start_admissible(self, step: int) -> None:
+        """Async: start every phase the newest pushed weights may generate (up to the in-flight cap)."""
+        while (p := self._admissible(self.worker.version, step)) is not None:
+            self.submitted[self.worker.submit("phase", self._request(p))] = p
+
+    def _admissible(self, version: int, step: int) -> int | None:
+        """The next phase to start, if weights of `version` may generate it while the trainer's next
+        step is `step`, and fewer than MAX_PHASES_IN_FLIGHT phases are being generated."""
         p = min((q for q in self.requests if q not in self.submitted.values()), default=self.next_plan)
-        if len(self.submitted) >= MAX_PHASES_IN_FLIGHT or self.buffer.need(p) > version:
+        if len(self.submitted) >= MAX_PHASES_IN_FLIGHT or version < 0 or self.buffer.need(p, step) > version:
             return None
         return p
 
@@ -218,6 +238,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self.t_start is None:
             self.t_start = time.perf_counter()
         t0 = time.perf_counter()
+        if self.mode == "async":
+            self._start_admissible(step)
         batch = self.buffer.take(step)
         while batch is None:
             self._fill(step)
@@ -237,18 +259,20 @@ class RolloutDataModule(L.LightningDataModule):
     def _fill(self, step: int) -> None:
         """Bring the next phase into the buffer: generate it (sync) or wait for it (async)."""
         p = self.buffer.next_phase
+        need = self.buffer.need(p, step)
         if self.mode == "sync":
-            if self.worker.version < self.buffer.need(p):
+            if self.worker.version < need:
                 raise RuntimeError(
-                    f"rollout phase {p} needs the weights of step {self.buffer.need(p)} or later, but the engine "
-                    f"holds step {self.worker.version}'s: add callbacks.WeightSync to the Trainer's callbacks "
-                    f"(it pushes weights before each rollout)")
+                    f"rollout phase {p} needs the weights of step {need} or later, but the engine holds step "
+                    f"{self.worker.version}'s: add callbacks.WeightSync to the Trainer's callbacks (it pushes "
+                    f"weights before each rollout)")
             self._add(self.worker.run(self._request(p)))
             return
+        self._start_admissible(step)         # e.g. after the filter dropped batches
         if p not in self.submitted.values():
             raise RuntimeError(
-                f"no rollout is in flight for phase {p} at step {step}: weights of step >= {self.buffer.need(p)} were "
-                f"never pushed. Add callbacks.WeightSync to the Trainer's callbacks")
+                f"no rollout is in flight for phase {p} at step {step}: it needs weights of step >= {need}, the "
+                f"worker holds step {self.worker.version}'s. Add callbacks.WeightSync to the Trainer's callbacks")
         self._collect(timeout=1.0)
 
     def _collect(self, timeout: float) -> None:
@@ -345,7 +369,7 @@ class RolloutDataModule(L.LightningDataModule):
     def state_dict(self) -> dict:
         return {
             "cursor": self.cursor, "order": self.order, "rng": self.rng.getstate(), "next_plan": self.next_plan,
-            "requests": list(self.requests.values()),     # in flight: regenerated after a resume
+            "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
             "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
         }
@@ -356,7 +380,7 @@ class RolloutDataModule(L.LightningDataModule):
                              "(issue 8); resume it with that version or start a new run from its weights")
         self.cursor, self.order, self.next_plan = state["cursor"], list(state["order"]), state["next_plan"]
         self.rng.setstate(_as_tuple(state["rng"]))
-        self.requests = {r.phase: r for r in state["requests"]}
+        self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
         self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
@@ -364,6 +388,29 @@ class RolloutDataModule(L.LightningDataModule):
         if self.worker is not None and self.reward_counters and self.mode == "sync":
             self.worker.scorer.load_state_dict(self.reward_counters)
         self.resume_offset = state.get("epoch_offset", 0)
+
+
+class _LazyProcess:
+    """A WorkerProcess started at its first use: after `load_state_dict`, so a resumed run's worker
+    starts with the checkpoint's reward counters."""
+
+    def __init__(self, make_config):
+        self._make_config, self._proc = make_config, None
+
+    @property
+    def version(self) -> int:
+        return self._proc.version if self._proc is not None else -1
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._proc is None:
+            self._proc = WorkerProcess(self._make_config())
+        return getattr(self._proc, name)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.close()
 
 
 def _as_tuple(x):

@@ -210,9 +210,11 @@ class PolicyModule(L.LightningModule):
         ess_value = step_ess if step_ess is not None else sums.get("ess")
         if len(mbs) > 1:     # one micro-batch: the objective's ratio statistics are already the step's
             sums.update(ratio_metrics(lr_all[None], m_all[None], ess_value))
-        if not self.objective.needs_ess and m_all.any():       # diagnostic: how off-policy was the data
+        if not self.objective.needs_ess:       # diagnostic: how off-policy was the data (every rank reduces)
             st = ess_stats(lr_all, m_all)
-            sums["ess"] = (st.all_reduce() if self._world() else st).value().double()
+            st = st.all_reduce() if self._world() else st
+            if m_all.any() or self._world():
+                sums["ess"] = st.value().double()
         self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
         if ess_value is not None:
             self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess_value.float().cpu())

@@ -121,9 +121,14 @@ def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float =
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
     proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + timeout
-    while not list(ckpt_dir.glob(f"*step={step}*.ckpt")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
+    deadline, last, size = time.time() + timeout, ckpt_dir / "last.ckpt", -1
+    while time.time() < deadline and proc.poll() is None:
+        # `--ckpt_path last` needs last.ckpt, written right after the step's file: wait until it is whole
+        if list(ckpt_dir.glob(f"*step={step}*.ckpt")) and last.exists():
+            if last.stat().st_size == size:
+                break
+            size = last.stat().st_size
+        time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert list(ckpt_dir.glob(f"*step={step}*.ckpt")), "no checkpoint was written before the kill"
+    assert list(ckpt_dir.glob(f"*step={step}*.ckpt")) and last.exists(), "no checkpoint was written before the kill"

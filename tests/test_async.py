@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -65,8 +67,8 @@ def test_async_bound_never_exceeded_nothing_lost_or_duplicated(tiny_model_dir, S
     for b in batches:
         by_phase.setdefault(b.phase, []).extend(b.prompt_ids.tolist())
     assert sorted(by_phase) == list(range(12 // k))
-    for rows in by_phase.values():
-        assert len(rows) == 3 * 2 and sorted(set(rows)) == sorted(set(rows)) and len(set(rows)) == 3
+    for rows in by_phase.values():                                     # 3 prompts x 2 samples
+        assert len(rows) == 6 and sorted(Counter(rows).values()) == [2, 2, 2]
     # admission: a phase is started only with weights fresh enough, so never more than the bound allows
     for version, next_plan, in_flight in planned:
         assert next_plan - 1 <= (version + S - k + 1) // k and in_flight <= 2
@@ -98,7 +100,31 @@ def test_buffer_drops_and_counts_rows_past_the_bound():
     buf.put(1, [_batch([1, 1])])
     buf.put(2, [_batch([6])])
     assert buf.take(step=6).versions.tolist() == [6]          # phase 1 dropped whole, phase 2 served
-    assert buf.stale_dropped == 3 and buf.shift == 1 and buf.need(3) == 3 + 1 + 0 - 1
+    assert buf.stale_dropped == 3
+    # phase 3 is the next batch: trained at the next step (7), so weights of step 6 are enough with S=1
+    assert buf.ahead(3) == 0 and buf.need(3, step=7) == 6
+
+
+@pytest.mark.parametrize("mode, S", [("sync", 0), ("async", 0), ("async", 2)])
+def test_a_skipped_step_keeps_the_stream_and_the_bound(tiny_model_dir, mode, S):
+    """A step skipped for a non-finite gradient consumes its batch but not a global step: the stream
+    goes on (it used to stop with 'needs the weights of step 2'), and no row exceeds the bound."""
+    dm = make_dm(tiny_model_dir, mode=mode, S=S)
+    skip = {1, 4, 5}
+    try:
+        dm.push_weights(weights(0), 0)
+        step, seen = 0, []
+        for i in range(10):
+            b = dm.next_batch(step)
+            seen.append((step, b))
+            if i not in skip:
+                step += 1
+            if dm.wants_weights(step):
+                dm.push_weights(weights(step), step)
+    finally:
+        dm.teardown("fit")
+    assert max(int(st - v) for st, b in seen for v in b.versions) <= S
+    assert [b.phase for _, b in seen] == list(range(10))
 
 
 def test_max_staleness_below_the_sync_lag_is_named(tiny_model_dir):
@@ -155,3 +181,18 @@ def test_worker_exits_when_the_trainer_dies(tiny_model_dir):
         time.sleep(0.1)
     os.kill(pid, 9)
     pytest.fail("the worker process outlived its trainer by 10 s")
+
+
+def test_async_validation_samples_in_the_worker_and_starts_no_rollout(tiny_model_dir):
+    """`lit-ess validate` pushes weights and evaluates: no training phase may start (and, inside fit,
+    phase results that arrive while waiting for the evaluation go to the buffer)."""
+    dm = make_dm(tiny_model_dir)
+    try:
+        dm.push_weights(weights(3), 3)
+        metrics = dm.evaluate([("1+1=", "2"), ("2+3=", "5")])
+        assert set(metrics) == {"val/reward_mean", "val/response_len"} and metrics["val/response_len"] == 3
+        assert dm.next_plan == 0 and not dm.submitted
+        batch = dm.next_batch(3)                     # training afterwards starts from phase 0, version 3
+        assert batch.phase == 0 and set(batch.versions.tolist()) == {3}
+    finally:
+        dm.teardown("fit")

@@ -59,6 +59,8 @@ def test_async_kill_and_resume_loses_and_duplicates_no_prompt(tiny_model_dir, tm
     kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
     res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
+    lines = (run_dir / "prompts.jsonl").read_text().splitlines()
+    assert sum('"step": 0,' in ln for ln in lines) == 1            # really resumed, not started again
     ref, got = trained_prompts(ref_dir / "prompts.jsonl"), trained_prompts(run_dir / "prompts.jsonl")
     assert sorted(got) == list(range(steps))
     for step in range(steps):

@@ -49,9 +49,12 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     steps, lr, warmup = 6, 1e-3, 4
 
     def config(out):
-        return rl_config(tiny_model_dir, out, max_steps=steps, steps_per_rollout=2, ckpt_every=3, lr=lr,
-                         extra_model={"warmup_steps": warmup},
-                         extra_data={"reward": "e2e_utils:flaky_digit_fraction"})
+        cfg = rl_config(tiny_model_dir, out, max_steps=steps, steps_per_rollout=2, ckpt_every=3, lr=lr,
+                        extra_model={"warmup_steps": warmup},
+                        extra_data={"reward": "e2e_utils:flaky_digit_fraction"})
+        cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                            "init_args": {"path": str(out / "prompts.jsonl")}})
+        return cfg
 
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
     ref = run_ok(config(ref_dir), ref_dir)
@@ -59,6 +62,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
     res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
+    lines = (run_dir / "prompts.jsonl").read_text().splitlines()
+    assert sum('"step": 0,' in ln for ln in lines) == 1            # really resumed, not started again
     got = scalars(run_dir)
     for tag in ["train/loss", "train/ess", "rollout/reward_mean", "train/lr", "train/grad_norm",
                 "rollout/reward_errors", "train/skipped_steps"]:

@@ -17,7 +17,7 @@ refuses a batch whose oldest row is more than that many optimizer steps old.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch import Tensor
@@ -40,6 +40,14 @@ class RolloutBatch:
     phase: int = 0
     index: int = 0                                     # position of this batch in its phase
     max_staleness: int = 0
+
+    def to_state(self) -> dict:
+        """Plain containers and tensors, for checkpoints (torch.load's weights_only accepts them)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "RolloutBatch":
+        return cls(**state)
 
     @property
     def rows(self) -> int:

@@ -1,19 +1,22 @@
 """RolloutBuffer: generated phases waiting to be trained, in order, with a hard staleness bound.
 
-Phase p holds `k = steps_per_rollout` batches. Served in order, phase p's batches are trained at steps
-`start(p) .. start(p) + k - 1` with `start(p) = p * k + shift` (`shift` counts batches the staleness
-filter dropped whole, which push later phases back one step each). A row sampled by policy version v
-and trained at step s has lag `s - v`; the bound is `lag <= S` (`max_staleness`). So phase p may be
-generated only with weights of version
+Phase p holds `k = steps_per_rollout` batches; batches are handed out in order, one per optimizer
+step. A row sampled by policy version v and trained at step s has lag `s - v`; the bound is
+`lag <= S` (`max_staleness`). When the trainer is about to take step `t` and `consumed` batches have
+left the buffer (trained, or dropped whole by the filter), phase p's last batch is `ahead(p) =
+(p + 1) * k - 1 - consumed` batches away, so it is trained at step `t + ahead(p)` at the latest (a
+step skipped for a non-finite gradient consumes a batch without advancing the step: only earlier).
+Phase p may therefore be generated only with weights of version
 
-    v >= need(p) = start(p) + k - 1 - S                  (admission)
+    v >= need(p, t) = t + ahead(p) - S                    (admission)
 
-and when a batch is served, rows with lag > S are dropped and counted (`stale_dropped`): a sample
+and when a batch is handed out, rows with lag > S are dropped and counted (`stale_dropped`): a sample
 older than S steps is never trained on, whatever happened before (a resume with a smaller S, a slow
-worker). Synchronous training is S = k - 1: phase p is generated with the weights of step start(p).
+worker). Synchronous training is S = k - 1: phase p is generated with the weights of the step that
+trains its first batch.
 
-The buffer's state (ready batches with their versions, the serve position, counters) is part of the
-checkpoint; `in_flight` requests are kept by the owner and regenerated after a resume.
+The buffer's state (ready batches with their versions, counters) is part of the checkpoint; requests
+in flight are kept by the owner and regenerated after a resume.
 """
 from __future__ import annotations
 
@@ -32,13 +35,17 @@ class RolloutBuffer:
         self.k, self.S = steps_per_rollout, max_staleness
         self.ready: dict[int, list[RolloutBatch]] = {}     # phase -> its batches not yet served
         self.next_phase = 0                                 # the phase being served
-        self.shift = 0
+        self.consumed = 0                                   # batches handed out or dropped whole
         self.stale_dropped = 0                              # rows
         self.served = 0                                     # batches handed to the trainer
 
-    def need(self, phase: int) -> int:
-        """The oldest weights version that may generate `phase` without breaking the bound."""
-        return phase * self.k + self.shift + self.k - 1 - self.S
+    def ahead(self, phase: int) -> int:
+        """Batches between the next one to hand out and `phase`'s last batch."""
+        return (phase + 1) * self.k - 1 - self.consumed
+
+    def need(self, phase: int, step: int) -> int:
+        """The oldest weights version that may generate `phase` when the trainer's next step is `step`."""
+        return step + self.ahead(phase) - self.S
 
     def put(self, phase: int, batches: list[RolloutBatch]) -> None:
         if phase < self.next_phase or phase in self.ready:
@@ -56,6 +63,7 @@ class RolloutBuffer:
         while self.has_next():
             batches = self.ready[self.next_phase]
             batch = batches.pop(0)
+            self.consumed += 1
             if not batches:
                 del self.ready[self.next_phase]
                 self.next_phase += 1
@@ -67,7 +75,6 @@ class RolloutBuffer:
             if bool(fresh.any()):
                 self.served += 1
                 return _select(batch, fresh)
-            self.shift += 1                                   # a whole batch dropped: later phases move back
         return None
 
     def pop_phase(self, phase: int) -> list[RolloutBatch]:
@@ -77,15 +84,17 @@ class RolloutBuffer:
         batches = self.ready.pop(phase)
         self.next_phase += 1
         self.served += len(batches)
+        self.consumed += len(batches)
         return batches
 
     def state_dict(self) -> dict:
-        return {"ready": self.ready, "next_phase": self.next_phase, "shift": self.shift,
-                "stale_dropped": self.stale_dropped, "served": self.served}
+        return {"ready": {p: [b.to_state() for b in bs] for p, bs in self.ready.items()},
+                "next_phase": self.next_phase, "consumed": self.consumed, "stale_dropped": self.stale_dropped,
+                "served": self.served}
 
     def load_state_dict(self, state: dict) -> None:
-        self.ready = {int(p): list(b) for p, b in state["ready"].items()}
-        self.next_phase, self.shift = state["next_phase"], state["shift"]
+        self.ready = {int(p): [RolloutBatch.from_state(b) for b in bs] for p, bs in state["ready"].items()}
+        self.next_phase, self.consumed = state["next_phase"], state["consumed"]
         self.stale_dropped, self.served = state["stale_dropped"], state["served"]
 
 

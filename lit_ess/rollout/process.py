@@ -48,8 +48,8 @@ class WorkerError(RuntimeError):
 class WorkerProcess:
     def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None):
         ctx = torch.multiprocessing.get_context("spawn")
-        self.requests, self.results = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_child_main, args=(config, self.requests, self.results, os.getpid()),
+        self.requests, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.proc = ctx.Process(target=_child_main, args=(config, self.requests, self.results, self.stop, os.getpid()),
                                 name="lit-ess-rollout-worker")
         env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **(env or {})}
         saved = {k: os.environ.get(k) for k in env}
@@ -60,7 +60,7 @@ class WorkerProcess:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         atexit.register(self.close)                           # before multiprocessing joins its children
-        self.start_timeout = start_timeout
+        self.start_timeout, self.t_created = start_timeout, time.monotonic()
         self.started = False
         self._pending: list[tuple[int, object]] = []           # results read while waiting for the start
         self.slots: list[dict[torch.dtype, torch.Tensor]] | None = None
@@ -125,6 +125,8 @@ class WorkerProcess:
             except queue.Empty:
                 if not self.proc.is_alive():
                     raise WorkerError(f"the rollout worker process died (exit code {self.proc.exitcode})") from None
+                if not self.started and time.monotonic() - self.t_created > self.start_timeout:
+                    raise WorkerError(f"the rollout worker did not start its engine within {self.start_timeout:.0f} s") from None
                 return out
             if kind == "error":
                 raise WorkerError(f"the rollout worker failed:\n{payload}")
@@ -144,12 +146,21 @@ class WorkerProcess:
             raise WorkerError(f"the rollout worker did not start within {timeout:.0f} s")
 
     def close(self) -> None:
+        """Stop the worker: it finishes the request it is on, skips the queued ones, and exits; unread
+        results are drained meanwhile (a child cannot exit while its queue's pipe is full)."""
+        atexit.unregister(self.close)
+        self.stop.set()
+        self.requests.put(("stop", -1, None, None))               # wakes a worker waiting for requests
+        deadline = time.monotonic() + 60
+        while self.proc.is_alive() and time.monotonic() < deadline:
+            try:
+                self.results.get(timeout=0.1)
+            except queue.Empty:
+                pass
         if self.proc.is_alive():
-            self.requests.put(("stop", -1, None, None))
-            self.proc.join(timeout=30)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout=10)
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.slots = None
 
 
 def _parent_alive(pid: int) -> bool:
@@ -160,7 +171,7 @@ def _parent_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> None:
+def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) -> None:
     """The worker process: the main thread samples (engine), a second thread scores (rewards,
     batching) and sends results, so phase p is scored while phase p + 1 is sampled. Results leave in
     request order (one scoring thread, FIFO)."""
@@ -180,6 +191,8 @@ def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> Non
 
     def score_loop():
         while (item := to_score.get()) is not None:
+            if stop.is_set():
+                continue                         # closing: nobody will read it
             kind, rid, payload, sampled = item
             try:
                 out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload[1], *sampled)
@@ -202,7 +215,7 @@ def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> Non
                     return
                 continue
             clock["idle"] += time.perf_counter() - t0
-            if kind == "stop":
+            if kind == "stop" or stop.is_set():
                 return
             if kind == "slots":
                 slots, layout = payload
@@ -223,3 +236,5 @@ def _child_main(config: WorkerConfig, requests, results, parent_pid: int) -> Non
         to_score.put(None)
         scorer.join(timeout=60)
         worker.close()
+        if stop.is_set():
+            results.cancel_join_thread()         # exit even if unread results fill the pipe
