@@ -215,8 +215,8 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
                     return
                 continue
             clock["idle"] += time.perf_counter() - t0
-            if kind == "stop" or stop.is_set():
-                return
+            if kind == "stop" or stop.is_set() or not _parent_alive(parent_pid):
+                return                           # (a killed trainer: skip what it had queued)
             if kind == "slots":
                 slots, layout = payload
                 continue
