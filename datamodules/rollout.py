@@ -211,6 +211,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self.mode == "sync":
             return not self.buffer.has_next() and self.worker.version != version
         self._collect(timeout=0.0)
+        if self.worker.version == version:             # e.g. after a skipped step: it has these weights
+            return False
         return self._admissible(version, step=version) is not None
 
     def push_weights(self, named_tensors, version: int) -> None:
