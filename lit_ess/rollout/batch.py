@@ -56,18 +56,18 @@ class RolloutBatch:
     def micro_batches(self, size: int | None) -> list["RolloutBatch"]:
         """Consecutive slices of `size` rows (None = one slice), each trimmed to its longest row."""
         size = size or self.rows
-        out = []
-        for s in range(0, self.rows, size):
-            width = int(self.attention_mask[s:s + size].sum(-1).max())
-            out.append(replace(
-                self,
-                input_ids=self.input_ids[s:s + size, :width], attention_mask=self.attention_mask[s:s + size, :width],
-                completion_mask=self.completion_mask[s:s + size, :width],
-                behavior_logprobs=self.behavior_logprobs[s:s + size, :width],
-                advantages=self.advantages[s:s + size], rewards=self.rewards[s:s + size],
-                versions=self.versions[s:s + size], prompt_ids=self.prompt_ids[s:s + size],
-                prompt_texts=self.prompt_texts[s:s + size], completion_texts=self.completion_texts[s:s + size]))
-        return out
+        return [self.select(slice(s, s + size)) for s in range(0, self.rows, size)]
+
+    def select(self, rows: slice | list[int]) -> "RolloutBatch":
+        """These rows (a slice gives views), trimmed to the longest of them."""
+        idx = range(self.rows)[rows] if isinstance(rows, slice) else rows
+        width = int(self.attention_mask[rows].sum(-1).max())
+        return replace(
+            self, input_ids=self.input_ids[rows, :width], attention_mask=self.attention_mask[rows, :width],
+            completion_mask=self.completion_mask[rows, :width], behavior_logprobs=self.behavior_logprobs[rows, :width],
+            advantages=self.advantages[rows], rewards=self.rewards[rows], versions=self.versions[rows],
+            prompt_ids=self.prompt_ids[rows], prompt_texts=[self.prompt_texts[i] for i in idx],
+            completion_texts=[self.completion_texts[i] for i in idx])
 
 
 @dataclass

@@ -20,9 +20,6 @@ in flight are kept by the owner and regenerated after a resume.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
-import torch
 
 from .batch import RolloutBatch
 
@@ -74,7 +71,7 @@ class RolloutBuffer:
             self.stale_dropped += int((~fresh).sum())
             if bool(fresh.any()):
                 self.served += 1
-                return _select(batch, fresh)
+                return batch.select(fresh.nonzero().flatten().tolist())
         return None
 
     def pop_phase(self, phase: int) -> list[RolloutBatch]:
@@ -96,14 +93,3 @@ class RolloutBuffer:
         self.ready = {int(p): [RolloutBatch.from_state(b) for b in bs] for p, bs in state["ready"].items()}
         self.next_phase, self.consumed = state["next_phase"], state["consumed"]
         self.stale_dropped, self.served = state["stale_dropped"], state["served"]
-
-
-def _select(batch: RolloutBatch, keep: torch.Tensor) -> RolloutBatch:
-    idx = keep.nonzero().flatten().tolist()
-    width = int(batch.attention_mask[idx].sum(-1).max())
-    return replace(batch, input_ids=batch.input_ids[idx, :width], attention_mask=batch.attention_mask[idx, :width],
-                   completion_mask=batch.completion_mask[idx, :width],
-                   behavior_logprobs=batch.behavior_logprobs[idx, :width], advantages=batch.advantages[idx],
-                   rewards=batch.rewards[idx], versions=batch.versions[idx], prompt_ids=batch.prompt_ids[idx],
-                   prompt_texts=[batch.prompt_texts[i] for i in idx],
-                   completion_texts=[batch.completion_texts[i] for i in idx])
