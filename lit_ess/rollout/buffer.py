@@ -20,7 +20,6 @@ in flight are kept by the owner and regenerated after a resume.
 """
 from __future__ import annotations
 
-
 from .batch import RolloutBatch
 
 
