@@ -15,7 +15,7 @@ class ExportHF(L.Callback):
         self.dirpath = dirpath
 
     def on_train_end(self, trainer, pl_module) -> None:
-        state = pl_module.policy_state_dict()
+        state = {k: v.detach().cpu() for k, v in pl_module.policy_weights()}   # every rank gathers (FSDP2)
         if not trainer.is_global_zero:
             return
         from transformers import AutoTokenizer

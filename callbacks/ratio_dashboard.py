@@ -55,7 +55,7 @@ class RatioDashboard(L.Callback):
         gathered = {}
         for name, t in values.items():
             if trainer.world_size > 1:
-                t = torch.cat(_all_gather_varlen(t))
+                t = torch.cat(_all_gather_varlen(t, pl_module.device))
             if t.numel() > self.max_values:
                 t = t[torch.randperm(t.numel())[: self.max_values]]
             gathered[name] = t
@@ -70,15 +70,17 @@ class RatioDashboard(L.Callback):
             tb.add_histogram("rollout/policy_lag", gathered["policy_lag"], step)
 
 
-def _all_gather_varlen(t: torch.Tensor) -> list[torch.Tensor]:
+def _all_gather_varlen(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's 1-D tensor (of any length), on the CPU. The collectives run on `device` (NCCL
+    accepts only CUDA tensors)."""
     import torch.distributed as dist
 
-    n = torch.tensor([t.numel()])
+    n = torch.tensor([t.numel()], device=device)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, n)
     width = int(max(s.item() for s in sizes))
-    padded = torch.zeros(width, dtype=t.dtype)
-    padded[: t.numel()] = t
+    padded = torch.zeros(width, dtype=t.dtype, device=device)
+    padded[: t.numel()] = t.to(device)
     out = [torch.zeros_like(padded) for _ in sizes]
     dist.all_gather(out, padded)
-    return [o[: int(s.item())] for o, s in zip(out, sizes)]
+    return [o[: int(s.item())].cpu() for o, s in zip(out, sizes)]

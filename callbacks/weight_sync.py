@@ -25,7 +25,7 @@ class WeightReceiver(Protocol):
 
 
 class WeightSync(L.Callback):
-    """Pushes `pl_module.policy_state_dict()` (gathered on every rank under FSDP) to the datamodule;
+    """Pushes `pl_module.policy_weights()` (gathered tensor by tensor on every rank under FSDP2) to the datamodule;
     logs `perf/weight_sync_seconds` on the step axis.
 
     Args:
@@ -50,8 +50,8 @@ class WeightSync(L.Callback):
 
     def push(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         t0 = time.perf_counter()
-        state = pl_module.policy_state_dict()   # every rank gathers (FSDP) and feeds its colocated engine
-        self._receiver(trainer).push_weights(state.items(), version=trainer.global_step)
+        # every rank gathers (FSDP2: one tensor at a time, in step) and feeds its colocated engine
+        self._receiver(trainer).push_weights(pl_module.policy_weights(), version=trainer.global_step)
         self.pushes += 1
         self.last_seconds = time.perf_counter() - t0
 

@@ -10,7 +10,13 @@ per rollout. `mode: async`: the worker runs in its own process and generates ahe
 
 The train loader has a known length (`steps_per_epoch` batches), so Lightning never prefetches: the
 batch of step s is assembled after step s-1's update and weight push. Each item pulls the next batch
-from the buffer, so data is never reused, and no Trainer flag is needed. Weights arrive through the
+from the buffer, so data is never reused, and no Trainer flag is needed. The loaders are iterable
+datasets with a length, so Lightning does not wrap them in a DistributedSampler: this module shards.
+
+Data parallel (W ranks): every rank draws the same `prompts_per_rollout` prompts of a phase (same
+order, same cursor) and keeps positions `rank, rank + W, ...`; request seeds use a prompt's position
+in the whole phase. So W ranks sample, between them, exactly the rows one rank would, each group
+stays whole on one rank (its advantages need it), and the ranks' batches never overlap. Weights arrive through the
 two methods `callbacks.WeightSync` calls, `wants_weights(version)` and `push_weights(tensors, version)`:
 only when the engine will generate next (with k steps per rollout, once per phase). Without them the
 first rollout that would need newer weights fails with an error that names the callback.
@@ -27,7 +33,8 @@ from typing import Literal
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rollout import (PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
@@ -38,8 +45,10 @@ from .prompts import Arithmetic, Example, PromptSource, encode_prompt
 MAX_PHASES_IN_FLIGHT = 2
 
 
-class _StepDataset(Dataset):
-    """`steps_per_epoch` items; item i is the next batch of the stream (the index is not used)."""
+class _StepDataset(IterableDataset):
+    """An epoch of `steps_per_epoch` batches, each pulled from the stream when the trainer asks for it.
+    After a mid-epoch resume it yields only the epoch's remaining batches while reporting the full
+    length, so Lightning's restored batch counter stays right."""
 
     def __init__(self, dm: "RolloutDataModule"):
         self.dm = dm
@@ -47,22 +56,24 @@ class _StepDataset(Dataset):
     def __len__(self) -> int:
         return self.dm.steps_per_epoch
 
-    def __getitem__(self, i: int) -> RolloutBatch:
-        return self.dm.next_batch(self.dm.trainer_step())
-
-
-class _ResumeSampler(Sampler):
-    """Indices start..k-1 while reporting length k, so Lightning's restored batch counter stays right."""
-
-    def __init__(self, k: int, dm: "RolloutDataModule"):
-        self.k, self.dm = k, dm
-
-    def __len__(self) -> int:
-        return self.k
-
     def __iter__(self):
         start, self.dm.resume_offset = self.dm.resume_offset, 0
-        return iter(range(start, self.k))
+        for _ in range(start, self.dm.steps_per_epoch):
+            yield self.dm.next_batch(self.dm.trainer_step())
+
+
+class _ValDataset(IterableDataset):
+    """This rank's held-out chunks, each sampled and scored by the engine when it is read."""
+
+    def __init__(self, dm: "RolloutDataModule", chunks: list[list[tuple[str, str]]]):
+        self.dm, self.chunks = dm, chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self):
+        for chunk in self.chunks:
+            yield self.dm.evaluate(chunk)
 
 
 def _identity(x):
@@ -80,7 +91,8 @@ class RolloutDataModule(L.LightningDataModule):
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function".
         reward_timeout: seconds per completion for rewards run in a worker.
-        prompts_per_rollout: prompts sampled per phase.
+        prompts_per_rollout: prompts sampled per phase, over all data-parallel ranks (a multiple of
+            their number: each rank generates and trains prompts_per_rollout / W of them).
         samples_per_prompt: completions per prompt (the group size).
         steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
         mode: "sync" (generate when the trainer needs data, in this process) or "async" (a worker
@@ -98,7 +110,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
         seed: prompt order and row shuffling.
         val_source: held-out prompts for validation (None = no validation loop).
-        val_prompts: validation prompts per batch; every example of val_source is used once.
+        val_prompts: validation prompts per batch; every example of val_source is used once (with W
+            ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
     """
 
     def __init__(
@@ -159,6 +172,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_counters: dict = {}
         self.resume_offset = 0
         self.wait_seconds, self.t_start = 0.0, None
+        self.rank, self.world = 0, 1                       # data-parallel position, set in setup()
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
@@ -168,9 +182,13 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
         from transformers import AutoTokenizer
 
-        if self.mode == "async" and self._world_size() > 1:
+        self.rank, self.world = self._rank_and_world()
+        if self.mode == "async" and self.world > 1:
             raise ValueError("mode: async runs one worker process per trainer process and does not shard prompts "
                              "across ranks yet: use one device, or mode: sync")
+        if self.prompts_per_rollout % self.world:
+            raise ValueError(f"prompts_per_rollout={self.prompts_per_rollout} is not a multiple of the {self.world} "
+                             f"data-parallel ranks: each rank generates whole groups of an equal share")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if self.mode == "sync":
             self.worker = RolloutWorker(self._worker_config())
@@ -182,11 +200,10 @@ class RolloutDataModule(L.LightningDataModule):
                             self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
                             self.seed, self.max_staleness, dict(self.reward_counters))
 
-    def _world_size(self) -> int:
-        try:
-            return self.trainer.world_size if self.trainer is not None else 1
-        except RuntimeError:
-            return 1
+    def _rank_and_world(self) -> tuple[int, int]:
+        if self.trainer is None:
+            return 0, 1
+        return self.trainer.global_rank, self.trainer.world_size
 
     def teardown(self, stage: str) -> None:
         if self.worker is not None:
@@ -195,15 +212,14 @@ class RolloutDataModule(L.LightningDataModule):
         self.submitted = {}          # their requests stay in self.requests and are generated again
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_StepDataset(self), batch_size=None, sampler=_ResumeSampler(self.steps_per_epoch, self),
-                          collate_fn=_identity, num_workers=0)
+        return DataLoader(_StepDataset(self), batch_size=None, collate_fn=_identity, num_workers=0)
 
     def val_dataloader(self):
         if self.val_source is None:
             return []
-        ex = [(e.prompt, e.answer) for e in self.val_source.examples]   # tuples: Lightning moves batches
+        ex = [(e.prompt, e.answer) for e in self.val_source.examples]
         chunks = [ex[i:i + self.val_prompts] for i in range(0, len(ex), self.val_prompts)]
-        return DataLoader(chunks, batch_size=None, collate_fn=_identity)
+        return DataLoader(_ValDataset(self, chunks[self.rank::self.world]), batch_size=None, collate_fn=_identity)
 
     # ------------------------------------------------------------------ weights (callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
@@ -297,13 +313,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ prompts
     def _request(self, phase: int) -> RolloutRequest:
-        """The prompts of `phase`: drawn once (cursor order), kept until the phase is in the buffer."""
+        """This rank's prompts of `phase`: the phase's prompts are drawn once (cursor order, the same on
+        every rank), this rank keeps positions rank, rank + W, ...; kept until the phase is in the buffer."""
         if phase not in self.requests:
             if phase != self.next_plan:
                 raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
             idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
-            self.requests[phase] = RolloutRequest(phase, idx, prompts, [e.prompt for e in examples],
-                                                  [e.answer for e in examples])
+            mine = range(self.rank, len(idx), self.world)
+            self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
+                                                  [examples[i].prompt for i in mine], [examples[i].answer for i in mine],
+                                                  prompt_keys=list(mine))
             self.next_plan += 1
         return self.requests[phase]
 
@@ -354,8 +373,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate(self, examples: list[tuple[str, str]]) -> dict[str, float]:
-        """One sample per held-out (prompt, answer) with the training sampling settings."""
+    def evaluate(self, examples: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+        """One sample per held-out (prompt, answer) with the training sampling settings: the reward and
+        the length of each (`{"reward": [P], "length": [P]}`)."""
         payload = ([self.encode_prompt(p) for p, _ in examples], [a for _, a in examples])
         if self.mode == "sync":
             return self.worker.evaluate(*payload)
@@ -369,6 +389,24 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
+        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts)."""
+        state = self._local_state()
+        if self.world == 1:
+            return state
+        ranks = [None] * self.world
+        dist.all_gather_object(ranks, state)            # every rank saves; Lightning writes rank 0's copy
+        return {"ranks": ranks}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "ranks" in state or self.world > 1:
+            saved = len(state.get("ranks", [state]))
+            if saved != self.world:
+                raise ValueError(f"this checkpoint's rollout state was saved by {saved} data-parallel rank(s), this "
+                                 f"run has {self.world}: resume with the same number of devices x nodes")
+            state = state["ranks"][self.rank]
+        self._load_local_state(state)
+
+    def _local_state(self) -> dict:
         return {
             "cursor": self.cursor, "order": self.order, "rng": self.rng.getstate(), "next_plan": self.next_plan,
             "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
@@ -376,7 +414,7 @@ class RolloutDataModule(L.LightningDataModule):
             "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def _load_local_state(self, state: dict) -> None:
         if "buffer" not in state:
             raise ValueError("this checkpoint's rollout state comes from lit-ess before the rollout buffer "
                              "(issue 8); resume it with that version or start a new run from its weights")

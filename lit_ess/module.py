@@ -9,16 +9,25 @@ The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with se
 no-grad pre-pass collects its statistics first. `ess_scope: micro` reproduces the authors' reference,
 which computes it per micro-batch. Every objective logs the step's ESS (`train/ess`), as a diagnostic
 of how off-policy its data was; only P3O uses it in the loss.
+
+Data parallel (W ranks, DDP or FSDP2): each rank holds its share of the step's rows. Losses are
+normalised by the global counts, and DDP/FSDP *average* gradients over ranks, so each rank's loss is
+scaled by W before backward: the update and `train/grad_norm` equal those of one rank with the whole
+batch. Ranks run the same number of forward/backward passes (a rank with fewer micro-batches runs
+zero-weighted extra passes), since every pass under FSDP is a collective. Logged metrics are reduced
+over ranks (sums, token-weighted means, min/max); ratio quantiles are token-weighted means of the
+ranks' quantiles.
 """
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Iterator, Literal
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torchmetrics import MeanMetric
 
 from .logprobs import sequence_logprobs
 from .model_path import check_model_path
@@ -89,6 +98,7 @@ class PolicyModule(L.LightningModule):
         self.ref_policy = None
         self.skipped_steps = 0
         self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
+        self.val_reward, self.val_length = MeanMetric(), MeanMetric()   # reduced over ranks at epoch end
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -106,8 +116,14 @@ class PolicyModule(L.LightningModule):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
             self.ref_policy = ref.eval().requires_grad_(False)
 
-    def policy_state_dict(self) -> dict[str, Tensor]:
-        return full_state_dict(self.policy)
+    def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The policy's full weights with Hugging Face names, gathered one tensor at a time (FSDP2:
+        every rank must consume the iterator, in the same order)."""
+        return full_weights(self.policy)
+
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The models a sharding callback (callbacks.FSDP2) shards: the policy and the reference."""
+        return [m for m in (self.policy, self.ref_policy) if m is not None]
 
     def configure_optimizers(self):
         h = self.hparams
@@ -148,7 +164,7 @@ class PolicyModule(L.LightningModule):
         return self._score(self.policy, mb, sampling, with_grad,
                            with_entropy=with_grad and bool(self.objective.entropy_coef))
 
-    def _world(self):
+    def _world(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _global_sum(self, x: Tensor) -> Tensor:
@@ -157,6 +173,20 @@ class PolicyModule(L.LightningModule):
             dist.all_reduce(x)
         return x
 
+    def _grad_scale(self) -> float:
+        """W when a DDP/FSDP strategy averages gradients over W ranks, else 1 (losses are already
+        normalised by the global token count)."""
+        return float(dist.get_world_size()) if self._world() and self._trainer is not None else 1.0
+
+    def _same_count(self, mbs: list[RolloutBatch]) -> list[tuple[RolloutBatch, float]]:
+        """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats."""
+        out = [(mb, 1.0) for mb in mbs]
+        if self._world():
+            n = torch.tensor([len(mbs)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            out += [(mbs[0], 0.0)] * (int(n) - len(mbs))
+        return out
+
     def accumulate_gradients(self, batch: RolloutBatch) -> tuple[dict[str, float], Tensor | None]:
         """Forward and backward every micro-batch of one optimizer step; return (metrics, step ESS).
 
@@ -164,22 +194,27 @@ class PolicyModule(L.LightningModule):
         """
         sampling = batch.sampling
         mbs = batch.micro_batches(self.hparams.micro_batch_size)
+        passes = self._same_count(mbs)
         masks = [mb.completion_mask for mb in mbs]
-        num_tokens = self._global_sum(sum(m.sum() for m in masks))
+        local_tokens = sum(m.sum() for m in masks)
+        num_tokens = self._global_sum(local_tokens)
         num_seqs = self._global_sum(sum((m.sum(-1) > 0).sum() for m in masks))
+        w_rank = local_tokens / num_tokens.clamp(min=1.0)         # this rank's share of the step's tokens
 
         step_ess = None
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):
             stats = None
-            for mb in mbs:                                                      # no-grad pre-pass
+            for mb, weight in passes:                                           # no-grad pre-pass
                 lp = self._forward(mb, sampling, False)[0]
-                s = ess_stats(lp - mb.behavior_logprobs, _finite_mask(mb, lp))
-                stats = s if stats is None else stats.merge(s)
+                if weight:
+                    s = ess_stats(lp - mb.behavior_logprobs, _finite_mask(mb, lp))
+                    stats = s if stats is None else stats.merge(s)
             step_ess = (stats.all_reduce() if self._world() else stats).value()
 
         sums: dict[str, Tensor] = {}              # tensors until the end: no device sync per micro-batch
         log_ratios, mask_list = [], []
-        for mb in mbs:
+        scale = self._grad_scale()
+        for mb, weight in passes:
             lp, ent = self._forward(mb, sampling, True)
             ref = self._score(self.ref_policy, mb, sampling, False)[0] if self.ref_policy is not None else None
             ess = step_ess
@@ -189,10 +224,13 @@ class PolicyModule(L.LightningModule):
             out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
                                  ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs,
                                  norm_len=sampling["max_new_tokens"])
+            loss = out.loss * (scale * weight)
             if self._trainer is not None:
-                self.manual_backward(out.loss)
+                self.manual_backward(loss)
             else:                                   # used without a Trainer (tests, notebooks)
-                out.loss.backward()
+                loss.backward()
+            if not weight:                          # a padding pass: gradients and metrics unchanged
+                continue
             w = mb.completion_mask.sum() / num_tokens.clamp(min=1.0)
             for k, v in out.metrics.items():
                 v = v.detach().double()
@@ -209,7 +247,10 @@ class PolicyModule(L.LightningModule):
         lr_all, m_all = torch.cat(log_ratios), torch.cat(mask_list)
         ess_value = step_ess if step_ess is not None else sums.get("ess")
         if len(mbs) > 1:     # one micro-batch: the objective's ratio statistics are already the step's
-            sums.update(ratio_metrics(lr_all[None], m_all[None], ess_value))
+            for k, v in ratio_metrics(lr_all[None], m_all[None], ess_value).items():
+                sums[k] = v.double() if k in MIN_MAX_KEYS else v.double() * w_rank   # token-weighted over ranks
+        if self._world():
+            sums = _reduce_over_ranks(sums, self.device)
         if not self.objective.needs_ess:       # diagnostic: how off-policy was the data (every rank reduces)
             st = ess_stats(lr_all, m_all)
             st = st.all_reduce() if self._world() else st
@@ -246,7 +287,7 @@ class PolicyModule(L.LightningModule):
             "train/lr": lr, "train/batch_rows": float(batch.rows),
             "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
         })
-        logs.update(batch.stats)
+        logs.update(reduce_stats(batch.stats, self.device) if self._world() else batch.stats)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
@@ -271,27 +312,89 @@ class PolicyModule(L.LightningModule):
             for lg in self.loggers:
                 lg.log_metrics(logs, step=self.global_step)
 
-    def validation_step(self, batch, batch_idx: int):
-        """Sampled reward on held-out prompts, generated by the engine with the current weights."""
-        metrics = self.trainer.datamodule.evaluate(batch)
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(batch), sync_dist=True)
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int):
+        """Held-out prompts sampled by the engine with the current weights and scored by the data
+        module: `{"reward": [P], "length": [P]}`. The means are reduced over ranks (torchmetrics)."""
+        self.val_reward.update(batch["reward"])
+        self.val_length.update(batch["length"])
+        self.log("val/reward_mean", self.val_reward, on_step=False, on_epoch=True)
+        self.log("val/response_len", self.val_length, on_step=False, on_epoch=True)
 
     def _clip_and_norm(self) -> Tensor:
+        """Clip the global gradient norm and return it (before clipping). Under FSDP2 the gradients
+        are DTensor shards: their norm is reduced over ranks and returned as a plain tensor."""
         params = [p for p in self.policy.parameters() if p.grad is not None]
         if not params:
             return torch.tensor(0.0)
         max_norm = self.hparams.max_grad_norm
         if max_norm is None:
-            return torch.nn.utils.get_total_norm([p.grad for p in params])
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, full tensor) for every entry of the state dict, in its fixed order, with Hugging Face
+    names (wrapper prefixes are stripped by the wrappers' state-dict hooks). A DTensor shard (FSDP2)
+    is gathered when its turn comes, so at most one full tensor exists beside the shards; every rank
+    must consume the iterator in step."""
+    for name, t in model.state_dict().items():
+        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
-    """Full (unsharded) weights with Hugging Face names, for the rollout engine or an export.
+    """Full (unsharded) weights on the CPU, for an export (every rank must call it under FSDP2)."""
+    return {k: v.detach().cpu() for k, v in full_weights(model)}
 
-    Under FSDP2 every rank must call this (each DTensor is gathered with `full_tensor()`).
-    """
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+
+def _reduce_over_ranks(sums: dict[str, Tensor], device) -> dict[str, Tensor]:
+    """Step metrics of every rank combined: min/max keys by min/max, all others summed (they are
+    already token-weighted shares or counts). Keys are agreed first: a rank without valid tokens
+    has no ratio statistics."""
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(sums))
+    keys = sorted(set().union(*keys))
+    out = {}
+    for op, members in ((dist.ReduceOp.SUM, [k for k in keys if k not in MIN_MAX_KEYS]),
+                        (dist.ReduceOp.MIN, [k for k in keys if MIN_MAX_KEYS.get(k) is torch.minimum]),
+                        (dist.ReduceOp.MAX, [k for k in keys if MIN_MAX_KEYS.get(k) is torch.maximum])):
+        if not members:
+            continue
+        empty = 0.0 if op == dist.ReduceOp.SUM else (math.inf if op == dist.ReduceOp.MIN else -math.inf)
+        t = torch.stack([sums[k].double().to(device) if k in sums else torch.tensor(empty, dtype=torch.float64,
+                         device=device) for k in members])
+        dist.all_reduce(t, op=op)
+        out.update(zip(members, t.cpu()))
+    return out
+
+
+# rollout statistics: how the ranks' values of a phase combine (default: mean; every rank has as many rows)
+STAT_SUM = {"rollout/rows", "rollout/reward_errors", "rollout/reward_timeouts", "rollout/dropped_groups", "rollout/gen_tokens_per_s",
+            "rollout/stale_dropped", "rollout/buffer_size"}
+STAT_MAX = {"rollout/response_len_max", "rollout/gen_seconds", "perf/trainer_wait_frac"}
+
+
+def reduce_stats(stats: dict[str, float], device) -> dict[str, float]:
+    """Rollout statistics of the whole step from every rank's: sums, maxima, means; the reward std is
+    pooled from the ranks' means and stds (equal row counts)."""
+    keys = sorted(stats)
+    vals = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+    world = dist.get_world_size()
+    pooled = {"rollout/reward_mean", "rollout/reward_std", "rollout/rows"} <= set(stats)
+    if pooled:         # sum of r^2 on this rank, from its mean and unbiased std over m rows
+        m, mu, sd = stats["rollout/rows"], stats["rollout/reward_mean"], stats["rollout/reward_std"]
+        sq = torch.tensor([sd * sd * (m - 1) + m * mu * mu], dtype=torch.float64, device=device)
+        dist.all_reduce(sq)
+    total, top = vals.clone(), vals.clone()
+    dist.all_reduce(total)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    out = {k: float(top[i]) if k in STAT_MAX else float(total[i]) if k in STAT_SUM else float(total[i]) / world
+           for i, k in enumerate(keys)}
+    if pooled:         # unbiased std over all M rows
+        M, mu = out["rollout/rows"], out["rollout/reward_mean"]
+        out["rollout/reward_std"] = max((float(sq) - M * mu * mu) / max(M - 1, 1.0), 0.0) ** 0.5
+    return out
 
 
 def _finite_mask(mb: RolloutBatch, lp: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .model_path import check_model_path
-from .module import full_state_dict
+from .module import full_weights
 
 
 class SFTModule(L.LightningModule):
@@ -33,8 +33,13 @@ class SFTModule(L.LightningModule):
 
             self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=torch.float32).train()
 
-    def policy_state_dict(self):
-        return full_state_dict(self.policy)
+    def sharded_models(self) -> list[torch.nn.Module]:
+        """The models a sharding callback (callbacks.FSDP2) shards."""
+        return [self.policy]
+
+    def policy_weights(self):
+        """Full weights with Hugging Face names, one tensor at a time (see lit_ess.module.full_weights)."""
+        return full_weights(self.policy)
 
     def training_step(self, batch, batch_idx):
         logits = self.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -25,7 +25,7 @@ class FakeEngine(RolloutEngine):
     def __init__(self, c: FakeConfig):
         self.c, self.version, self.w = c, 0, 0.0
 
-    def generate(self, prompts, n, sampling, call_seed=0):
+    def generate(self, prompts, n, sampling, call_seed=0, prompt_keys=None):
         time.sleep(self.c.latency)
         return [[Completion([40 + (i + j + call_seed) % 10] * self.c.length, [-self.w] * self.c.length, "length",
                             self.version) for j in range(n)] for i in range(len(prompts))]

@@ -76,9 +76,13 @@ class RolloutEngine(ABC):
     version: int = 0
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
-                 call_seed: int = 0) -> list[list[Completion]]:
-        """n completions for each prompt (token ids), grouped per prompt."""
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, call_seed: int = 0,
+                 prompt_keys: list[int] | None = None) -> list[list[Completion]]:
+        """n completions for each prompt (token ids), grouped per prompt.
+
+        Request seeds derive from (sampling.seed, call_seed, key of the prompt, sample); a prompt's key
+        is its position in `prompt_keys` order (default: its index in `prompts`). Data-parallel ranks
+        pass the prompt's position in the whole step, so a sharded run samples what one rank would."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:

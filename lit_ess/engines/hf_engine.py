@@ -69,13 +69,15 @@ class HFEngine(RolloutEngine):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
-                 call_seed: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, call_seed: int = 0,
+                 prompt_keys: list[int] | None = None) -> list[list[Completion]]:
+        """One seed per chunk of `batch_size` rows, derived from the key of the chunk's first prompt."""
         flat_prompts = [p for p in prompts for _ in range(n)]
+        keys = list(range(len(prompts))) if prompt_keys is None else list(prompt_keys)
         flat: list[Completion] = []
         for start in range(0, len(flat_prompts), self.batch_size):
             chunk = flat_prompts[start:start + self.batch_size]
-            seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, start)
+            seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, keys[start // n], start % n)
             flat.extend(self._generate_chunk(chunk, sampling, seed))
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 

@@ -95,16 +95,17 @@ class VLLMEngine(RolloutEngine):
                            max_model_len=c.max_model_len, **kwargs)
         self.version = 0
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
-                 call_seed: int = 0) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, call_seed: int = 0,
+                 prompt_keys: list[int] | None = None) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         # One request per sample: vLLM expands n>1 into children that share one seed (copies).
         reqs, params = [], []
-        for i, p in enumerate(prompts):
+        keys = range(len(prompts)) if prompt_keys is None else prompt_keys
+        for key, p in zip(keys, prompts):
             for j in range(n):
-                seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, i, j)
+                seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, key, j)
                 reqs.append(TokensPrompt(prompt_token_ids=list(p)))
                 params.append(SamplingParams(
                     n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
@@ -120,7 +121,8 @@ class VLLMEngine(RolloutEngine):
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
-        weights = [(k, v.detach()) for k, v in named_tensors]
+        # lazily: vLLM's load_weights consumes the iterator, so a sharded policy is gathered tensor by tensor
+        weights = ((k, v.detach()) for k, v in named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self.llm.reset_prefix_cache() is False:       # refused (requests running): stale KV would be reused
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")

@@ -29,12 +29,15 @@ from .batch import RolloutBatch, Row, collate
 
 @dataclass
 class RolloutRequest:
-    """The prompts of one phase. `prompt_ids` index the prompt source; `prompts` are token ids."""
+    """This rank's prompts of one phase. `prompt_ids` index the prompt source; `prompts` are token ids;
+    `prompt_keys` are their positions among the phase's prompts on all ranks (they derive the request
+    seeds; None = 0, 1, ...)."""
     phase: int
     prompt_ids: list[int]
     prompts: list[list[int]]
     prompt_texts: list[str]
     answers: list[str]
+    prompt_keys: list[int] | None = None
 
 
 @dataclass
@@ -89,7 +92,7 @@ class RolloutWorker:
         """Stage 1, the engine: n completions per prompt, their texts and the generation time."""
         t0 = time.perf_counter()
         groups = self.engine.generate(req.prompts, self.config.samples_per_prompt, self.config.sampling,
-                                      call_seed=req.phase)
+                                      call_seed=req.phase, prompt_keys=req.prompt_keys)
         t_gen = time.perf_counter() - t0
         texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
         return groups, texts, t_gen
@@ -116,6 +119,7 @@ class RolloutWorker:
         stats = {
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+            "rollout/rows": float(rewards.numel()),
             "rollout/response_len": float(lengths.mean()),
             "rollout/response_len_max": float(lengths.max()),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel(),
@@ -135,8 +139,8 @@ class RolloutWorker:
                            max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
 
-    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> dict[str, float]:
-        """One sample per held-out prompt with the training sampling settings."""
+    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> dict[str, torch.Tensor]:
+        """One sample per held-out prompt with the training sampling settings: its reward and length."""
         return self.score_eval(answers, *self.sample_eval(prompts))
 
     @torch.no_grad()
@@ -145,9 +149,9 @@ class RolloutWorker:
         return ([self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups],
                 [len(g[0].token_ids) for g in groups])
 
-    def score_eval(self, answers: list[str], texts: list[str], lengths: list[int]) -> dict[str, float]:
-        rewards = self.scorer(texts, answers)
-        return {"val/reward_mean": sum(rewards) / len(rewards), "val/response_len": sum(lengths) / len(lengths)}
+    def score_eval(self, answers: list[str], texts: list[str], lengths: list[int]) -> dict[str, torch.Tensor]:
+        return {"reward": torch.tensor(self.scorer(texts, answers), dtype=torch.float32),
+                "length": torch.tensor(lengths, dtype=torch.float32)}
 
     def close(self) -> None:
         self.scorer.close()
