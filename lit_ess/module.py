@@ -173,10 +173,24 @@ class PolicyModule(L.LightningModule):
             dist.all_reduce(x)
         return x
 
+    def _averages_gradients(self) -> bool:
+        """True when the policy's gradients are averaged over ranks: FSDP2 shards (callbacks.FSDP2)
+        or a DDP wrapper (strategy: ddp)."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = self._trainer is not None and isinstance(self.trainer.model, DistributedDataParallel)
+        return isinstance(self.policy, FSDPModule) or wrapped
+
     def _grad_scale(self) -> float:
-        """W when a DDP/FSDP strategy averages gradients over W ranks, else 1 (losses are already
-        normalised by the global token count)."""
-        return float(dist.get_world_size()) if self._world() and self._trainer is not None else 1.0
+        """W when DDP/FSDP2 averages gradients over W ranks, else 1 (losses are already normalised by
+        the global token count, so the ranks' gradients must be summed)."""
+        return float(dist.get_world_size()) if self._world() and self._averages_gradients() else 1.0
+
+    def on_fit_start(self) -> None:
+        if self._world() and not self._averages_gradients():
+            raise ValueError(f"{dist.get_world_size()} ranks but nothing synchronises the policy's gradients: use "
+                             f"strategy: ddp, or ModelParallelStrategy with callbacks.FSDP2")
 
     def _same_count(self, mbs: list[RolloutBatch]) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats."""

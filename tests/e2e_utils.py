@@ -88,7 +88,8 @@ def varies_unless_const(completion: str, answer: str) -> float:
 
 
 class RecordPrompts(L.Callback):
-    """A callback for audits: appends each trained step's prompt ids and row versions to a JSONL file."""
+    """A callback for audits: appends each trained step's prompt ids, row versions, phase and batch
+    index to a JSONL file; rank r > 0 writes to `path` + `.rank{r}`."""
 
     def __init__(self, path: str):
         self.path = path
@@ -96,9 +97,11 @@ class RecordPrompts(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         import json
 
-        with open(self.path, "a") as f:
+        path = self.path + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
+        with open(path, "a") as f:
             f.write(json.dumps({"step": trainer.global_step - 1, "prompt_ids": batch.prompt_ids.tolist(),
-                                "versions": batch.versions.tolist()}) + "\n")
+                                "versions": batch.versions.tolist(), "phase": batch.phase,
+                                "index": batch.index}) + "\n")
 
 
 def trained_prompts(path) -> dict[int, dict]:
@@ -124,10 +127,12 @@ def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float =
     deadline, last, size = time.time() + timeout, ckpt_dir / "last.ckpt", -1
     while time.time() < deadline and proc.poll() is None:
         # `--ckpt_path last` needs last.ckpt, written right after the step's file: wait until it is whole
-        if list(ckpt_dir.glob(f"*step={step}*.ckpt")) and last.exists():
-            if last.stat().st_size == size:
+        # (a sharded checkpoint is a folder whose meta.pt rank 0 writes last)
+        done = last / "meta.pt" if last.is_dir() else last
+        if list(ckpt_dir.glob(f"*step={step}*.ckpt")) and done.exists():
+            if done.stat().st_size == size:
                 break
-            size = last.stat().st_size
+            size = done.stat().st_size
         time.sleep(0.1)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
