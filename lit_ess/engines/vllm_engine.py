@@ -59,7 +59,8 @@ class VLLMConfig(EngineConfig):
             CPU and GPU, through host memory) or "nccl" (vLLM's native weight-transfer API, GPU to GPU;
             needs CUDA and worker_devices, since NCCL cannot put two ranks on one GPU). Sync mode
             always loads in process (`reload_weights`).
-        bucket_mb: transport nccl: MiB gathered and broadcast at once (both sides cut buckets alike).
+        bucket_mb: transport nccl: MiB gathered and broadcast at once; a bucket closes with the tensor that
+            crosses this size, so it exceeds it by at most one tensor (both sides cut buckets alike).
     """
 
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"

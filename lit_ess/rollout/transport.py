@@ -189,7 +189,7 @@ class NCCL(WeightTransport):
     """vLLM's NCCL weight transfer; the trainer is rank 0, the engine's `engine_ranks` workers 1..n.
 
     Args:
-        bucket_mb: bytes broadcast at once (and gathered at once under FSDP), in MiB.
+        bucket_mb: MiB broadcast (and gathered, under FSDP) at once, plus at most one tensor.
         engine_ranks: the engine's GPU workers (tensor x pipeline parallel size).
         master_address: host of the rendezvous store (the trainer's address as the engine sees it).
         is_sender: False on trainer ranks > 0: they take part in the gathers and send nothing.
