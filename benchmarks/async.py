@@ -34,13 +34,14 @@ def run(model: str, out: Path, mode: str, steps: int, reward: str) -> list[float
     data.update({"mode": mode, "max_staleness": 1 if mode == "async" else None, "reward": reward, "val_source": None})
     times = out / f"{mode}.json"
     cfg["trainer"].update({"max_steps": steps, "logger": False, "enable_checkpointing": False,
-                           "enable_progress_bar": False, "check_val_every_n_epoch": 1,
+                           "default_root_dir": str(out), "enable_progress_bar": False, "check_val_every_n_epoch": 1,
                            "callbacks": [{"class_path": "callbacks.WeightSync"},
                                          {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}]})
     path = out / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], cwd=ROOT, env=env,
+    # in the run's temporary folder: with logger: false LightningCLI saves its config.yaml in the cwd
+    res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], cwd=out, env=env,
                          capture_output=True, text=True)
     if res.returncode:
         sys.exit(f"benchmarks/async.py: the {mode} run failed:\n{res.stderr[-3000:]}")

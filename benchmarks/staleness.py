@@ -45,7 +45,7 @@ def main(argv=None):
                                               "init_args": {"save_dir": d, "name": "tb", "version": f"S{S}"}}})
             path = Path(d) / f"S{S}.yaml"
             path.write_text(yaml.safe_dump(cfg))
-            res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], cwd=ROOT,
+            res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], cwd=d,
                                  env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
             if res.returncode:
                 sys.exit(f"benchmarks/staleness.py: S={S} failed:\n{res.stderr[-3000:]}")

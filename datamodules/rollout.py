@@ -159,6 +159,13 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.val_source, self.val_prompts = val_source, val_prompts
         self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
+        # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
+        # the checkpoint holds no prompt-source or config objects. model_path is the model's.
+        self.save_hyperparameters({
+            "engine": engine.hparams(), "sampling": asdict(sampling), "mode": mode, "max_staleness": self.max_staleness,
+            "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
+            "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
+            "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__})
         self.worker: RolloutWorker | WorkerProcess | None = None
         self.tokenizer = None
         # resumable state

@@ -39,7 +39,14 @@ def test_print_config_lists_engine_settings(tiny_model_dir):
                                                                 "behavior_logprobs": "processed"}}
     vllm = print_config(tiny_model_dir)["data"]["init_args"]["engine"]["init_args"]
     assert {"dtype", "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "enforce_eager", "seed",
-            "behavior_logprobs", "vllm_kwargs"} == set(vllm)
+            "behavior_logprobs", "vllm_kwargs", "worker_devices", "transport", "bucket_mb"} == set(vllm)
+    assert (vllm["worker_devices"], vllm["transport"]) == (None, "shared_memory")   # colocated by default
+
+
+def test_nccl_without_dedicated_devices_is_one_line(tiny_model_dir):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir,
+               "--data.init_args.engine.init_args.transport", "nccl"])
+    assert "transport: nccl needs worker_devices" in _one_error_line(res)
 
 
 def _one_error_line(res):

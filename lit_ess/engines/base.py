@@ -68,6 +68,25 @@ class EngineConfig:
     def build(self, model_path: str) -> "RolloutEngine":
         raise NotImplementedError
 
+    def hparams(self) -> dict:
+        """Plain values to log as hyper-parameters: the config's class name and its fields."""
+        from dataclasses import asdict
+
+        return {"name": type(self).__name__, **asdict(self)}
+
+    def weight_transport(self, in_process: bool):
+        """How weights reach an engine built from this config (lit_ess/rollout/transport.py): built in
+        the trainer's process (sync mode) or in the async worker process. Default: the engine reads
+        the trainer's tensors (in process) or a shared-memory slot (worker process)."""
+        from lit_ess.rollout.transport import InProcess, SharedMemory
+
+        return InProcess() if in_process else SharedMemory()
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an
+        engine on its own GPUs). Default: none, the worker sees the trainer's devices (colocated)."""
+        return {}
+
 
 class RolloutEngine(ABC):
     """Generate, refresh weights, report version. `version` is the optimizer step whose weights the
@@ -101,3 +120,12 @@ def truncate_at_stop(text_of, token_ids: list[int], eos_id: int | None, stop: li
         if stop and any(s in text_of(token_ids[: i + 1]) for s in stop):
             return i + 1, "stop"
     return len(token_ids), "length"
+
+
+def require_cuda(what: str) -> None:
+    """Raise a one-line error naming `what` when this machine has no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} needs CUDA GPUs (and NCCL); this machine has none "
+                         f"(torch.cuda.is_available() is False)")

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..console import harmless_stderr_dropped, verbose
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, require_cuda
 
 
 def _configure_env(kv_cache_gib: float) -> None:
@@ -50,6 +50,17 @@ class VLLMConfig(EngineConfig):
         vllm_kwargs: passed to `vllm.LLM` as they are, e.g. {max_num_seqs: 256, quantization: fp8}.
             On CPU, enable_chunked_prefill defaults to False (vLLM 0.32's CPU backend crashes on
             seeded requests whose prefill is split).
+        worker_devices: async mode only: where the worker process's engine runs. None (default) =
+            colocated: the worker sees the trainer's devices and shares its GPU (leave room with
+            gpu_memory_utilization). A list of device indices (as the trainer's process numbers them,
+            e.g. [4, 5, 6, 7]) = dedicated: CUDA_VISIBLE_DEVICES is set for the worker process only.
+            Needs CUDA: on a machine without it this is an error, not ignored.
+        transport: async mode only: how weights reach the worker's engine. "shared_memory" (default;
+            CPU and GPU, through host memory) or "nccl" (vLLM's native weight-transfer API, GPU to GPU;
+            needs CUDA and worker_devices, since NCCL cannot put two ranks on one GPU). Sync mode
+            always loads in process (`reload_weights`).
+        bucket_mb: transport nccl: MiB gathered and broadcast at once; a bucket closes with the tensor that
+            crosses this size, so it exceeds it by at most one tensor (both sides cut buckets alike).
     """
 
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -60,13 +71,67 @@ class VLLMConfig(EngineConfig):
     seed: int = 0
     behavior_logprobs: Literal["processed", "raw"] = "processed"
     vllm_kwargs: dict = field(default_factory=dict)
+    worker_devices: list[int] | None = None
+    transport: Literal["shared_memory", "nccl"] = "shared_memory"
+    bucket_mb: float = 256.0
 
     def __post_init__(self):
         if self.behavior_logprobs not in ("processed", "raw"):
             raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
+        if self.transport not in ("shared_memory", "nccl"):
+            raise ValueError(f"transport={self.transport!r} is not one of ('shared_memory', 'nccl')")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        d = self.worker_devices
+        if d is not None and (not d or len(set(d)) != len(d) or any(not isinstance(i, int) or i < 0 for i in d)):
+            raise ValueError(f"worker_devices must be distinct device indices >= 0 (or null = colocated), got {d}")
+        if d is not None and len(d) < self.engine_ranks():
+            raise ValueError(f"worker_devices={d} has fewer devices than the engine's {self.engine_ranks()} ranks "
+                             f"(tensor_parallel_size x pipeline_parallel_size in vllm_kwargs)")
+        if self.transport == "nccl" and d is None:
+            raise ValueError("transport: nccl needs worker_devices (the engine on its own GPUs; NCCL cannot put "
+                             "two ranks on one GPU): set worker_devices, or transport: shared_memory when colocated")
+
+    def engine_ranks(self) -> int:
+        """GPU workers of the engine: tensor x pipeline parallel size."""
+        kw = self.vllm_kwargs
+        return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
 
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)
+
+    def weight_transport(self, in_process: bool):
+        from lit_ess.rollout.transport import NCCL, InProcess, SharedMemory
+
+        if in_process:
+            if self.transport == "nccl" or self.worker_devices is not None:
+                raise ValueError("engine.transport: nccl and engine.worker_devices place the engine in the async "
+                                 "worker process: set data.mode: async, or remove them")
+            return InProcess()
+        if self.transport == "nccl":
+            return NCCL(self.bucket_mb, self.engine_ranks())
+        return SharedMemory()
+
+    def worker_env(self) -> dict[str, str]:
+        if self.worker_devices is None:
+            return {}
+        require_cuda(f"engine.worker_devices={self.worker_devices}")
+        if max(self.worker_devices) >= torch.cuda.device_count():
+            raise ValueError(f"engine.worker_devices={self.worker_devices}: this process sees "
+                             f"{torch.cuda.device_count()} CUDA devices")
+        return {"CUDA_VISIBLE_DEVICES": visible_devices(self.worker_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+
+
+def visible_devices(indices: list[int], parent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for the worker: `indices` number the devices the trainer's process sees,
+    so under a parent CUDA_VISIBLE_DEVICES they map through it (indices [1] under "4,5" -> "5")."""
+    if not parent_visible:
+        return ",".join(map(str, indices))
+    seen = [v.strip() for v in parent_visible.split(",") if v.strip()]
+    if max(indices) >= len(seen):
+        raise ValueError(f"engine.worker_devices={indices}: CUDA_VISIBLE_DEVICES={parent_visible!r} shows "
+                         f"{len(seen)} devices")
+    return ",".join(seen[i] for i in indices)
 
 
 class VLLMEngine(RolloutEngine):
@@ -89,6 +154,8 @@ class VLLMEngine(RolloutEngine):
             # ("CPU Generator does not use offset" in _bookkeeping_sync), so prefills stay whole.
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("use_tqdm_on_load", verbose())
+        if c.transport == "nccl":
+            kwargs.setdefault("weight_transfer_config", {"backend": "nccl"})
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
             self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=c.enforce_eager, logprobs_mode=f"{c.behavior_logprobs}_logprobs", seed=c.seed,
@@ -124,6 +191,21 @@ class VLLMEngine(RolloutEngine):
         # lazily: vLLM's load_weights consumes the iterator, so a sharded policy is gathered tensor by tensor
         weights = ((k, v.detach()) for k, v in named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._updated(version)
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's NCCL group (vLLM's weight-transfer API; transport: nccl). Blocks until
+        the trainer opens rank 0."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def receive_weights(self, update_info: dict, version: int) -> None:
+        """Receive one full set of weights over NCCL (names, dtype_names, shapes in send order)."""
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update(weight_version=str(version))
+        self._updated(version)
+
+    def _updated(self, version: int) -> None:
         if self.llm.reset_prefix_cache() is False:       # refused (requests running): stale KV would be reused
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         self.version = version

@@ -2,18 +2,18 @@
 
     trainer process                                   worker process (spawn)
     ---------------                                   ----------------------
-    load_weights(state, v) -> copy into a free        requests.get() -> if the request names newer
-        shared-memory slot (one flat tensor per           weights: engine.load_weights(slot views, v)
-        dtype; 4 slots, never one in use)             -> worker.sample(request)     (engine)
-                                                      -> scoring thread: worker.score(...) (rewards)
+    load_weights(state, v) -> transport.push(...)     requests.get() -> ("transport", msg): worker.receive(msg)
+        messages it sends go on the request queue      -> a request naming newer weights: worker.load(ticket)
+    submit(kind, payload) -> requests.put(..., ticket) -> worker.sample(request)     (engine)
+    poll(timeout) -> [(id, result)]                   -> scoring thread: worker.score(...) (rewards)
                                                          -> results.put(pickled)
-    submit(kind, payload) -> requests.put(...)
-    poll(timeout) -> [(id, result)]
 
-This is the cross-process CPU transport: the trainer's tensors are copied once into memory both
-processes map, and the worker's engine reads them from there (vLLM: `reload_weights`, then the prefix
-cache is reset and checked). A slot is rewritten only when no queued request still names it. The
-worker exits when told to, or when it finds the trainer process gone (kill -9).
+Weights travel by the engine config's transport (lit_ess/rollout/transport.py): shared memory by
+default (the trainer copies into a slot no queued request names; the worker's engine reads it with
+`reload_weights`, then resets and checks its prefix cache), or vLLM's NCCL weight transfer on GPUs.
+Transport messages share the request queue, so the worker applies them in order with the requests.
+The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for dedicated
+GPUs). It exits when told to, or when it finds the trainer process gone (kill -9).
 """
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ import traceback
 
 import torch
 
+from .transport import Ticket
 from .worker import RolloutWorker, WorkerConfig
-
-SLOTS = 4
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -47,11 +46,12 @@ class WorkerError(RuntimeError):
 
 class WorkerProcess:
     def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None):
+        self.transport = config.engine.weight_transport(in_process=False)   # trainer side; errors before the spawn
+        env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(), **(env or {})}
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
         self.proc = ctx.Process(target=_child_main, args=(config, self.requests, self.results, self.stop, os.getpid()),
                                 name="lit-ess-rollout-worker")
-        env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **(env or {})}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)                   # read by the child's OpenMP and vLLM when they load
         try:
@@ -63,10 +63,8 @@ class WorkerProcess:
         self.start_timeout, self.t_created = start_timeout, time.monotonic()
         self.started = False
         self._pending: list[tuple[int, object]] = []           # results read while waiting for the start
-        self.slots: list[dict[torch.dtype, torch.Tensor]] | None = None
-        self.layout: dict[str, tuple[torch.dtype, int, torch.Size]] = {}
-        self.current: tuple[int, int] | None = None            # (slot, version) of the newest weights
-        self.in_flight: dict[int, int | None] = {}             # request id -> slot it names
+        self.current: Ticket | None = None                    # the newest weights pushed
+        self.in_flight: dict[int, Ticket | None] = {}          # request id -> the weights it names
         self.next_id = 0
         self.version = -1
         self.idle_seconds = self.busy_seconds = self.weight_load_seconds = 0.0
@@ -75,39 +73,19 @@ class WorkerProcess:
     def load_weights(self, named_tensors, version: int) -> None:
         if version == self.version and self.current is not None:
             return                                             # the worker already has these weights
-        state = {k: v.detach() for k, v in named_tensors}
-        if self.slots is None:
-            self._allocate(state)
-        busy = {s for s in self.in_flight.values() if s is not None}
-        if self.current is not None:
-            busy.add(self.current[0])                          # newest weights: kept until replaced
-        free = [j for j in range(SLOTS) if j not in busy]
-        if not free:
-            raise WorkerError("no free weight slot: more requests in flight than the transport allows")
-        j = free[0]
-        if set(state) != set(self.layout):
-            raise WorkerError(f"weights changed names between pushes: {sorted(set(state) ^ set(self.layout))[:5]}")
-        with torch.no_grad():
-            for name, t in state.items():
-                dtype, off, shape = self.layout[name]
-                self.slots[j][dtype][off:off + t.numel()].view(shape).copy_(t)
-        self.current, self.version = (j, version), version
+        in_use = [t for t in self.in_flight.values() if t is not None]
+        self.current = self.transport.push(named_tensors, version, self._send, in_use)
+        self.version = version
 
-    def _allocate(self, state: dict[str, torch.Tensor]) -> None:
-        sizes: dict[torch.dtype, int] = {}
-        for name, t in state.items():
-            off = sizes.get(t.dtype, 0)
-            self.layout[name] = (t.dtype, off, t.shape)
-            sizes[t.dtype] = off + t.numel()
-        self.slots = [{d: torch.empty(n, dtype=d).share_memory_() for d, n in sizes.items()} for _ in range(SLOTS)]
-        self.requests.put(("slots", -1, (self.slots, self.layout), None))
+    def _send(self, msg) -> None:
+        self.requests.put(("transport", -1, msg, None))
 
     # ------------------------------------------------------------------ requests
     def submit(self, kind: str, payload) -> int:
         """Queue a request ("phase": a RolloutRequest, "evaluate": (prompts, answers)); it runs with
         the newest weights pushed before it."""
         rid, self.next_id = self.next_id, self.next_id + 1
-        self.in_flight[rid] = self.current[0] if self.current else None
+        self.in_flight[rid] = self.current
         self.requests.put((kind, rid, payload, self.current))
         return rid
 
@@ -160,7 +138,6 @@ class WorkerProcess:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
-        self.slots = None
 
 
 def _parent_alive(pid: int) -> bool:
@@ -181,7 +158,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
 
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
-        worker = RolloutWorker(config)
+        worker = RolloutWorker(config, in_process=False)
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
         return
@@ -203,7 +180,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
 
     scorer = threading.Thread(target=score_loop, name="lit-ess-scorer", daemon=True)
     scorer.start()
-    slots, layout, loaded = None, {}, None
+    loaded = None
     try:
         while True:
             t0 = time.perf_counter()
@@ -217,14 +194,13 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
             clock["idle"] += time.perf_counter() - t0
             if kind == "stop" or stop.is_set() or not _parent_alive(parent_pid):
                 return                           # (a killed trainer: skip what it had queued)
-            if kind == "slots":
-                slots, layout = payload
-                continue
             t1 = time.perf_counter()
+            if kind == "transport":
+                worker.receive(payload)
+                clock["weights"] += time.perf_counter() - t1
+                continue
             if weights is not None and weights != loaded:
-                j, version = weights
-                views = ((n, slots[j][d][off:off + shape.numel()].view(shape)) for n, (d, off, shape) in layout.items())
-                worker.load_weights(views, version)
+                worker.load(weights)
                 loaded = weights
                 clock["weights"] += time.perf_counter() - t1
             sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload[0])

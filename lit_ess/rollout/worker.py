@@ -25,6 +25,7 @@ from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_see
 from lit_ess.rewards import RewardScorer
 
 from .batch import RolloutBatch, Row, collate
+from .transport import Ticket
 
 
 @dataclass
@@ -66,10 +67,14 @@ class WorkerConfig:
 
 
 class RolloutWorker:
-    def __init__(self, config: WorkerConfig):
+    """`in_process`: the worker lives in the trainer's process (sync) or in its own (async); it picks
+    the engine side of the weight transport (`EngineConfig.weight_transport`)."""
+
+    def __init__(self, config: WorkerConfig, in_process: bool = True):
         from transformers import AutoTokenizer
 
         self.config = c = config
+        self.transport = c.engine.weight_transport(in_process)     # before the engine: a bad choice fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.scorer = RewardScorer(c.reward, c.reward_timeout)
@@ -82,7 +87,16 @@ class RolloutWorker:
         return self.engine.version
 
     def load_weights(self, named_tensors, version: int) -> None:
-        self.engine.load_weights(named_tensors, version)
+        """Trainer's process: push through the transport, its messages delivered here directly."""
+        self.load(self.transport.push(named_tensors, version, self.receive))
+
+    def receive(self, msg) -> None:
+        """A message of the transport's trainer side (lit_ess/rollout/transport.py)."""
+        self.transport.receive(self.engine, msg)
+
+    def load(self, ticket: Ticket) -> None:
+        """Make the engine hold the weights `ticket` names."""
+        self.transport.load(self.engine, ticket)
 
     def run(self, req: RolloutRequest) -> PhaseResult:
         return self.score(req, *self.sample(req))

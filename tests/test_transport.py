@@ -1,0 +1,137 @@
+"""Weight transport (lit_ess/rollout/transport.py): what runs on CPU. The NCCL carrier's bucketing and
+wire format are checked against vLLM's own packing code; the broadcast itself needs GPUs."""
+import random
+
+import pytest
+import torch
+
+from fake_engine import FakeConfig, FakeEngine
+from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.engines.vllm_engine import visible_devices
+from lit_ess.rollout.transport import (NCCL, InProcess, SharedMemory, Ticket, drop_tied, packed_buckets,
+                                       plan_buckets, update_info)
+
+
+@pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")      # vLLM's note on a lone big tensor
+def test_buckets_cut_where_vllms_packed_receiver_cuts():
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    rng = random.Random(0)
+    for _ in range(50):
+        named = [(f"p{i}", torch.zeros(rng.choice([1, 3, 64, 700, 5000]), dtype=rng.choice([torch.float32, torch.bfloat16])))
+                 for i in range(rng.randint(1, 30))]
+        bucket = rng.choice([1, 100, 1000, 4096, 10**6])
+        it, vllm_chunks = iter(named), []
+        while (chunk := pack_tensors(it, lambda item: item[1], bucket)) is not None:
+            vllm_chunks.append(chunk.names)
+        ours = plan_buckets([t.numel() * t.element_size() for _, t in named], bucket)
+        assert [[named[i][0] for i in b] for b in ours] == vllm_chunks
+        assert [i for b in ours for i in b] == list(range(len(named)))        # fixed order, each once
+
+
+def test_packed_buckets_round_trip_through_vllms_unpack():
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    g = torch.Generator().manual_seed(0)
+    named = [("model.embed_tokens.weight", torch.randn(50, 8, generator=g)),
+             ("model.norm.weight", torch.randn(8, generator=g).bfloat16()),
+             ("model.layers.0.mlp.up_proj.weight", torch.randn(16, 8, generator=g).t()),   # not contiguous
+             ("lm_head.bias", torch.randn(50, generator=g, dtype=torch.float64))]
+    info = update_info(named)
+    dtypes = [getattr(torch, d) for d in info["dtype_names"]]
+    got, start = {}, 0
+    for packed, bucket in zip(packed_buckets(named, 600, torch.device("cpu")),
+                              plan_buckets([t.numel() * t.element_size() for _, t in named], 600)):
+        sizes = [named[i][1].numel() * named[i][1].element_size() for i in bucket]
+        got.update(unpack_tensor(packed, info["names"][start:start + len(bucket)], info["shapes"][start:start + len(bucket)],
+                                 dtypes[start:start + len(bucket)], sizes))
+        start += len(bucket)
+    assert start == len(named) and list(got) == [n for n, _ in named]
+    for n, t in named:
+        assert torch.equal(got[n], t), n
+
+
+def test_update_info_is_what_vllms_nccl_receiver_accepts():
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    info = update_info([("a", torch.zeros(2, 3)), ("b", torch.zeros(4, dtype=torch.bfloat16))])
+    parsed = NCCLWeightTransferUpdateInfo(**info)
+    assert parsed.dtype_names == ["float32", "bfloat16"] and parsed.shapes == [[2, 3], [4]]
+
+
+def test_tied_embeddings_are_sent_once():
+    m = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(10, 4), "lm_head": torch.nn.Linear(4, 10, bias=False)})
+    m["lm_head"].weight = m["embed_tokens"].weight
+    kept, dropped = drop_tied(list(m.state_dict().items()))
+    assert [n for n, _ in kept] == ["embed_tokens.weight"] and dropped == ["lm_head.weight"]
+    untied = {"a": torch.zeros(3), "b": torch.zeros(3)}                 # equal values, separate storage
+    assert drop_tied(list(untied.items()))[1] == []
+
+
+def test_shared_memory_never_overwrites_a_slot_a_request_names():
+    t, engine_side, engine = SharedMemory(slots=3), SharedMemory(slots=3), FakeEngine(FakeConfig())
+    send = lambda msg: engine_side.receive(engine, msg)                  # noqa: E731  (the queue, in order)
+    a = t.push({"w": torch.tensor([1.0])}.items(), 1, send)
+    b = t.push({"w": torch.tensor([2.0])}.items(), 2, send, in_use=[a])
+    c = t.push({"w": torch.tensor([3.0])}.items(), 3, send, in_use=[a, b])
+    assert len({a.slot, b.slot, c.slot}) == 3
+    with pytest.raises(RuntimeError, match="no free weight slot"):
+        t.push({"w": torch.tensor([4.0])}.items(), 4, send, in_use=[a, b])   # c is the newest: kept too
+    for ticket, w in ((a, 1.0), (b, 2.0), (c, 3.0)):
+        engine_side.load(engine, ticket)
+        assert (engine.version, engine.w) == (ticket.version, w)
+    d = t.push({"w": torch.tensor([5.0])}.items(), 5, send, in_use=[c])
+    assert d.slot in (a.slot, b.slot)
+    with pytest.raises(RuntimeError, match="changed names"):
+        t.push({"v": torch.tensor([0.0])}.items(), 6, send)
+
+
+def test_in_process_loads_only_what_was_pushed():
+    t, engine = InProcess(), FakeEngine(FakeConfig())
+    t.load(engine, t.push({"w": torch.tensor([7.0])}.items(), 7, send=None))
+    assert (engine.version, engine.w) == (7, 7.0)
+    with pytest.raises(RuntimeError, match="version 8 were not pushed"):
+        t.load(engine, Ticket(8))
+
+
+def test_default_transports_and_placement():
+    for c in (HFConfig(), FakeConfig(), VLLMConfig()):
+        assert type(c.weight_transport(in_process=True)) is InProcess
+        assert type(c.weight_transport(in_process=False)) is SharedMemory
+        assert c.worker_env() == {}                                       # colocated
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
+def test_gpu_only_choices_fail_with_one_clear_line_without_cuda():
+    with pytest.raises(ValueError, match=r"transport: nccl needs CUDA GPUs .* this machine has none"):
+        VLLMConfig(transport="nccl", worker_devices=[1]).weight_transport(in_process=False)
+    with pytest.raises(ValueError, match=r"transport: nccl needs CUDA"):
+        NCCL()
+    with pytest.raises(ValueError, match=r"worker_devices=\[4, 5\] needs CUDA GPUs"):
+        VLLMConfig(worker_devices=[4, 5]).worker_env()
+
+
+def test_placement_and_transport_config_is_validated():
+    with pytest.raises(ValueError, match="transport: nccl needs worker_devices"):
+        VLLMConfig(transport="nccl")
+    with pytest.raises(ValueError, match="worker_devices must be distinct"):
+        VLLMConfig(worker_devices=[1, 1])
+    with pytest.raises(ValueError, match="worker_devices must be distinct"):
+        VLLMConfig(worker_devices=[])
+    with pytest.raises(ValueError, match="fewer devices than the engine's 2 ranks"):
+        VLLMConfig(worker_devices=[3], vllm_kwargs={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="transport='ipc' is not one of"):
+        VLLMConfig(transport="ipc")
+    with pytest.raises(ValueError, match="bucket_mb must be > 0"):
+        VLLMConfig(bucket_mb=0)
+    with pytest.raises(ValueError, match="set data.mode: async"):
+        VLLMConfig(worker_devices=[2]).weight_transport(in_process=True)
+    with pytest.raises(ValueError, match="bucket size must be >= 1"):
+        plan_buckets([4], 0)
+
+
+def test_worker_devices_map_through_the_parents_visible_devices():
+    assert visible_devices([4, 5, 6, 7], None) == "4,5,6,7"
+    assert visible_devices([1, 2], "3,5,7") == "5,7"
+    with pytest.raises(ValueError, match="shows 2 devices"):
+        visible_devices([2], "0,1")
