@@ -1,0 +1,178 @@
+"""Dry runs of the GPU configs in configs/ (real models, several GPUs and nodes: they cannot run here).
+
+Each config is read by the real CLI parser and every class it names is built (LitESSCLI with run=False:
+PolicyModule, RolloutDataModule with its prompt sources, engine and sampling configs, the Trainer with
+its strategy, logger and callbacks), with what needs the hardware or the hub swapped out: the tiny model
+for the real one, this CPU (accelerator cpu, 1 device, 1 node, ModelParallelStrategy kept with
+data_parallel_size 1) for the GPUs, and a small local jsonl with the same fields for the hub datasets.
+Everything else is the config's own, so a typo'd key, a value out of range or a field the prompt source
+cannot read fails here. The hardware settings themselves are checked for consistency (W = devices x
+nodes everywhere it must appear). vLLM is not started: its GPU settings (fp8, external_launcher,
+gpu_memory_utilization) are checked on paper only.
+"""
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+import callbacks
+from datamodules import HFPrompts, RolloutDataModule
+from lit_ess.cli import LitESSCLI, _explain, _Parser
+from lit_ess.engines import VLLMConfig
+from lit_ess.module import PolicyModule
+from lit_ess.rewards import resolve_reward
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GPU_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml")
+                     if yaml.safe_load(p.read_text())["trainer"].get("accelerator", "cpu") != "cpu")
+SOURCES = ("source", "val_source")
+# a row the config's reward scores 1.0 with the completion beside it (the answer in the dataset's own format)
+ROWS = {"gsm8k": ("Natalia sold 48 clips in April and half as many in May. How many in all?",
+                  "48 / 2 = 24 clips in May.\n48 + 24 = 72\n#### 72", "So she sold 72 clips.\n#### 72"),
+        "math_verify": ("What is $\\frac{1}{2} + \\frac{1}{4}$?", "\\frac{3}{4}", "The sum is $\\boxed{\\frac{3}{4}}$.")}
+
+
+def test_gpu_configs_exist():
+    names = {p.name for p in GPU_CONFIGS}
+    assert {"qwen2.5-1.5b_gsm8k_1x8gpu.yaml", "qwen2.5-1.5b_gsm8k_2x8gpu.yaml",
+            "qwen3-4b_deepscaler_1x8gpu.yaml", "qwen3-4b_deepscaler_2x8gpu.yaml"} <= names
+
+
+def _callback(cfg: dict, class_path: str) -> dict:
+    found = [c for c in cfg["trainer"].get("callbacks", []) if c["class_path"] == class_path]
+    assert len(found) == 1, f"expected one {class_path} callback"
+    return found[0].get("init_args", {})
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_hardware_settings_agree(path):
+    """W = devices x num_nodes is the data-parallel size FSDP2 shards over and a divisor of the prompts;
+    the header says what the config is and how to launch it."""
+    cfg = yaml.safe_load(path.read_text())
+    t, data = cfg["trainer"], cfg["data"]["init_args"]
+    world = t["devices"] * t.get("num_nodes", 1)
+    assert t["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
+    assert t["strategy"]["init_args"] == {"data_parallel_size": world, "tensor_parallel_size": 1}
+    assert data["prompts_per_rollout"] % world == 0
+    engine = data["engine"]["init_args"]
+    assert engine["max_model_len"] >= data["max_prompt_tokens"] + data["sampling"]["max_new_tokens"]
+    assert 0 < engine["gpu_memory_utilization"] < 0.5                      # colocated with the trainer
+    assert _callback(cfg, "callbacks.FSDP2")["param_dtype"] == "bfloat16"
+    assert _callback(cfg, "lightning.pytorch.callbacks.ModelCheckpoint")["dirpath"]   # fixed: resume finds it
+    header = path.read_text().split("\nseed_everything")[0]
+    assert f"--config configs/{path.name}" in header and "Hardware assumed" in header
+    if t.get("num_nodes", 1) > 1:
+        assert "--nnodes" in header and "srun" in header
+
+
+def _dry_config(path: Path, model_dir: str, tmp_path: Path) -> dict:
+    """The config with the tiny model, this CPU and local prompt files swapped in; the rest as written."""
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"]["init_args"]["model_path"] = model_dir
+    data = cfg["data"]["init_args"]
+    assert data["reward"] in ROWS, f"reward {data['reward']!r}: not a built-in reward with a sample row in ROWS"
+    prompt, answer, _ = ROWS[data["reward"]]
+    for key in SOURCES:
+        src = data.get(key)
+        if src and src["class_path"] == "datamodules.HFPrompts":
+            args = src["init_args"]
+            rows = [{args.get("prompt_field", "prompt"): f"{prompt} ({i})", args.get("answer_field", "answer"): answer,
+                     "other": "unused"} for i in range(4)]
+            local = tmp_path / f"{key}.jsonl"
+            local.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            args.update(path=str(local), split="train")       # a local file has one split
+            args.pop("name", None)
+    t = cfg["trainer"]
+    t.update(accelerator="cpu", devices=1, num_nodes=1)
+    t["strategy"]["init_args"]["data_parallel_size"] = 1
+    t["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
+    for c in t["callbacks"]:
+        if "dirpath" in c.get("init_args", {}):
+            c["init_args"]["dirpath"] = str(tmp_path / Path(c["init_args"]["dirpath"]).name)
+    return cfg
+
+
+def _build(cfg: dict, tmp_path: Path) -> LitESSCLI:
+    """Parse and instantiate as `lit-ess fit --config` does (lit_ess.cli.main's arguments), without running."""
+    f = tmp_path / "dry.yaml"
+    f.write_text(yaml.safe_dump(cfg))
+    with mock.patch.object(sys, "argv", ["lit-ess"]):     # LightningCLI warns when pytest's own arguments are there
+        return LitESSCLI(None, None, subclass_mode_model=True, subclass_mode_data=True, parser_class=_Parser,
+                         args=["--config", str(f)], auto_configure_optimizers=False, run=False)
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_config_builds_with_the_tiny_model(path, tiny_model_dir, tmp_path):
+    cfg = _dry_config(path, tiny_model_dir, tmp_path)
+    cli = _build(cfg, tmp_path)
+    written = yaml.safe_load(path.read_text())
+    data = written["data"]["init_args"]
+
+    model, dm, trainer = cli.model, cli.datamodule, cli.trainer
+    assert isinstance(model, PolicyModule) and type(model.objective).__name__ == "P3O"
+    assert model.hparams.micro_batch_size == written["model"]["init_args"]["micro_batch_size"]
+    model.configure_model()                                 # loads the (tiny) policy with the config's dtype
+    assert next(model.policy.parameters()).dtype.__str__() == f"torch.{model.hparams.model_dtype}"
+
+    assert isinstance(dm, RolloutDataModule) and dm.model_path == tiny_model_dir     # linked from the model
+    assert (dm.prompts_per_rollout, dm.samples_per_prompt) == (data["prompts_per_rollout"], data["samples_per_prompt"])
+    assert dm.sampling.max_new_tokens == data["sampling"]["max_new_tokens"]
+    assert isinstance(dm.engine_config, VLLMConfig)
+    assert dm.engine_config.vllm_kwargs == data["engine"]["init_args"]["vllm_kwargs"]
+    reward = resolve_reward(dm.reward_name)
+    _, answer, completion = ROWS[dm.reward_name]
+    for src in (dm.source, dm.val_source):
+        assert isinstance(src, HFPrompts) and len(src.examples) == 4 and src.skipped == 0
+        ex = src.examples[0]
+        assert ex.answer == answer and ex.prompt.startswith(ROWS[dm.reward_name][0])
+        assert reward(completion, ex.answer) == 1.0 and reward("no answer here", ex.answer) == 0.0
+    if dm.reward_name == "math_verify":                     # the template's braces survive str.format
+        assert dm.source.examples[0].prompt.endswith("\\boxed{}.")
+
+    assert isinstance(trainer.strategy, ModelParallelStrategy)
+    assert trainer.max_steps == written["trainer"]["max_steps"]
+    assert isinstance(trainer.logger, TensorBoardLogger)
+    kinds = {type(c) for c in trainer.callbacks}
+    assert {callbacks.FSDP2, callbacks.WeightSync, callbacks.RatioDashboard, callbacks.LogCompletions,
+            callbacks.ExportHF, ModelCheckpoint} <= kinds
+    fsdp = next(c for c in trainer.callbacks if isinstance(c, callbacks.FSDP2))
+    assert (fsdp.param_dtype, fsdp.reduce_dtype, fsdp.activation_checkpointing) == ("bfloat16", "float32", True)
+    ckpt = next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint))
+    assert ckpt.dirpath == str(tmp_path / "ckpt")
+
+
+def _set(cfg: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = cfg
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    node[last] = value
+
+
+@pytest.mark.parametrize("dotted, value, says", [
+    ("model.init_args.micro_batch_sise", 8, "micro_batch_sise"),                 # typo'd key
+    ("data.init_args.sampling.max_new_token", 1024, "max_new_token"),           # typo'd key in a dataclass
+    ("data.init_args.engine.init_args.quantisation", "fp8", "quantisation"),    # typo'd engine key
+    ("trainer.callbacks.0.init_args.param_dtype", "bf16", "param_dtype"),       # FSDP2: not a dtype it knows
+    ("data.init_args.sampling.temperature", 0.0, "temperature must be > 0"),   # out of range
+    ("data.init_args.source.init_args.prompt_field", "questions", "fields 'questions'"),  # not in the file
+    ("trainer.strategy.init_args.data_parallel_sizes", 1, "data_parallel_sizes"),  # typo'd strategy key
+    ("trainer.callbacks.4.init_args.save_top_k", 3, "monitor=None"),           # top-k needs a monitor
+])
+def test_a_broken_config_fails_the_dry_run(dotted, value, says, tiny_model_dir, tmp_path, capsys):
+    """The dry run is a real check: one wrong key or value in a config stops it."""
+    path = CONFIGS / "qwen3-4b_deepscaler_1x8gpu.yaml"
+    cfg = _dry_config(path, tiny_model_dir, tmp_path)
+    assert [c["class_path"].split(".")[-1] for c in cfg["trainer"]["callbacks"]][0:5:4] == ["FSDP2", "ModelCheckpoint"]
+    _set(cfg, dotted, value)
+    with pytest.raises((SystemExit, ValueError)) as err:
+        _build(cfg, tmp_path)
+    # the line `lit-ess fit` prints: the parser's own (exit 2), or lit_ess.cli.main's for a constructor's ValueError
+    line = capsys.readouterr().err if err.type is SystemExit else _explain(str(err.value))
+    assert says in line, line
