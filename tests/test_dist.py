@@ -6,6 +6,8 @@ the same logged metrics, distinct prompts, and resume exactly from a sharded che
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,15 +101,17 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
 
 # ---------------------------------------------------------------------------------- the CLI, end to end
 
-def _config(model_dir, out: Path, world: int, **kw):
+def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dict | None = None, **kw):
     cfg = rl_config(model_dir, out, engine="vllm", prompts=8, samples=4, **kw)
     cfg["trainer"]["devices"] = world
     cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                         "init_args": {"path": str(out / "prompts.jsonl")}})
-    if world > 1:
+    if world > 1 and strategy == "ddp":
+        cfg["trainer"]["strategy"] = "ddp"
+    elif world > 1:
         cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                                       "init_args": {"data_parallel_size": world, "tensor_parallel_size": 1}}
-        cfg["trainer"]["callbacks"].append({"class_path": "callbacks.FSDP2"})
+        cfg["trainer"]["callbacks"].append({"class_path": "callbacks.FSDP2", "init_args": fsdp or {}})
     return cfg
 
 
@@ -122,28 +126,47 @@ def _records(path: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
-def test_two_fsdp2_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
+def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
     """Same global batch, same seeds: step losses, ESS, gradient norms, rollout statistics and the
-    held-out reward of 2 FSDP2 ranks equal those of 1 process; the ranks train different prompts."""
+    held-out reward of 2 ranks (FSDP2 with activation checkpointing, and DDP) equal those of 1
+    process; the ranks train different prompts; the sharded checkpoint exports the same weights."""
     val = {"val_source": {"class_path": "datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
            "val_prompts": 16}                              # 3 chunks: rank 0 evaluates 2, rank 1 one
     runs = {}
-    for world in (1, 2):
-        out = tmp_path / f"w{world}"
-        cfg = _config(tiny_model_dir, out, world, max_steps=3, extra_data=val)
+    for name, world, strategy in (("one", 1, None), ("fsdp2", 2, "fsdp2"), ("ddp", 2, "ddp")):
+        out = tmp_path / name
+        cfg = _config(tiny_model_dir, out, world, strategy, fsdp={"activation_checkpointing": True}, max_steps=3,
+                      extra_data=val, ckpt_every=3)
         cfg["trainer"]["check_val_every_n_epoch"] = 3
-        runs[world] = (_fit(cfg, out), out)
-    (one, out1), (two, out2) = runs[1], runs[2]
-    for key in ("train/loss", "train/ess", "train/grad_norm", "train/tokens", "train/kl_behavior", "rollout/reward_mean",
-                "rollout/reward_std", "rollout/response_len", "val/reward_mean", "val/response_len"):
-        a, b = [v for _, v in one[key]], [v for _, v in two[key]]
-        assert len(a) == len(b) > 0 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (key, a, b)
-    assert min(v for _, v in two["train/ess"]) >= 0.9999          # engines synced from shards: on-policy
-    r0, r1 = _records(out2 / "prompts.jsonl"), _records(out2 / "prompts.jsonl.rank1")
-    single = _records(out1 / "prompts.jsonl")
-    for a, b, s in zip(r0, r1, single):
-        assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
-        assert sorted(a["prompt_ids"] + b["prompt_ids"]) == sorted(s["prompt_ids"])
+        runs[name] = (_fit(cfg, out), out)
+    one, out1 = runs["one"]
+    for name in ("fsdp2", "ddp"):
+        two, out2 = runs[name]
+        for key in ("train/loss", "train/ess", "train/grad_norm", "train/tokens", "train/kl_behavior",
+                    "rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "val/reward_mean",
+                    "val/response_len"):
+            a, b = [v for _, v in one[key]], [v for _, v in two[key]]
+            assert len(a) == len(b) > 0 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, key, a, b)
+        assert min(v for _, v in two["train/ess"]) >= 0.9999          # engines synced from shards: on-policy
+        r0, r1 = _records(out2 / "prompts.jsonl"), _records(out2 / "prompts.jsonl.rank1")
+        for a, b, s in zip(r0, r1, _records(out1 / "prompts.jsonl"), strict=True):
+            assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
+            assert sorted(a["prompt_ids"] + b["prompt_ids"]) == sorted(s["prompt_ids"])
+
+    from transformers import AutoModelForCausalLM
+
+    exported = {}
+    for name in ("one", "fsdp2"):
+        ckpt = runs[name][1] / "ckpt" / "last.ckpt"
+        assert ckpt.is_dir() == (name == "fsdp2")                         # FSDP2 saves a folder of shards
+        res = subprocess.run([sys.executable, "-m", "lit_ess.export", str(ckpt), str(tmp_path / f"hf_{name}")],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        exported[name] = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{name}").state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert max((exported["one"][k] - initial[k]).abs().max() for k in initial) > 1e-4      # it trained
+    for k, v in exported["one"].items():
+        assert torch.allclose(exported["fsdp2"][k], v, atol=1e-5), k
 
 
 @pytest.mark.e2e

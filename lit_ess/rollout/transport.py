@@ -11,7 +11,9 @@ version; requests carry the ticket of the weights they must be generated with. `
 tickets that queued requests still name (a carrier with several buffers must not overwrite those).
 Each side builds its own transport object from the engine config (`EngineConfig.weight_transport`).
 
-* `InProcess` (sync mode): `load` calls `engine.load_weights` on the pushed tensors; no copy.
+* `InProcess` (sync mode): `load` calls `engine.load_weights` on the pushed iterator, unconsumed, so
+  an FSDP2 policy is gathered tensor by tensor as the engine loads (the worker pushes and loads in one
+  call, on every rank at the same point); no copy.
 * `SharedMemory` (async mode, default): 4 slots of shared memory (one flat tensor per dtype each,
   allocated at the first push and sent once); `push` copies into a slot no ticket in use names,
   `load` hands views of that slot to `engine.load_weights`. Works on CPU and on GPUs (via host memory).
@@ -70,10 +72,10 @@ class InProcess(WeightTransport):
     """Trainer and engine in one process: the engine reads the trainer's tensors directly."""
 
     def __init__(self):
-        self._pending: tuple[int, list[tuple[str, Tensor]]] | None = None
+        self._pending: tuple[int, Named] | None = None
 
     def push(self, named_tensors, version, send, in_use=()):
-        self._pending = (version, [(k, v.detach()) for k, v in named_tensors])
+        self._pending = (version, named_tensors)
         return Ticket(version)
 
     def load(self, engine, ticket):
