@@ -7,9 +7,11 @@ Malformed rows (missing field, non-text value, empty prompt) are skipped and cou
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -50,24 +52,43 @@ class Arithmetic(PromptSource):
         ops: operators to draw from ("+", "-", "*").
         size: number of distinct examples (drawn without replacement where possible).
         seed: draws the example pool.
+        split: "all", or "train" / "test": two disjoint parts of the problem space (a fixed hash of
+            each problem puts `test_frac` of them in "test", whatever the seed and size), so a
+            held-out set never shares a problem with training.
+        test_frac: share of the problem space in the "test" split.
     """
 
-    def __init__(self, digits: int = 2, ops: str = "+", size: int = 10_000, seed: int = 0):
+    def __init__(self, digits: int = 2, ops: str = "+", size: int = 10_000, seed: int = 0,
+                 split: Literal["all", "train", "test"] = "all", test_frac: float = 0.05):
         bad = set(ops) - set("+-*")
         if bad or not ops:
             raise ValueError(f"Arithmetic.ops must use only '+', '-', '*', got {ops!r}")
         if digits < 1:
             raise ValueError(f"Arithmetic.digits must be >= 1, got {digits}")
+        if split not in ("all", "train", "test"):
+            raise ValueError(f"Arithmetic.split must be 'all', 'train' or 'test', got {split!r}")
+        if not 0 < test_frac < 1:
+            raise ValueError(f"Arithmetic.test_frac must be in (0, 1), got {test_frac}")
         hi = 10 ** digits
         total = hi * hi * len(ops)
         rng = random.Random(seed)
-        codes = rng.sample(range(total), min(size, total))
+        if split == "all":
+            codes = rng.sample(range(total), min(size, total))
+        else:
+            pool = [c for c in range(total) if _in_test(c, ops, digits, test_frac) == (split == "test")]
+            codes = rng.sample(pool, min(size, len(pool)))
         self.examples = []
         for code in codes:
             op = ops[code // (hi * hi)]
             a, b = divmod(code % (hi * hi), hi)
             self.examples.append(Example(f"{a}{op}{b}=", str(eval_op(a, op, b))))
         self.skipped = 0
+
+
+def _in_test(code: int, ops: str, digits: int, test_frac: float) -> bool:
+    """Whether problem `code` belongs to the test split: a fixed hash of the problem itself."""
+    h = hashlib.blake2b(f"{digits},{ops},{code}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") / 2 ** 64 < test_frac
 
 
 def eval_op(a: int, op: str, b: int) -> int:
