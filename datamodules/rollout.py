@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
-from lit_ess.rollout import (PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
+from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
                              WorkerProcess)
 
 from .prompts import Arithmetic, Example, PromptSource, encode_prompt
@@ -112,6 +112,8 @@ class RolloutDataModule(L.LightningDataModule):
         val_source: held-out prompts for validation (None = no validation loop).
         val_prompts: validation prompts per batch; every example of val_source is used once (with W
             ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
+        val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
+            (`val/pass@k`; a sample passes when its reward is 1), the mean reward and length.
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class RolloutDataModule(L.LightningDataModule):
         seed: int = 0,
         val_source: PromptSource | None = None,
         val_prompts: int = 64,
+        val_samples: int = 1,
     ):
         super().__init__()
         if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
@@ -143,6 +146,8 @@ class RolloutDataModule(L.LightningDataModule):
                              f"{samples_per_prompt} rows of a rollout")
         if mode not in ("sync", "async"):
             raise ValueError(f"mode={mode!r} is not one of ('sync', 'async')")
+        if val_samples < 1:
+            raise ValueError(f"val_samples must be >= 1, got {val_samples}")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1 or null, got {steps_per_epoch}")
         if not isinstance(engine, EngineConfig):
@@ -157,7 +162,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.steps_per_epoch = steps_per_epoch or steps_per_rollout
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
-        self.val_source, self.val_prompts = val_source, val_prompts
+        self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
         self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
@@ -224,7 +229,7 @@ class RolloutDataModule(L.LightningDataModule):
     def val_dataloader(self):
         if self.val_source is None:
             return []
-        ex = [(e.prompt, e.answer) for e in self.val_source.examples]
+        ex = [(i, e.prompt, e.answer) for i, e in enumerate(self.val_source.examples)]
         chunks = [ex[i:i + self.val_prompts] for i in range(0, len(ex), self.val_prompts)]
         return DataLoader(_ValDataset(self, chunks[self.rank::self.world]), batch_size=None, collate_fn=_identity)
 
@@ -380,13 +385,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate(self, examples: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-        """One sample per held-out (prompt, answer) with the training sampling settings: the reward and
-        the length of each (`{"reward": [P], "length": [P]}`)."""
-        payload = ([self.encode_prompt(p) for p, _ in examples], [a for _, a in examples])
+    def evaluate(self, examples: list[tuple[int, str, str]]) -> dict[str, torch.Tensor]:
+        """`val_samples` samples per held-out (index, prompt, answer) with the training sampling
+        settings: the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`."""
+        req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
+                          [i for i, _, _ in examples], self.val_samples)
         if self.mode == "sync":
-            return self.worker.evaluate(*payload)
-        rid = self.worker.submit("evaluate", payload)
+            return self.worker.evaluate(req)
+        rid = self.worker.submit("evaluate", req)
         while True:
             for r, result in self.worker.poll(timeout=1.0):
                 if r == rid:

@@ -30,6 +30,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from .logprobs import sequence_logprobs
+from .metrics import PassAtK
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
 from .rollout import RolloutBatch
@@ -99,6 +100,7 @@ class PolicyModule(L.LightningModule):
         self.skipped_steps = 0
         self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
         self.val_reward, self.val_length = MeanMetric(), MeanMetric()   # reduced over ranks at epoch end
+        self.val_pass = PassAtK()
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -131,7 +133,8 @@ class PolicyModule(L.LightningModule):
         no_decay = [p for n, p in self.policy.named_parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=h.lr, betas=tuple(h.betas))
-        total = self.trainer.max_steps if self.trainer and self.trainer.max_steps and self.trainer.max_steps > 0 else None
+        trainer = self._trainer                      # None when used without a Trainer (benchmarks, notebooks)
+        total = trainer.max_steps if trainer is not None and trainer.max_steps and trainer.max_steps > 0 else None
 
         def factor(step: int) -> float:
             if step < h.warmup_steps:
@@ -327,12 +330,22 @@ class PolicyModule(L.LightningModule):
                 lg.log_metrics(logs, step=self.global_step)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int):
-        """Held-out prompts sampled by the engine with the current weights and scored by the data
-        module: `{"reward": [P], "length": [P]}`. The means are reduced over ranks (torchmetrics)."""
+        """Held-out prompts sampled by the engine with the current weights (n samples each) and scored
+        by the data module: `{"reward": [P, n], "length": [P, n]}`. A sample passes when its reward
+        is 1. The metrics are reduced over ranks (torchmetrics)."""
         self.val_reward.update(batch["reward"])
         self.val_length.update(batch["length"])
+        self.val_pass.update(batch["reward"] >= 1.0)
         self.log("val/reward_mean", self.val_reward, on_step=False, on_epoch=True)
         self.log("val/response_len", self.val_length, on_step=False, on_epoch=True)
+
+    def on_validation_epoch_end(self) -> None:
+        """`val/pass@k` for k = 1..n: the unbiased estimator, averaged over every rank's prompts."""
+        if not self.val_pass.update_called:
+            return
+        for k, value in enumerate(self.val_pass.compute().tolist(), start=1):
+            self.log(f"val/pass@{k}", value, sync_dist=True)     # equal on every rank after compute
+        self.val_pass.reset()
 
     def _clip_and_norm(self) -> Tensor:
         """Clip the global gradient norm and return it (before clipping). Under FSDP2 the gradients

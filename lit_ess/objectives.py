@@ -344,8 +344,15 @@ class P3O(Objective):
 
     `ess` may be passed precomputed (the ESS of the whole optimizer step, over micro-batches and
     ranks); otherwise it is the ESS of this call's tokens.
+
+    Args (ablations; the paper's objective has both on):
+        ess_cap: cap the detached weight at e_B. False: sg(rho) itself (plain importance sampling,
+            log-ratios clamped at +-20 so rho stays finite).
+        adaptive_kl: add (1 - e_B) * KL(pi_theta || pi_b). False: the policy-gradient term alone.
     """
 
+    ess_cap: bool = True
+    adaptive_kl: bool = True
     name: ClassVar[str] = "p3o"
     needs_ess: ClassVar[bool] = True
 
@@ -353,10 +360,13 @@ class P3O(Objective):
         log_ratio = lp - lb
         e = batch_ess(log_ratio, mask) if ess is None else torch.as_tensor(ess, dtype=torch.float64)
         e = e.to(device=lp.device, dtype=lp.dtype).detach()
-        weight = torch.minimum(log_ratio.detach().exp(), e)       # exp(800) = inf -> min gives e
+        if self.ess_cap:
+            weight = torch.minimum(log_ratio.detach().exp(), e)       # exp(800) = inf -> min gives e
+        else:
+            weight = log_ratio.detach().clamp(-20.0, 20.0).exp()
         pg = agg(-weight * lp * adv)
         kl = agg(k3(log_ratio))
-        loss = pg + (1 - e) * kl
+        loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)
         metrics["kl_term"] = kl.detach()
         return loss, metrics

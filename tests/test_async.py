@@ -189,8 +189,8 @@ def test_async_validation_samples_in_the_worker_and_starts_no_rollout(tiny_model
     dm = make_dm(tiny_model_dir)
     try:
         dm.push_weights(weights(3), 3)
-        metrics = dm.evaluate([("1+1=", "2"), ("2+3=", "5")])
-        assert set(metrics) == {"reward", "length"} and metrics["length"].tolist() == [3.0, 3.0]
+        metrics = dm.evaluate([(0, "1+1=", "2"), (1, "2+3=", "5")])
+        assert set(metrics) == {"reward", "length"} and metrics["length"].tolist() == [[3.0], [3.0]]
         assert dm.next_plan == 0 and not dm.submitted
         batch = dm.next_batch(3)                     # training afterwards starts from phase 0, version 3
         assert batch.phase == 0 and set(batch.versions.tolist()) == {3}

@@ -131,7 +131,7 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
     held-out reward of 2 ranks (FSDP2 with activation checkpointing, and DDP) equal those of 1
     process; the ranks train different prompts; the sharded checkpoint exports the same weights."""
     val = {"val_source": {"class_path": "datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
-           "val_prompts": 16}                              # 3 chunks: rank 0 evaluates 2, rank 1 one
+           "val_prompts": 16, "val_samples": 2}            # 3 chunks: rank 0 evaluates 2, rank 1 one
     runs = {}
     for name, world, strategy in (("one", 1, None), ("fsdp2", 2, "fsdp2"), ("ddp", 2, "ddp")):
         out = tmp_path / name
@@ -144,7 +144,7 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
         two, out2 = runs[name]
         for key in ("train/loss", "train/ess", "train/grad_norm", "train/tokens", "train/kl_behavior",
                     "rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "val/reward_mean",
-                    "val/response_len"):
+                    "val/response_len", "val/pass@1", "val/pass@2"):
             a, b = [v for _, v in one[key]], [v for _, v in two[key]]
             assert len(a) == len(b) > 0 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, key, a, b)
         assert min(v for _, v in two["train/ess"]) >= 0.9999          # engines synced from shards: on-policy

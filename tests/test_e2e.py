@@ -89,11 +89,13 @@ def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
 
 def test_validation_in_fit_and_validate_from_checkpoint(tiny_model_dir, tmp_path):
     val = {"val_source": {"class_path": "datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
-           "val_prompts": 16}
+           "val_prompts": 16, "val_samples": 3}
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, ckpt_every=2, extra_data=val)
     cfg["trainer"]["check_val_every_n_epoch"] = 2
     s = run_ok(cfg, tmp_path)
     assert len(s["val/reward_mean"]) == 1 and 0 <= s["val/reward_mean"][0][1] <= 1
+    passes = [s[f"val/pass@{k}"][0][1] for k in (1, 2, 3)]
+    assert 0 <= passes[0] <= passes[1] <= passes[2] <= 1 and "val/pass@4" not in s
     path = write_config(cfg, tmp_path / "config.yaml")
     res = cli(["validate", "--config", str(path), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
     assert res.returncode == 0, res.stderr[-4000:]

@@ -41,6 +41,23 @@ def test_p3o_uses_passed_ess():
     assert out.loss.item() == pytest.approx(-0.25 * LN2 + 0.5 * (LN2 - 0.5) / 2, abs=1e-12)
 
 
+def test_p3o_ablations_hand_computed():
+    # rho = [2, 1], e_B = 0.9 (see above)
+    # no cap: weight = rho = [2, 1]: pg = -(2 ln .5 - 1 ln .25) / 2 = -(-2 ln 2 + 2 ln 2) / 2 = 0; loss = 0.1 kl
+    lp, lb, adv, mask = two_tokens()
+    out = build_objective("p3o", ess_cap=False)(lp, lb, adv, mask)
+    assert out.loss.item() == pytest.approx(0.1 * (LN2 - 0.5) / 2, abs=1e-12)
+    out.loss.backward()
+    # d/dlp_t = (-rho_t A_t + 0.1 (1 - exp(-lr_t))) / 2 = [(-2 + 0.05) / 2, 1 / 2]
+    assert lp.grad.tolist()[0] == pytest.approx([-0.975, 0.5], abs=1e-12)
+    # no adaptive KL: the capped policy-gradient term alone, -0.45 ln 2
+    lp, lb, adv, mask = two_tokens()
+    out = build_objective("p3o", adaptive_kl=False)(lp, lb, adv, mask)
+    assert out.loss.item() == pytest.approx(-0.45 * LN2, abs=1e-12)
+    out.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([-0.45, 0.45], abs=1e-12)
+
+
 def test_grpo_hand_computed():
     # rho = [2, 1], A = [1, -1]: t1 clipped to 1.2 (no grad), t2 = -1; loss = -(1.2 - 1) / 2
     lp, lb, adv, mask = two_tokens()

@@ -66,8 +66,13 @@ class RolloutBatch:
             self, input_ids=self.input_ids[rows, :width], attention_mask=self.attention_mask[rows, :width],
             completion_mask=self.completion_mask[rows, :width], behavior_logprobs=self.behavior_logprobs[rows, :width],
             advantages=self.advantages[rows], rewards=self.rewards[rows], versions=self.versions[rows],
-            prompt_ids=self.prompt_ids[rows], prompt_texts=[self.prompt_texts[i] for i in idx],
-            completion_texts=[self.completion_texts[i] for i in idx])
+            prompt_ids=self.prompt_ids[rows], prompt_texts=_pick(self.prompt_texts, idx),
+            completion_texts=_pick(self.completion_texts, idx))
+
+
+def _pick(texts: list[str], idx) -> list[str]:
+    """The texts of rows `idx`; a batch built without texts (benchmarks, tests) keeps none."""
+    return [texts[i] for i in idx] if texts else []
 
 
 @dataclass

@@ -82,7 +82,7 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ requests
     def submit(self, kind: str, payload) -> int:
-        """Queue a request ("phase": a RolloutRequest, "evaluate": (prompts, answers)); it runs with
+        """Queue a request ("phase": a RolloutRequest, "evaluate": an EvalRequest); it runs with
         the newest weights pushed before it."""
         rid, self.next_id = self.next_id, self.next_id + 1
         self.in_flight[rid] = self.current
@@ -172,7 +172,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
                 continue                         # closing: nobody will read it
             kind, rid, payload, sampled = item
             try:
-                out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload[1], *sampled)
+                out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
                 results.put(("result", rid, pickle.dumps(out), (clock["idle"], clock["busy"], clock["weights"])))
             except BaseException:
                 results.put(("error", rid, traceback.format_exc(), None))
@@ -203,7 +203,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
                 worker.load(weights)
                 loaded = weights
                 clock["weights"] += time.perf_counter() - t1
-            sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload[0])
+            sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload)
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
     except BaseException:

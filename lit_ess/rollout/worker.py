@@ -42,6 +42,16 @@ class RolloutRequest:
 
 
 @dataclass
+class EvalRequest:
+    """Held-out prompts (token ids) with their answers, `n` samples each; `keys` (the prompts'
+    positions in the held-out set) derive the request seeds, so any sharding samples the same."""
+    prompts: list[list[int]]
+    answers: list[str]
+    keys: list[int]
+    n: int = 1
+
+
+@dataclass
 class PhaseResult:
     phase: int
     batches: list[RolloutBatch]
@@ -153,19 +163,21 @@ class RolloutWorker:
                            max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
 
-    def evaluate(self, prompts: list[list[int]], answers: list[str]) -> dict[str, torch.Tensor]:
-        """One sample per held-out prompt with the training sampling settings: its reward and length."""
-        return self.score_eval(answers, *self.sample_eval(prompts))
+    def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:
+        """`req.n` samples per held-out prompt with the training sampling settings: the reward and the
+        length of each, `{"reward": [P, n], "length": [P, n]}`."""
+        return self.score_eval(req, *self.sample_eval(req))
 
     @torch.no_grad()
-    def sample_eval(self, prompts: list[list[int]]) -> tuple[list[str], list[int]]:
-        groups = self.engine.generate(prompts, 1, self.config.sampling, call_seed=-1)
-        return ([self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups],
-                [len(g[0].token_ids) for g in groups])
+    def sample_eval(self, req: "EvalRequest") -> tuple[list[str], list[int]]:
+        groups = self.engine.generate(req.prompts, req.n, self.config.sampling, call_seed=-1, prompt_keys=req.keys)
+        return ([self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g],
+                [len(s.token_ids) for g in groups for s in g])
 
-    def score_eval(self, answers: list[str], texts: list[str], lengths: list[int]) -> dict[str, torch.Tensor]:
-        return {"reward": torch.tensor(self.scorer(texts, answers), dtype=torch.float32),
-                "length": torch.tensor(lengths, dtype=torch.float32)}
+    def score_eval(self, req: "EvalRequest", texts: list[str], lengths: list[int]) -> dict[str, torch.Tensor]:
+        rewards = self.scorer(texts, [a for a in req.answers for _ in range(req.n)])
+        return {"reward": torch.tensor(rewards, dtype=torch.float32).view(-1, req.n),
+                "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
 
     def close(self) -> None:
         self.scorer.close()

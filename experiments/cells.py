@@ -1,0 +1,134 @@
+"""The paper's experiments and the reviewers' ablations, at CPU scale, as plain lit-ess configs.
+
+Every run starts from the same warm-started tiny model (experiments/run.py makes it once) on 2-digit
+addition, where the warm start samples the right sum about half the time, so RL has room. A run is
+`base_config()` with a cell's overrides (dotted keys into the YAML); the runner writes the result as
+an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --config`.
+
+    clip         off-policy regime (4 optimizer steps per rollout): GRPO eps 0.2/0.4/0.6, DAPO, P3O
+    temperature  sampling T 0.6/1.2/1.5, trainer at 1.0: GRPO vs P3O, processed vs raw pi_b
+    precision    bf16 rollouts against the fp32 trainer: GRPO vs P3O (fp32 rollouts as control)
+    staleness    async, max_staleness 0/1/2/4: P3O, GRPO, decoupled PPO
+    ablations    off-policy regime: P3O, without the (1 - e_B) KL term, without the cap, ESS per micro-batch
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OBJ = "lit_ess.objectives."
+
+
+@dataclass
+class Cell:
+    label: str                        # folder name and legend entry
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class Experiment:
+    name: str
+    title: str
+    question: str
+    cells: list[Cell]
+    common: dict = field(default_factory=dict)   # overrides shared by every cell
+
+
+def objective(name: str, **init_args) -> dict:
+    return {"model.init_args.objective": {"class_path": OBJ + name, "init_args": init_args}}
+
+
+OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
+
+EXPERIMENTS = {e.name: e for e in [
+    Experiment(
+        "clip", "Clip sensitivity, off-policy (4 steps per rollout)",
+        "Does GRPO's result depend on its clip range when data is stale, and where does P3O land without one?",
+        [Cell("grpo_eps0.2", objective("GRPO", clip_eps=0.2)), Cell("grpo_eps0.4", objective("GRPO", clip_eps=0.4)),
+         Cell("grpo_eps0.6", objective("GRPO", clip_eps=0.6)),
+         Cell("dapo", objective("DAPO", clip_low=0.2, clip_high=0.28)), Cell("p3o", objective("P3O"))],
+        common=OFF_POLICY),
+    Experiment(
+        "temperature", "Sampling temperature against a trainer at 1.0",
+        "Rollouts sampled at T = 0.6, 1.2, 1.5 and trained at T = 1.0: how much does each method lose, and "
+        "does it matter whether pi_b is the sampler's true distribution (processed) or the untempered "
+        "logprobs (raw, the authors' code)?",
+        [Cell(f"{m}_T{t}_{lp}", {**objective(cls), "data.init_args.sampling.temperature": t,
+                                 "data.init_args.engine.init_args.behavior_logprobs": lp})
+         for t in (0.6, 1.2, 1.5) for m, cls in (("grpo", "GRPO"), ("p3o", "P3O")) for lp in ("processed", "raw")],
+        common={"model.init_args.train_temperature": 1.0}),
+    Experiment(
+        "precision", "bf16 rollouts against an fp32 trainer",
+        "Does a lower-precision engine (bf16) hurt, and does the ESS see the mismatch?",
+        [Cell(f"{m}_{d}", {**objective(cls), "data.init_args.engine.init_args.dtype": d})
+         for m, cls in (("grpo", "GRPO"), ("p3o", "P3O")) for d in ("bfloat16", "float32")]),
+    Experiment(
+        "staleness", "Asynchronous rollouts, staleness bound S",
+        "With the engine generating ahead in its own process (lag up to S optimizer steps), how do P3O, GRPO "
+        "and decoupled PPO cope as S grows?",
+        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.mode": "async", "data.init_args.max_staleness": s})
+         for m, cls in (("p3o", "P3O"), ("grpo", "GRPO"), ("decoupled", "DecoupledPPO")) for s in (0, 1, 2, 4)]),
+    Experiment(
+        "ablations", "P3O ablations, off-policy (4 steps per rollout)",
+        "Which parts of P3O matter: the (1 - e_B) KL term, the cap at e_B, the ESS over the whole step?",
+        [Cell("p3o", objective("P3O")), Cell("p3o_no_kl", objective("P3O", adaptive_kl=False)),
+         Cell("p3o_no_cap", objective("P3O", ess_cap=False)),
+         Cell("p3o_ess_micro", {**objective("P3O"), "model.init_args.ess_scope": "micro",
+                                "model.init_args.micro_batch_size": 16})],
+        common=OFF_POLICY),
+]}
+
+
+@dataclass
+class Scale:
+    """How big every run is. `full` is the evidence; `quick` only proves the pipeline (CI): every
+    experiment, its first `cells` cells."""
+    seeds: int
+    steps: int
+    val_every: int
+    prompts: int
+    samples: int
+    sft_steps: int
+    val_prompts: int
+    cells: int | None = None          # run only the first `cells` cells of each experiment
+
+
+FULL = Scale(seeds=3, steps=48, val_every=12, prompts=16, samples=8, sft_steps=3000, val_prompts=128)
+QUICK = Scale(seeds=1, steps=4, val_every=4, prompts=8, samples=4, sft_steps=200, val_prompts=16, cells=2)
+
+
+def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
+    """The RL config every cell starts from (configs/demo.yaml at experiment scale)."""
+    return {
+        "seed_everything": seed,
+        "model": {"class_path": "lit_ess.module.PolicyModule",
+                  "init_args": {"model_path": model_path, "lr": 2.0e-4, "max_grad_norm": 1.0,
+                                "objective": {"class_path": OBJ + "P3O"}}},
+        "data": {"class_path": "datamodules.RolloutDataModule", "init_args": {
+            "source": {"class_path": "datamodules.Arithmetic",
+                       "init_args": {"digits": 2, "ops": "+", "size": 10000, "seed": 0, "split": "train"}},
+            "engine": {"class_path": "lit_ess.engines.VLLMConfig", "init_args": {"dtype": "float32"}},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": seed},
+            "reward": "exact_match", "prompts_per_rollout": scale.prompts, "samples_per_prompt": scale.samples,
+            "steps_per_epoch": 1, "seed": seed,
+            "val_source": {"class_path": "datamodules.Arithmetic",
+                           "init_args": {"digits": 2, "ops": "+", "size": scale.val_prompts, "seed": 1,
+                                         "split": "test"}},
+            "val_prompts": scale.val_prompts, "val_samples": 4}},
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": scale.steps,
+                    "check_val_every_n_epoch": scale.val_every, "log_every_n_steps": 1,
+                    "enable_progress_bar": False, "enable_checkpointing": False,
+                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": out_dir, "name": "tb", "version": ""}},
+                    "callbacks": [{"class_path": "callbacks.WeightSync"}]},
+    }
+
+
+def apply(cfg: dict, overrides: dict) -> dict:
+    """Set dotted keys (`data.init_args.sampling.temperature`) in a nested config, in place."""
+    for key, value in overrides.items():
+        parts = key.split(".")
+        node = cfg
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return cfg
