@@ -39,7 +39,9 @@ class FSDP2(L.Callback):
             one more all-gather in backward); False keeps them until backward.
         activation_checkpointing: recompute each decoder layer's activations in backward
             (non-reentrant checkpoint wrapper applied before sharding).
-        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only;
+            the gather and clipping of CPU shards need a CPU backend beside NCCL: set
+            ModelParallelStrategy's process_group_backend: "cuda:nccl,cpu:gloo"; checked on paper).
     """
 
     def __init__(self, param_dtype: Literal["float32", "bfloat16", "float16"] | None = None,

@@ -72,22 +72,40 @@ class Arithmetic(PromptSource):
         hi = 10 ** digits
         total = hi * hi * len(ops)
         rng = random.Random(seed)
+        def problem(code: int) -> tuple[int, str, int]:
+            a, b = divmod(code % (hi * hi), hi)
+            return a, ops[code // (hi * hi)], b
+
+        def keep(code: int) -> bool:
+            return split == "all" or _in_test(*problem(code), test_frac) == (split == "test")
+
         if split == "all":
             codes = rng.sample(range(total), min(size, total))
-        else:
-            pool = [c for c in range(total) if _in_test(c, ops, digits, test_frac) == (split == "test")]
+        elif total <= 1_000_000:
+            pool = [c for c in range(total) if keep(c)]
             codes = rng.sample(pool, min(size, len(pool)))
+        else:                                 # a huge space: draw, keep this split's, until `size`
+            if size > total * min(test_frac, 1 - test_frac) / 2:
+                raise ValueError(f"Arithmetic: size={size} is too close to the {split} split's share of the "
+                                 f"{total} problems; lower size")
+            seen: set[int] = set()
+            codes = []
+            while len(codes) < size:
+                c = rng.randrange(total)
+                if c not in seen and keep(c):
+                    codes.append(c)
+                seen.add(c)
         self.examples = []
         for code in codes:
-            op = ops[code // (hi * hi)]
-            a, b = divmod(code % (hi * hi), hi)
+            a, op, b = problem(code)
             self.examples.append(Example(f"{a}{op}{b}=", str(eval_op(a, op, b))))
         self.skipped = 0
 
 
-def _in_test(code: int, ops: str, digits: int, test_frac: float) -> bool:
-    """Whether problem `code` belongs to the test split: a fixed hash of the problem itself."""
-    h = hashlib.blake2b(f"{digits},{ops},{code}".encode(), digest_size=8).digest()
+def _in_test(a: int, op: str, b: int, test_frac: float) -> bool:
+    """Whether the problem `a op b` belongs to the test split: a fixed hash of the problem itself, so
+    the split does not depend on digits, ops, seed or size."""
+    h = hashlib.blake2b(f"{a}{op}{b}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") / 2 ** 64 < test_frac
 
 

@@ -15,8 +15,9 @@ datasets with a length, so Lightning does not wrap them in a DistributedSampler:
 
 Data parallel (W ranks): every rank draws the same `prompts_per_rollout` prompts of a phase (same
 order, same cursor) and keeps positions `rank, rank + W, ...`; request seeds use a prompt's position
-in the whole phase. So W ranks sample, between them, exactly the rows one rank would, each group
-stays whole on one rank (its advantages need it), and the ranks' batches never overlap. Weights arrive through the
+in the whole phase. So W ranks sample, between them, exactly the rows one rank would (vllm engine: a
+seed per request; hf seeds per chunk), each group stays whole on one rank (its advantages need it),
+and the ranks' batches never overlap. Weights arrive through the
 two methods `callbacks.WeightSync` calls, `wants_weights(version)` and `push_weights(tensors, version)`:
 only when the engine will generate next (with k steps per rollout, once per phase). Without them the
 first rollout that would need newer weights fails with an error that names the callback.
@@ -26,6 +27,7 @@ version of each row), and the requests in flight, which are regenerated after a 
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict
@@ -78,6 +80,16 @@ class _ValDataset(IterableDataset):
 
 def _identity(x):
     return x
+
+
+def val_chunks(examples: list, size: int, rank: int, world: int) -> list[list]:
+    """This rank's share of the held-out examples (positions rank, rank + W, ...) in batches of at
+    most `size`. Every rank gets the same number of batches, at least one, some possibly empty:
+    a rank that skipped validation would leave the others waiting in its collectives."""
+    mine = examples[rank::world]
+    count = max(1, math.ceil(len(examples) / (world * size)))
+    per = math.ceil(len(mine) / count) if mine else 0
+    return [mine[i * per:(i + 1) * per] for i in range(count)]
 
 
 class RolloutDataModule(L.LightningDataModule):
@@ -198,9 +210,14 @@ class RolloutDataModule(L.LightningDataModule):
         if self.mode == "async" and self.world > 1:
             raise ValueError("mode: async runs one worker process per trainer process and does not shard prompts "
                              "across ranks yet: use one device, or mode: sync")
-        if self.prompts_per_rollout % self.world:
+        if stage == "fit" and self.prompts_per_rollout % self.world:
             raise ValueError(f"prompts_per_rollout={self.prompts_per_rollout} is not a multiple of the {self.world} "
                              f"data-parallel ranks: each rank generates whole groups of an equal share")
+        rows = self.prompts_per_rollout // self.world * self.samples_per_prompt
+        if stage == "fit" and rows < self.steps_per_rollout:
+            raise ValueError(f"each of the {self.world} ranks gets {rows} rows per rollout "
+                             f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
+                             f"{self.steps_per_rollout}: every step needs a row on every rank")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if self.mode == "sync":
             self.worker = RolloutWorker(self._worker_config())
@@ -230,8 +247,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self.val_source is None:
             return []
         ex = [(i, e.prompt, e.answer) for i, e in enumerate(self.val_source.examples)]
-        chunks = [ex[i:i + self.val_prompts] for i in range(0, len(ex), self.val_prompts)]
-        return DataLoader(_ValDataset(self, chunks[self.rank::self.world]), batch_size=None, collate_fn=_identity)
+        return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
+                          collate_fn=_identity)
 
     # ------------------------------------------------------------------ weights (callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
@@ -388,6 +405,9 @@ class RolloutDataModule(L.LightningDataModule):
     def evaluate(self, examples: list[tuple[int, str, str]]) -> dict[str, torch.Tensor]:
         """`val_samples` samples per held-out (index, prompt, answer) with the training sampling
         settings: the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`."""
+        if not examples:                      # an empty batch keeps this rank in step with the others
+            empty = torch.zeros(0, self.val_samples)
+            return {"reward": empty, "length": empty.clone()}
         req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
                           [i for i, _, _ in examples], self.val_samples)
         if self.mode == "sync":
@@ -411,6 +431,10 @@ class RolloutDataModule(L.LightningDataModule):
         return {"ranks": ranks}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a run to continue it. `lit-ess validate` needs none of this state: it is ignored
+        there, so a checkpoint can be evaluated on any number of devices."""
+        if self.trainer is not None and self.trainer.state.fn != "fit":
+            return
         if "ranks" in state or self.world > 1:
             saved = len(state.get("ranks", [state]))
             if saved != self.world:

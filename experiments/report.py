@@ -115,6 +115,8 @@ def write_report(out: Path, results: Path, names: list[str], scale: Scale, comma
     """Write `results/results.md` and `results/img/experiments/<exp>.png`; return the page's path."""
     base = read_csv(out / "_base" / "val" / "metrics.csv")
     base_pass = _final(base, "val/pass@1")
+    if base_pass is None:
+        raise ValueError(f"{out / '_base' / 'val' / 'metrics.csv'} holds no val/pass@1: delete it and rerun")
     img_dir = results / "img" / "experiments"
     seconds = sum(json.loads(p.read_text())["seconds"] for p in out.rglob("done.json"))
     lines = [

@@ -75,7 +75,7 @@ def prepare_base(out: Path, scale: Scale) -> Path:
 def base_validation(out: Path, sft: Path, scale: Scale) -> Path:
     """Held-out metrics of the warm start (`lit-ess validate`), the step-0 point of every curve."""
     d = out / "_base" / "val"
-    if (d / "metrics.csv").exists():
+    if (d / "metrics.csv").exists() and "val/pass@1" in (d / "metrics.csv").read_text():
         return d
     cfg = base_config(str(sft), str(d), 0, scale)
     res = lit_ess(["validate", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt")

@@ -176,24 +176,13 @@ class PolicyModule(L.LightningModule):
             dist.all_reduce(x)
         return x
 
-    def _averages_gradients(self) -> bool:
-        """True when the policy's gradients are averaged over ranks: FSDP2 shards (callbacks.FSDP2)
-        or a DDP wrapper (strategy: ddp)."""
-        from torch.distributed.fsdp import FSDPModule
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapped = self._trainer is not None and isinstance(self.trainer.model, DistributedDataParallel)
-        return isinstance(self.policy, FSDPModule) or wrapped
-
     def _grad_scale(self) -> float:
         """W when DDP/FSDP2 averages gradients over W ranks, else 1 (losses are already normalised by
         the global token count, so the ranks' gradients must be summed)."""
-        return float(dist.get_world_size()) if self._world() and self._averages_gradients() else 1.0
+        return float(dist.get_world_size()) if self._world() and averages_gradients(self) else 1.0
 
     def on_fit_start(self) -> None:
-        if self._world() and not self._averages_gradients():
-            raise ValueError(f"{dist.get_world_size()} ranks but nothing synchronises the policy's gradients: use "
-                             f"strategy: ddp, or ModelParallelStrategy with callbacks.FSDP2")
+        check_gradients_synchronised(self)
 
     def _same_count(self, mbs: list[RolloutBatch]) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats."""
@@ -236,7 +225,8 @@ class PolicyModule(L.LightningModule):
             ref = self._score(self.ref_policy, mb, sampling, False)[0] if self.ref_policy is not None else None
             ess = step_ess
             if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
-                st = ess_stats(lp.detach() - mb.behavior_logprobs, _finite_mask(mb, lp))
+                tokens = _finite_mask(mb, lp) if weight else torch.zeros_like(mb.completion_mask)  # padding: none
+                st = ess_stats(lp.detach() - mb.behavior_logprobs, tokens)
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
                                  ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs,
@@ -304,7 +294,9 @@ class PolicyModule(L.LightningModule):
             "train/lr": lr, "train/batch_rows": float(batch.rows),
             "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
         })
-        logs.update(reduce_stats(batch.stats, self.device) if self._world() else batch.stats)
+        logs.update(batch.stats)
+        if self._world():                    # the step's rows, lag and rollout statistics over all ranks
+            logs.update(reduce_stats({k: logs[k] for k in (*batch.stats, *RANK_KEYS)}, self.device))
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
@@ -375,6 +367,24 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().cpu() for k, v in full_weights(model)}
 
 
+def averages_gradients(module: L.LightningModule) -> bool:
+    """True when the policy's gradients are averaged over ranks: FSDP2 shards (callbacks.FSDP2) or a
+    DDP wrapper (strategy: ddp)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    trainer = module._trainer
+    return isinstance(module.policy, FSDPModule) or (trainer is not None and isinstance(trainer.model,
+                                                                                        DistributedDataParallel))
+
+
+def check_gradients_synchronised(module: L.LightningModule) -> None:
+    """Refuse several ranks that would each train alone (e.g. ModelParallelStrategy without FSDP2)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not averages_gradients(module):
+        raise ValueError(f"{dist.get_world_size()} ranks but nothing synchronises the policy's gradients: use "
+                         f"strategy: ddp, or ModelParallelStrategy with callbacks.FSDP2")
+
+
 def _reduce_over_ranks(sums: dict[str, Tensor], device) -> dict[str, Tensor]:
     """Step metrics of every rank combined: min/max keys by min/max, all others summed (they are
     already token-weighted shares or counts). Keys are agreed first: a rank without valid tokens
@@ -397,9 +407,10 @@ def _reduce_over_ranks(sums: dict[str, Tensor], device) -> dict[str, Tensor]:
 
 
 # rollout statistics: how the ranks' values of a phase combine (default: mean; every rank has as many rows)
-STAT_SUM = {"rollout/rows", "rollout/reward_errors", "rollout/reward_timeouts", "rollout/dropped_groups", "rollout/gen_tokens_per_s",
+RANK_KEYS = ("train/batch_rows", "train/policy_lag", "train/policy_lag_max")   # per rank in training_step
+STAT_SUM = {"train/batch_rows", "rollout/rows", "rollout/reward_errors", "rollout/reward_timeouts", "rollout/dropped_groups", "rollout/gen_tokens_per_s",
             "rollout/stale_dropped", "rollout/buffer_size"}
-STAT_MAX = {"rollout/response_len_max", "rollout/gen_seconds", "perf/trainer_wait_frac"}
+STAT_MAX = {"train/policy_lag_max", "rollout/response_len_max", "rollout/gen_seconds", "perf/trainer_wait_frac"}
 
 
 def reduce_stats(stats: dict[str, float], device) -> dict[str, float]:

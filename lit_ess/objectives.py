@@ -368,6 +368,8 @@ class P3O(Objective):
         kl = agg(k3(log_ratio))
         loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)
+        if not self.ess_cap:
+            metrics.pop("capped_frac", None)                     # nothing is capped
         metrics["kl_term"] = kl.detach()
         return loss, metrics
 

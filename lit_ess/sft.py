@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .model_path import check_model_path
-from .module import full_weights
+from .module import check_gradients_synchronised, full_weights
 
 
 class SFTModule(L.LightningModule):
@@ -32,6 +32,9 @@ class SFTModule(L.LightningModule):
             from transformers import AutoModelForCausalLM
 
             self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=torch.float32).train()
+
+    def on_fit_start(self) -> None:
+        check_gradients_synchronised(self)
 
     def sharded_models(self) -> list[torch.nn.Module]:
         """The models a sharding callback (callbacks.FSDP2) shards."""

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
-from lit_ess.objectives import P3O
+from lit_ess.objectives import P3O, ess_stats
 from lit_ess.rollout import Row, collate
 
 pytestmark = pytest.mark.dist
@@ -41,15 +41,23 @@ def _batch(rows: int = 6):
     return collate(out, pad_id=0, sampling=dict(SAMPLING))
 
 
-def _module(model_dir):
+class RecordingP3O(P3O):
+    """P3O that records the e_B each call is trained with (the ESS a micro-batch's loss really uses)."""
+
+    def __call__(self, *args, ess=None, **kwargs):
+        self.__dict__.setdefault("seen", []).append(None if ess is None else float(ess))
+        return super().__call__(*args, ess=ess, **kwargs)
+
+
+def _module(model_dir, ess_scope="step"):
     from lit_ess.module import PolicyModule
 
-    m = PolicyModule(model_dir, objective=P3O(), micro_batch_size=2)
+    m = PolicyModule(model_dir, objective=RecordingP3O(), micro_batch_size=2, ess_scope=ess_scope)
     m.configure_model()
     return m
 
 
-def _rank_main(rank, world, port, model_dir, out):
+def _rank_main(rank, world, port, model_dir, out, ess_scope="step"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -58,25 +66,27 @@ def _rank_main(rank, world, port, model_dir, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        m = _module(model_dir)
+        m = _module(model_dir, ess_scope)
         FSDP2().shard(m.policy, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)))
         rows = [0, 1, 2, 3] if rank == 0 else [4, 5]           # 2 micro-batches on rank 0, 1 on rank 1
-        metrics, ess = m.accumulate_gradients(_batch().select(rows))
+        batch = _batch().select(rows)
+        metrics, ess = m.accumulate_gradients(batch)
         grads = {n: p.grad.full_tensor() for n, p in m.policy.named_parameters()}
+        with torch.no_grad():           # e_B of rank 0's second micro-batch alone (a forward is a collective)
+            mb = _batch().select([0, 1, 2, 3]).micro_batches(2)[1]
+            lp = m._forward(mb, batch.sampling, False)[0]
+            alone = ess_stats(lp - mb.behavior_logprobs, mb.completion_mask).value()
         if rank == 0:
-            torch.save({"grads": grads, "metrics": metrics, "ess": ess}, out)
+            torch.save({"grads": grads, "metrics": metrics, "ess": ess, "seen": m.objective.seen,
+                        "alone": float(alone)}, out)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path):
-    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2): the ranks' pass counts differ, which
-    deadlocks FSDP unless padded; gradients are averaged by FSDP, so each rank's loss is scaled by W.
-    The sharded step's gradients, ESS and metrics equal one process's on all 6 rows."""
-    out = tmp_path / "rank0.pt"
+def _two_ranks(tiny_model_dir, out, ess_scope="step") -> dict:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, tiny_model_dir, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, tiny_model_dir, out, ess_scope)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -86,7 +96,14 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
         p.kill()
     assert not alive, "the 2-rank step hung (mismatched collectives)"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got = torch.load(out)
+    return torch.load(out)
+
+
+def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path):
+    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2): the ranks' pass counts differ, which
+    deadlocks FSDP unless padded; gradients are averaged by FSDP, so each rank's loss is scaled by W.
+    The sharded step's gradients, ESS and metrics equal one process's on all 6 rows."""
+    got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt")
 
     ref = _module(tiny_model_dir)
     ref_metrics, ref_ess = ref.accumulate_gradients(_batch())
@@ -129,9 +146,11 @@ def _records(path: Path) -> list[dict]:
 def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
     """Same global batch, same seeds: step losses, ESS, gradient norms, rollout statistics and the
     held-out reward of 2 ranks (FSDP2 with activation checkpointing, and DDP) equal those of 1
-    process; the ranks train different prompts; the sharded checkpoint exports the same weights."""
+    process; the ranks train different prompts; the sharded checkpoint exports the same weights and
+    validates on one device. The held-out set is one chunk: each rank evaluates half of it (rank 1
+    once got no chunk, and the other rank waited for it)."""
     val = {"val_source": {"class_path": "datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
-           "val_prompts": 16, "val_samples": 2}            # 3 chunks: rank 0 evaluates 2, rank 1 one
+           "val_prompts": 64, "val_samples": 2}
     runs = {}
     for name, world, strategy in (("one", 1, None), ("fsdp2", 2, "fsdp2"), ("ddp", 2, "ddp")):
         out = tmp_path / name
@@ -152,6 +171,18 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
         for a, b, s in zip(r0, r1, _records(out1 / "prompts.jsonl"), strict=True):
             assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
             assert sorted(a["prompt_ids"] + b["prompt_ids"]) == sorted(s["prompt_ids"])
+
+    # the 2-rank sharded checkpoint, validated on 1 device (the rollout state of 2 ranks is not needed)
+    cfg = _config(tiny_model_dir, tmp_path / "validate", 1, extra_data=val)
+    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                  "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}
+    cfg["trainer"]["callbacks"].append({"class_path": "callbacks.FSDP2"})
+    res = cli(["validate", "--config", str(write_config(cfg, tmp_path / "validate" / "config.yaml")),
+               "--ckpt_path", str(runs["fsdp2"][1] / "ckpt" / "last.ckpt")], timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = scalars(tmp_path / "validate")
+    for key in ("val/reward_mean", "val/pass@1", "val/pass@2"):
+        assert got[key][-1][1] == pytest.approx(one[key][-1][1], abs=1e-5), key
 
     from transformers import AutoModelForCausalLM
 
@@ -193,3 +224,13 @@ def test_two_ranks_resume_mid_phase_from_a_sharded_checkpoint(tiny_model_dir, tm
         assert sorted(have) == list(range(5))
         assert [have[s]["index"] for s in range(5)] == [0, 1, 0, 1, 0]       # every batch of a phase, in order
         assert all(have[s]["prompt_ids"] == want[s]["prompt_ids"] for s in range(5))
+
+
+def test_micro_scope_ess_ignores_padding_passes(tiny_model_dir, tmp_path):
+    """ess_scope: micro all-reduces each micro-batch's ESS statistics over ranks. Rank 1 has no second
+    micro-batch and runs a zero-weight padding pass: it must contribute no tokens, so rank 0's second
+    micro-batch is trained with the ESS of its own tokens (the padding pass once added rank 1's first
+    micro-batch again: 0.737 instead of 0.681 in the review's reproduction)."""
+    got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", ess_scope="micro")
+    assert len(got["seen"]) == 2
+    assert got["seen"][1] == pytest.approx(got["alone"], abs=1e-6)

@@ -44,7 +44,8 @@ class RolloutRequest:
 @dataclass
 class EvalRequest:
     """Held-out prompts (token ids) with their answers, `n` samples each; `keys` (the prompts'
-    positions in the held-out set) derive the request seeds, so any sharding samples the same."""
+    positions in the held-out set) derive the request seeds, so any sharding samples the same (vllm
+    engine; the hf engine seeds per chunk)."""
     prompts: list[list[int]]
     answers: list[str]
     keys: list[int]
