@@ -50,7 +50,7 @@ def write_yaml(cfg: dict, path: Path) -> Path:
     return path
 
 
-def prepare_base(out: Path, scale: Scale) -> Path:
+def prepare_base(out: Path, scale: Scale, threads: int | None = None) -> Path:
     """The tiny model, its SFT warm start (30% wrong labels: samples the right sum about half the time)."""
     base = out / "_base"
     sft = base / "sft"
@@ -65,20 +65,20 @@ def prepare_base(out: Path, scale: Scale) -> Path:
                 "trainer.callbacks": [{"class_path": "callbacks.ExportHF", "init_args": {"dirpath": str(sft)}}],
                 "trainer.enable_progress_bar": False})
     print(f"[base] supervised warm start, {scale.sft_steps} steps -> {sft}", flush=True)
-    res = lit_ess(["fit", "--config", str(write_yaml(cfg, base / "sft.yaml"))], base / "sft.log")
+    res = lit_ess(["fit", "--config", str(write_yaml(cfg, base / "sft.yaml"))], base / "sft.log", threads)
     if res.returncode != 0:
         raise SystemExit(f"the warm start failed: see {base / 'sft.log'}")
     (base / "sft.done").write_text("ok\n")
     return sft
 
 
-def base_validation(out: Path, sft: Path, scale: Scale) -> Path:
+def base_validation(out: Path, sft: Path, scale: Scale, threads: int | None = None) -> Path:
     """Held-out metrics of the warm start (`lit-ess validate`), the step-0 point of every curve."""
     d = out / "_base" / "val"
     if (d / "metrics.csv").exists() and "val/pass@1" in (d / "metrics.csv").read_text():
         return d
     cfg = base_config(str(sft), str(d), 0, scale)
-    res = lit_ess(["validate", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt")
+    res = lit_ess(["validate", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt", threads)
     if res.returncode != 0:
         raise SystemExit(f"validation of the warm start failed: see {d / 'log.txt'}")
     export_csv(d / "tb", d / "metrics.csv")
@@ -135,12 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     out = (ROOT / (a.out or ("runs/experiments-quick" if a.quick else "runs/experiments"))).resolve()
     results = Path(a.results).resolve() if a.results else (out if a.quick else ROOT / "docs")
     t0 = time.time()
-    sft = prepare_base(out, scale)
-    base_validation(out, sft, scale)
+    threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
+    sft = prepare_base(out, scale, threads)
+    base_validation(out, sft, scale, threads)
     counts = {"done": 0, "skipped": 0, "failed": 0}
     todo = [(name, cell, seed) for name in names for cell in EXPERIMENTS[name].cells[:scale.cells]
             for seed in range(scale.seeds)]
-    threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
 
     def one(job):
         name, cell, seed = job
