@@ -143,7 +143,7 @@ BENCHMARKS = [
     Bench("staleness", ["--steps", "30"], ["--steps", "8", "--bounds", "0", "1", "2"], _staleness, needs_model=True,
           needs=["vllm"]),
     Bench("ess_floor", ["--phases", "4"], ["--phases", "1"], _ess_floor, needs_model=True, needs=["vllm"]),
-    Bench("vs_trl", ["--steps", "30"], ["--steps", "10"], _vs_trl, needs_model=True, needs=["trl", "vllm"]),
+    Bench("vs_trl", ["--steps", "30", "--rounds", "2"], ["--steps", "10", "--rounds", "1"], _vs_trl, needs_model=True, needs=["trl", "vllm"]),
 ]
 
 

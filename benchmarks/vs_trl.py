@@ -24,10 +24,12 @@ with its transformers engine (`HFConfig`), which isolates the trainer from the e
 lit-ess rows: `GRPO(clip_eps=0.2, aggregation=token-mean)` with vLLM and with transformers generation,
 and `P3O` (lit-ess's default objective) with vLLM. Seconds per step are the medians of the wall-clock
 intervals between consecutive optimizer steps (generation, reward, weight sync and update included),
-the first 3 steps dropped (warm-up). Each run is its own process; the runs share the machine with
-whatever else runs on it, so read the ratios, not the absolute numbers.
+the first 3 steps dropped (warm-up), pooled over --rounds rounds in which every run goes once (so slow
+phases of the machine hit them all); the reward curve is the step-wise mean over the rounds. Each run is
+its own process; the runs share the machine with whatever else runs on it, so read the ratios, not the
+absolute numbers.
 
-    .venv/bin/python benchmarks/vs_trl.py [--model runs/demo/sft] [--steps 30] [--lr 2e-4]
+    .venv/bin/python benchmarks/vs_trl.py [--model runs/demo/sft] [--steps 30 --rounds 2] [--lr 2e-4]
 
 Needs TRL: `pip install -e ".[trl]"`. Without it the script says so, writes a JSON saying so, and exits 0.
 """
@@ -148,12 +150,14 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path) ->
     return {"step_ends": json.loads(times.read_text()), "rewards": [v for _, v in s["rollout/reward_mean"]]}
 
 
-def summarise(raw: dict) -> dict:
-    ends, rewards = raw["step_ends"], raw["rewards"]
-    dts = [b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1:])]
+def summarise(rounds: list[dict]) -> dict:
+    """Step times pooled over the rounds (warm-up dropped from each); the reward curve is the mean
+    over the rounds, step by step, and its first / last fifth are averaged."""
+    dts = [b - a for r in rounds for a, b in zip(r["step_ends"][WARMUP:], r["step_ends"][WARMUP + 1:])]
+    rewards = [statistics.mean(v) for v in zip(*(r["rewards"] for r in rounds))]
     k = max(1, len(rewards) // 5)
     return {"s_per_step_median": statistics.median(dts), "s_per_step_mean": statistics.mean(dts),
-            "steps_timed": len(dts), "reward_first": statistics.mean(rewards[:k]),
+            "steps_timed": len(dts), "rounds": len(rounds), "reward_first": statistics.mean(rewards[:k]),
             "reward_last": statistics.mean(rewards[-k:]), "reward_window": k, "reward_curve": rewards}
 
 
@@ -163,6 +167,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=2e-4, help="the demo's RL learning rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="every run this many times, alternating")
     p.add_argument("--out", default="benchmarks/results/vs_trl.json")
     p.add_argument("--one-trl", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -182,28 +187,31 @@ def main(argv=None):
 
     model = str(Path(a.model).resolve())
     print(f"vs_trl: {TRL_NOTE}", flush=True)
-    runs = {}
-    with tempfile.TemporaryDirectory() as d:
-        out = subprocess.run([sys.executable, __file__, "--one-trl", "--model", model, "--steps", str(a.steps),
-                              "--lr", str(a.lr), "--seed", str(a.seed)], cwd=d, capture_output=True, text=True,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        if out.returncode:
-            sys.exit(f"vs_trl: the TRL run failed:\n{out.stderr[-3000:]}")
-        runs[TRL_RUN] = summarise(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"{TRL_RUN}: {runs[TRL_RUN]['s_per_step_median']:.3f} s/step", flush=True)
-        for name in LIT_RUNS:
-            runs[name] = summarise(run_lit(model, name, a.steps, a.lr, a.seed, Path(d)))
-            print(f"{name}: {runs[name]['s_per_step_median']:.3f} s/step", flush=True)
+    raw = {name: [] for name in [TRL_RUN, *LIT_RUNS]}
+    for r in range(a.rounds):                 # every run once per round, so slow phases of the machine hit all
+        for name in raw:
+            with tempfile.TemporaryDirectory() as d:
+                if name == TRL_RUN:
+                    out = subprocess.run([sys.executable, __file__, "--one-trl", "--model", model, "--steps",
+                                          str(a.steps), "--lr", str(a.lr), "--seed", str(a.seed)], cwd=d,
+                                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                    if out.returncode:
+                        sys.exit(f"vs_trl: the TRL run failed:\n{out.stderr[-3000:]}")
+                    raw[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                else:
+                    raw[name].append(run_lit(model, name, a.steps, a.lr, a.seed, Path(d)))
+            print(f"round {r + 1}, {name}: {summarise(raw[name][-1:])['s_per_step_median']:.3f} s/step", flush=True)
+    runs = {name: summarise(rs) for name, rs in raw.items()}
     base = runs[TRL_RUN]["s_per_step_median"]
     for r in runs.values():
         r["time_vs_trl"] = r["s_per_step_median"] / base
     k = runs[TRL_RUN]["reward_window"]
-    print(f"\n{a.steps} optimizer steps each, 32 prompts x 8 samples, 8 new tokens, lr {a.lr}, model {a.model}")
+    print(f"\n{a.steps} optimizer steps x {a.rounds} rounds each, 32 prompts x 8 samples, 8 new tokens, lr {a.lr}, model {a.model}")
     print(f"{'run':40s} {'s/step':>8s} {'x TRL':>7s} {f'reward first {k}':>16s} {f'reward last {k}':>15s}")
     for name, r in runs.items():
         print(f"{name:40s} {r['s_per_step_median']:8.3f} {r['time_vs_trl']:7.2f} {r['reward_first']:16.3f} "
               f"{r['reward_last']:15.3f}")
-    result = {"available": True, "command": command, "model": a.model, "steps": a.steps, "lr": a.lr, "seed": a.seed,
+    result = {"available": True, "command": command, "model": a.model, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
               "trl_version": version("trl"), "transformers_version": version("transformers"), "note": TRL_NOTE,
               "trl_config": {k: v for k, v in trl_config_kwargs(a.steps, a.lr, a.seed, "").items() if k != "output_dir"},
               "lit_ess_runs": {n: {"objective": o, "objective_args": oa, "engine": e} for n, (o, oa, e) in LIT_RUNS.items()},
