@@ -72,7 +72,6 @@ def main(argv=None) -> dict:
         vocab = module.policy.config.vocab_size
         n_params = sum(p.numel() for p in module.policy.parameters())
         batch = make_batch(vocab, B=rows, P=prompt_len, T=new_tokens)
-        batch.prompt_texts, batch.completion_texts = [""] * rows, [""] * rows     # micro_batches() selects them
 
         # ---- ESS pre-pass: ess_scope step vs micro, alternating
         prepass = {}
