@@ -76,9 +76,9 @@ def main(argv=None) -> dict:
         # ---- ESS pre-pass: ess_scope step vs micro, alternating
         prepass = {}
         times = {(m, scope): [] for m in MICRO for scope in ("step", "micro")}
-        for _ in range(a.rounds):
+        for r in range(a.rounds):
             for m in MICRO:
-                for scope in ("step", "micro"):
+                for scope in ("step", "micro") if r % 2 == 0 else ("micro", "step"):    # neither always first
                     times[(m, scope)] += lightning_steps(model_dir, batch, a.steps, micro_batch_size=rows // m,
                                                          ess_scope=scope)
         for m in MICRO:

@@ -32,7 +32,7 @@ def test_rows_of_the_committed_results(bench):
 
 def test_markdown_table():
     summary = {"command": "python benchmarks/run_all.py --quick", "quick": True, "finished": "now", "wall_s": 60.0,
-               "cpu_count": 2, "torch": "x", "omp_num_threads": "1",
+               "cpu_count": 2, "torch": "x", "omp_num_threads": "1", "json_dir": "benchmarks/results/quick",
                "rows": [{"benchmark": "objectives", "command": "python benchmarks/objectives.py",
                          **run_all.row("P3O / GRPO", 1.02, "<= 1.10", True)},
                         {"benchmark": "step", "command": "c", **run_all.row("vLLM / hf", 1.5, ">= 5", False, "{:.1f}x")}],
