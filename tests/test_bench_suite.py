@@ -18,9 +18,10 @@ def test_every_listed_benchmark_exists_or_is_optional():
         assert (ROOT / "benchmarks" / f"{b.name}.py").is_file() or b.name == "memory", b.name
 
 
+@pytest.mark.parametrize("folder", ["", "quick"])
 @pytest.mark.parametrize("bench", run_all.BENCHMARKS, ids=lambda b: b.name)
-def test_rows_of_the_committed_results(bench):
-    path = ROOT / "benchmarks" / "results" / f"{bench.name}.json"
+def test_rows_of_the_committed_results(bench, folder):
+    path = ROOT / "benchmarks" / "results" / folder / f"{bench.name}.json"
     if not path.is_file():
         pytest.skip(f"no {path.name} in this checkout")
     rows = bench.rows(json.loads(path.read_text()))
