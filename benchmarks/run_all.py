@@ -150,22 +150,24 @@ BENCHMARKS = [
 
 def ensure_model(model: str, sft_steps: int, log) -> str:
     """The warm-started policy folder: `model` if it exists, else runs/bench/sft, made once."""
-    if Path(model).is_dir():
-        return model
+    if Path(model).is_dir():            # the benchmarks run in the repository root
+        return os.path.relpath(Path(model).resolve(), ROOT)
     out = ROOT / "runs" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
     if (out / "sft" / "config.json").is_file():
         log(f"run_all: no {model}; using {out / 'sft'} (made earlier)")
-        return str(out / "sft")
+        return os.path.relpath(out / "sft", ROOT)
     log(f"run_all: no {model}; making a warm start: lit-ess-tiny + configs/demo_sft.yaml for {sft_steps} steps")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.run([sys.executable, "-m", "lit_ess.tiny", str(out / "init")], env=env, check=True, cwd=ROOT)
-    subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", "configs/demo_sft.yaml",
+    # in runs/bench/: with logger false LightningCLI saves its config.yaml in the working directory
+    subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(ROOT / "configs" / "demo_sft.yaml"),
                     "--model.init_args.model_path", str(out / "init"), "--trainer.max_steps", str(sft_steps),
                     "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
                     "--trainer.callbacks", json.dumps([{"class_path": "callbacks.ExportHF",
                                                         "init_args": {"dirpath": str(out / "sft")}}])],
-                   env=env, check=True, cwd=ROOT)
-    return str(out / "sft")
+                   env=env, check=True, cwd=out)
+    return os.path.relpath(out / "sft", ROOT)
 
 
 def markdown(summary: dict) -> str:
