@@ -1,6 +1,6 @@
 """Forward + backward time of every objective against GRPO on the same [64, 1024] tensors.
 
-    .venv/bin/python benchmarks/objectives.py [--repeats 50]
+    .venv/bin/python benchmarks/objectives.py [--repeats 50] [--out benchmarks/results/objectives.json]
 
 Times are medians over repeats, interleaved round-robin so machine noise hits every objective alike;
 printed as ratios to GRPO within this one run. Goal: P3O <= 1.10x GRPO.
@@ -8,8 +8,11 @@ printed as ratios to GRPO within this one run. Goal: P3O <= 1.10x GRPO.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +42,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--B", type=int, default=64)
     p.add_argument("--T", type=int, default=1024)
+    p.add_argument("--out", default="benchmarks/results/objectives.json")
     a = p.parse_args(argv)
     lp, lb, adv, mask = make_inputs(a.B, a.T)
     objs = {name: build_objective(name) for name in OBJECTIVES}
@@ -55,7 +59,15 @@ def main(argv=None):
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"{name:10s} {m * 1e3:10.2f} {m / base:8.2f}")
-    return {name: statistics.median(ts) / base for name, ts in times.items()}
+    ratios = {name: statistics.median(ts) / base for name, ts in times.items()}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({
+        "command": "python benchmarks/objectives.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "B": a.B, "T": a.T, "repeats": a.repeats, "torch_threads": torch.get_num_threads(),
+        "median_s": {name: statistics.median(ts) for name, ts in times.items()}, "ratio_to_grpo": ratios,
+        "goal_p3o_ratio_max": 1.10}, indent=1) + "\n")
+    print(f"written: {a.out}")
+    return ratios
 
 
 if __name__ == "__main__":

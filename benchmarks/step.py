@@ -6,14 +6,17 @@
    tiny model and on a 25M-parameter one (width 512, 8 layers). Goal: vLLM >= 5x. On 2 CPU cores
    the ratio grows with the model (vLLM's per-step overhead dominates the tiny one): see README.
 
-    .venv/bin/python benchmarks/step.py [--steps 30 --rounds 3]
+    .venv/bin/python benchmarks/step.py [--steps 30 --rounds 3] [--out benchmarks/results/step.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -36,6 +39,7 @@ def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> RolloutBatch:
                         behavior_logprobs=torch.where(comp, -torch.rand(B, P + T, generator=g) * 5, 0.0),
                         advantages=torch.randn(B, generator=g), rewards=torch.zeros(B),
                         versions=torch.zeros(B, dtype=torch.long), prompt_ids=torch.arange(B),
+                        prompt_texts=[""] * B, completion_texts=[""] * B,
                         sampling={"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 64},
                         stats={"rollout/reward_mean": 0.0}, max_staleness=10**9)   # the same batch every step
 
@@ -108,7 +112,11 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/step.json")
     a = p.parse_args(argv)
+    result = {"command": "python benchmarks/step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "steps": a.steps, "rounds": a.rounds, "torch_threads": torch.get_num_threads(),
+              "goal_lightning_ratio_max": 1.10, "goal_vllm_ratio_min": 5.0, "generation": {}}
     with tempfile.TemporaryDirectory() as d:
         model_dir = str(build_tiny_model(d + "/m"))
         batch = make_batch(260)
@@ -123,6 +131,7 @@ def main(argv=None):
         print(f"  PolicyModule in Lightning: {ml * 1e3:8.1f} ms  {tokens / ml:10.0f} tok/s")
         print(f"  plain PyTorch loop:        {mp * 1e3:8.1f} ms  {tokens / mp:10.0f} tok/s")
         print(f"  time ratio Lightning / plain: {ml / mp:.3f}  (goal <= 1.10)")
+        result["step"] = {"lightning_s": ml, "plain_s": mp, "ratio": ml / mp, "tokens": tokens, "steps_timed": len(lit)}
         small_dir = str(build_tiny_model(d + "/small", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8,
                                          intermediate_size=1536))
         for label, path, prompts in [("tiny 1.8M", model_dir, 64), ("small 25M", small_dir, 16)]:
@@ -130,6 +139,12 @@ def main(argv=None):
             print(f"generation, {label}, {prompts} prompts x 8 samples x up to 128 new tokens (seeded): "
                   f"vllm {gen['vllm']:.0f} tok/s, hf {gen['hf']:.0f} tok/s, "
                   f"ratio {gen['vllm'] / gen['hf']:.1f}x  (goal >= 5x)")
+            result["generation"][label] = {"prompts": prompts, "samples": 8, "max_new_tokens": 128,
+                                           "vllm_tok_s": gen["vllm"], "hf_tok_s": gen["hf"],
+                                           "ratio": gen["vllm"] / gen["hf"]}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written: {a.out}")
 
 
 if __name__ == "__main__":

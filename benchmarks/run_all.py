@@ -1,0 +1,288 @@
+"""Every benchmark of benchmarks/, each in its own process, then one summary of all of them.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--model runs/demo/sft] [--only step overhead ...]
+
+Each benchmark writes its JSON into --results (default benchmarks/results/; with --quick its quick/
+folder, so the full runs' JSON stays), and this script reads them back into `summary.json` and
+`summary.md` in --results: one row per measurement with its value (a ratio
+within one run, or the quantity the benchmark is about), its goal, met / not met, and the command
+that produced it. `--quick` shrinks every benchmark (fewer steps, repeats and rounds) so the suite
+runs in minutes; its numbers are noisier.
+
+The benchmarks that train RL from a warm start (async, staleness, ess_floor, vs_trl) need a policy
+folder: --model (default runs/demo/sft, made by `bash scripts/demo.sh`). When it is missing, this
+script makes one once: `lit-ess-tiny` and the demo's SFT warm start (configs/demo_sft.yaml) for
+--sft-steps steps, into runs/bench/.
+
+Benchmarks whose file is absent (e.g. memory.py on an older branch) or whose optional dependency is
+missing (vs_trl.py without TRL) are listed as skipped, with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass
+class Bench:
+    name: str
+    full: list[str]                       # arguments of a full run
+    quick: list[str]                      # arguments of a --quick run
+    rows: Callable[[dict], list[dict]]    # the summary rows of its JSON
+    needs_model: bool = False
+    needs: list[str] = field(default_factory=list)    # importable modules it requires
+
+
+def row(measurement: str, value: float | None, goal: str | None, met: bool | None, fmt: str = "{:.3f}") -> dict:
+    return {"measurement": measurement, "value": value, "display": "-" if value is None else fmt.format(value),
+            "goal": goal or "reported", "met": met}
+
+
+def _objectives(j):
+    r = j["ratio_to_grpo"]["p3o"]
+    return [row(f"objective fwd+bwd time, P3O / GRPO ([{j['B']}, {j['T']}] tokens)", r, "<= 1.10", r <= 1.10)]
+
+
+def _step(j):
+    out = []
+    if "step" in j:
+        r = j["step"]["ratio"]
+        out.append(row("optimizer step time, Lightning PolicyModule / plain PyTorch loop", r, "<= 1.10", r <= 1.10))
+    for label, g in j.get("generation", {}).items():
+        out.append(row(f"generation tok/s, vLLM / transformers generate ({label})", g["ratio"], ">= 5", g["ratio"] >= 5,
+                       "{:.1f}x"))
+    return out
+
+
+def _async(j):
+    out = []
+    for case, r in j["results"].items():
+        latency = case.startswith("(b)")
+        out.append(row(f"s/step, async S=1 / sync, {case}", r["ratio"], "<= 0.6" if latency else None,
+                       r["ratio"] <= 0.6 if latency else None))
+    return out
+
+
+def _staleness(j):
+    out = []
+    for r in j["rows"]:
+        S = r["S"]
+        out.append(row(f"async S={S}: max policy lag (mean ESS {r['ess_mean']:.4f}, stale rows dropped "
+                       f"{r['stale_dropped']:.0f})", r["lag_max"], f"<= {S}", r["lag_max"] <= S, "{:.0f}"))
+    return out
+
+
+def _ess_floor(j):
+    out = []
+    exact = {"reference (fp32, T 1.0)", "top-p 0.9 (trainer replays it)"}    # the trainer scores exactly pi_b
+    for r in j["rows"]:
+        goal = r["setting"] in exact
+        out.append(row(f"ESS floor at lag 0 (mean), {r['setting']}", r["ess_mean"], ">= 0.999" if goal else None,
+                       r["ess_mean"] >= 0.999 if goal else None, "{:.4f}"))
+    return out
+
+
+def _memory(j):
+    out = []
+    goal = j.get("goal_state_ratio_max", 0.6)
+    for alloc, res in j["runs"].items():
+        q = res["ratios"]
+        if alloc == "glibc default":
+            out.append(row("step memory per rank, params+grads+AdamW, 2 ranks FSDP2 / 1 rank", q["state_bytes"],
+                           f"<= {goal}", q["state_bytes"] <= goal))
+        out.append(row(f"peak RSS of a step, 2 ranks FSDP2 / 1 rank ({alloc})", q["rss_peak_steps"], None, None))
+    return out
+
+
+def _overhead(j):
+    w = j["weight_sync"]
+    out = [row(f"weight sync to vLLM / one RL step (rollout {w['generate_s'] * 1e3:.0f} ms + optimizer step "
+               f"{w['train_step_s'] * 1e3:.0f} ms; sync {w['sync_s'] * 1e3:.1f} ms)", w["ratio"],
+               f"<= {j['goal_weight_sync_max']}", w["ratio"] <= j["goal_weight_sync_max"])]
+    for m, r in j["ess_prepass"].items():
+        out.append(row(f"ESS pre-pass: step time, ess_scope step / micro, {m} micro-batches", r["ratio"],
+                       f"<= {j['goal_ess_prepass_max']}", r["ratio"] <= j["goal_ess_prepass_max"]))
+    return out
+
+
+def _vs_trl(j):
+    if not j.get("available"):
+        return [row(f"lit-ess vs TRL: {j.get('reason')}", None, None, None)]
+    runs, trl = j["runs"], "TRL GRPOTrainer, transformers generate"
+    out = []
+    for name, r in runs.items():
+        curve = f"reward {r['reward_first']:.2f} -> {r['reward_last']:.2f}"
+        if name == trl:
+            out.append(row(f"TRL {j['trl_version']} GRPOTrainer (transformers generate): s/step, {curve}",
+                           r["s_per_step_median"], None, None, "{:.3f} s"))
+        else:
+            vllm = name == "lit-ess GRPO, vLLM"
+            out.append(row(f"s/step, {name} / TRL GRPOTrainer; {curve}", r["time_vs_trl"], "<= 1.0" if vllm else None,
+                           r["time_vs_trl"] <= 1.0 if vllm else None))
+    return out
+
+
+BENCHMARKS = [
+    Bench("objectives", ["--repeats", "50"], ["--repeats", "30"], _objectives),
+    Bench("step", ["--steps", "30", "--rounds", "3"], ["--steps", "8", "--rounds", "1"], _step, needs=["vllm"]),
+    Bench("overhead", ["--steps", "20", "--rounds", "2", "--syncs", "20"],
+          ["--steps", "10", "--rounds", "2", "--syncs", "5"], _overhead, needs=["vllm"]),
+    Bench("memory", ["--steps", "3"], ["--steps", "2"], _memory),
+    Bench("async", ["--steps", "25", "--rounds", "2"], ["--steps", "8", "--rounds", "1"], _async, needs_model=True,
+          needs=["vllm"]),
+    Bench("staleness", ["--steps", "30"], ["--steps", "8", "--bounds", "0", "1", "2"], _staleness, needs_model=True,
+          needs=["vllm"]),
+    Bench("ess_floor", ["--phases", "4"], ["--phases", "1"], _ess_floor, needs_model=True, needs=["vllm"]),
+    Bench("vs_trl", ["--steps", "30", "--rounds", "2"], ["--steps", "10", "--rounds", "1"], _vs_trl, needs_model=True, needs=["trl", "vllm"]),
+]
+
+
+def ensure_model(model: str, sft_steps: int, log) -> str:
+    """The warm-started policy folder: `model` if it exists, else runs/bench/sft, made once."""
+    if Path(model).is_dir():            # the benchmarks run in the repository root
+        return os.path.relpath(Path(model).resolve(), ROOT)
+    out = ROOT / "runs" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "sft" / "config.json").is_file():
+        log(f"run_all: no {model}; using {out / 'sft'} (made earlier)")
+        return os.path.relpath(out / "sft", ROOT)
+    log(f"run_all: no {model}; making a warm start: lit-ess-tiny + configs/demo_sft.yaml for {sft_steps} steps")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, "-m", "lit_ess.tiny", str(out / "init")], env=env, check=True, cwd=ROOT)
+    # in runs/bench/: with logger false LightningCLI saves its config.yaml in the working directory
+    subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(ROOT / "configs" / "demo_sft.yaml"),
+                    "--model.init_args.model_path", str(out / "init"), "--trainer.max_steps", str(sft_steps),
+                    "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+                    "--trainer.callbacks", json.dumps([{"class_path": "callbacks.ExportHF",
+                                                        "init_args": {"dirpath": str(out / "sft")}}])],
+                   env=env, check=True, cwd=out)
+    return os.path.relpath(out / "sft", ROOT)
+
+
+def markdown(summary: dict) -> str:
+    mode = "--quick" if summary["quick"] else "full"
+    lines = [f"# Benchmark summary ({mode} run)", "",
+             f"Made by `{summary['command']}` on {summary['finished']} in {summary['wall_s'] / 60:.1f} min: "
+             f"{summary['cpu_count']} CPU cores, torch {summary['torch']}, OMP_NUM_THREADS="
+             f"{summary['omp_num_threads'] or 'unset'}. Every value is measured in this run; ratios compare "
+             f"two settings within one benchmark process (or one benchmark run), so other work on the machine "
+             f"hits both alike. Each benchmark's own JSON is in `{summary['json_dir']}/`. Generated by "
+             f"benchmarks/run_all.py: do not edit by hand.", "",
+             "| benchmark | measurement | value | goal | met | command |", "|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        met = {True: "met", False: "**not met**", None: "-"}[r["met"]]
+        lines.append(f"| {r['benchmark']} | {r['measurement']} | {r['display']} | {r['goal']} | {met} | "
+                     f"`{r['command']}` |")
+    skipped = {n: b for n, b in summary["benchmarks"].items() if b["status"] != "ok"}
+    if skipped:
+        lines += ["", "Not in the table:", ""]
+        lines += [f"* `{n}`: {b['status']}: {b.get('reason', '')}" for n, b in skipped.items()]
+    lines += ["", "Per benchmark wall-clock (s): " + ", ".join(
+        f"{n} {b['wall_s']:.0f}" for n, b in summary["benchmarks"].items() if "wall_s" in b) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="shrink every benchmark (a few minutes in all)")
+    p.add_argument("--model", default="runs/demo/sft", help="warm-started policy for the RL benchmarks")
+    p.add_argument("--sft-steps", type=int, default=3000, help="SFT steps when --model must be made")
+    p.add_argument("--results", default=str(HERE / "results"))
+    p.add_argument("--only", nargs="+", help="run only these benchmarks (the others' JSON is read as it is)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--timeout", type=int, default=3600, help="seconds per benchmark")
+    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS of every benchmark process (default: inherited). "
+                   "On a machine shared with other jobs, 1 avoids OpenMP threads spinning against them")
+    a = p.parse_args(argv)
+    if a.list:
+        for b in BENCHMARKS:
+            present = (HERE / f"{b.name}.py").is_file()
+            print(f"{b.name:11s} {'present' if present else 'absent'}  full: {' '.join(b.full)}  quick: {' '.join(b.quick)}")
+        return
+    results = Path(a.results)
+    json_dir = results / "quick" if a.quick else results     # a quick run leaves the full runs' JSON alone
+    json_dir.mkdir(parents=True, exist_ok=True)
+    logs = ROOT / "runs" / "bench" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    command = "python benchmarks/run_all.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HF_HUB_DISABLE_PROGRESS_BARS="1")
+    if a.threads:
+        env["OMP_NUM_THREADS"] = str(a.threads)
+    model = None
+    status, rows = {}, []
+    for b in BENCHMARKS:
+        script = HERE / f"{b.name}.py"
+        out = json_dir / f"{b.name}.json"
+        args = list(b.quick if a.quick else b.full)
+        if not script.is_file():
+            status[b.name] = {"status": "skipped", "reason": f"benchmarks/{b.name}.py is not on this branch"}
+            print(f"run_all: {b.name}: skipped ({status[b.name]['reason']})", flush=True)
+            continue
+        missing = [m for m in b.needs if importlib.util.find_spec(m) is None]
+        if missing:
+            status[b.name] = {"status": "skipped", "reason": f"not installed: {', '.join(missing)}"}
+            print(f"run_all: {b.name}: skipped ({status[b.name]['reason']})", flush=True)
+            continue
+        if b.needs_model:
+            model = model or ensure_model(a.model, a.sft_steps, print)
+            args = ["--model", model] + args
+        args += ["--out", str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)]
+        cmd = f"python benchmarks/{b.name}.py " + " ".join(args)
+        if a.only and b.name not in a.only:
+            if out.is_file():
+                status[b.name] = {"status": "ok", "command": "(not rerun; JSON of an earlier run)"}
+            else:
+                status[b.name] = {"status": "skipped", "reason": "not selected by --only and no earlier JSON"}
+                continue
+        else:
+            print(f"run_all: {cmd}", flush=True)
+            t0 = time.time()
+            with open(logs / f"{b.name}.log", "w") as log:
+                try:
+                    res = subprocess.run([sys.executable, str(script)] + args, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, timeout=a.timeout)
+                    rc = res.returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            wall = time.time() - t0
+            if rc != 0:
+                tail = (logs / f"{b.name}.log").read_text()[-1500:]
+                status[b.name] = {"status": "failed", "reason": f"exit {rc}, log runs/bench/logs/{b.name}.log",
+                                  "wall_s": wall, "command": cmd, "log_tail": tail}
+                print(f"run_all: {b.name} FAILED ({rc}):\n{tail}", flush=True)
+                continue
+            status[b.name] = {"status": "ok", "wall_s": wall, "command": cmd}
+            print(f"run_all: {b.name} done in {wall:.0f} s", flush=True)
+        j = json.loads(out.read_text())
+        for r in b.rows(j):
+            rows.append({"benchmark": b.name, **r, "command": status[b.name]["command"]})
+        status[b.name]["result"] = j
+    import torch
+
+    summary = {"command": command, "quick": a.quick, "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "wall_s": time.time() - t_start, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+               "omp_num_threads": env.get("OMP_NUM_THREADS"), "model": model,
+               "json_dir": str(json_dir.relative_to(ROOT) if json_dir.is_relative_to(ROOT) else json_dir), "rows": rows,
+               "benchmarks": status}
+    (results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    md = markdown(summary)
+    (results / "summary.md").write_text(md)
+    print(md)
+    print(f"written: {results / 'summary.json'}, {results / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()
