@@ -131,7 +131,8 @@ def write_report(out: Path, results: Path, names: list[str], scale: Scale, comma
         f"{scale.val_prompts} sums that no training prompt contains (`Arithmetic(split: test)`), 4 samples each, "
         f"every {scale.val_every} steps; pass@1 is the unbiased estimator. The warm start's held-out pass@1: "
         f"**{base_pass:.3f}**. A seed *collapsed* when its final held-out pass@1 is more than {COLLAPSE} below "
-        f"that, or its run failed. Training time of the runs on this page: {seconds / 60:.1f} min (2 CPU cores).",
+        f"that, or its run failed. The runs' wall times add up to {seconds / 60:.1f} min (2 CPU cores; with "
+        f"`--jobs 2` two run at a time, one thread each).",
         "",
     ]
     for name in names:
