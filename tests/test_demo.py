@@ -18,7 +18,8 @@ def test_demo_learns(tmp_path):
     subprocess.run([sys.executable, "-m", "lit_ess.tiny", "runs/demo/init"], cwd=tmp_path, check=True,
                    capture_output=True)
     for cfg in ["demo_sft.yaml", "demo.yaml"]:
-        res = cli(["fit", "--config", str(CONFIGS / cfg), "--trainer.enable_progress_bar", "false"], cwd=tmp_path)
+        res = cli(["fit", "--config", str(CONFIGS / cfg), "--trainer.enable_progress_bar", "false"], cwd=tmp_path,
+                  timeout=1800)
         assert res.returncode == 0, res.stderr[-4000:]
     minutes = (time.time() - t0) / 60
     s = read_scalars(tmp_path / "runs/demo/tb/rl")
