@@ -37,6 +37,7 @@ def objective(name: str, **init_args) -> dict:
     return {"model.init_args.objective": {"class_path": OBJ + name, "init_args": init_args}}
 
 
+TEMPERATURE = "data.init_args.sampling.temperature"
 OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
 
 EXPERIMENTS = {e.name: e for e in [
@@ -54,7 +55,11 @@ EXPERIMENTS = {e.name: e for e in [
         "logprobs (raw, the authors' code)?",
         [Cell(f"{m}_T{t}_{lp}", {**objective(cls), "data.init_args.sampling.temperature": t,
                                  "data.init_args.engine.init_args.behavior_logprobs": lp})
-         for t in (0.6, 1.2, 1.5) for m, cls in (("grpo", "GRPO"), ("p3o", "P3O")) for lp in ("processed", "raw")],
+         for t in (0.6, 1.2, 1.5) for m, cls in (("grpo", "GRPO"), ("p3o", "P3O")) for lp in ("processed", "raw")]
+        # the mechanism test for P3O's collapse at T = 1.5 (processed): is it the KL pull toward pi_b, a
+        # tempered copy of the policy? The same cell without the (1 - e_B) KL term.
+        + [Cell("p3o_T1.5_processed_no_kl", {**objective("P3O", adaptive_kl=False), TEMPERATURE: 1.5,
+                                             "data.init_args.engine.init_args.behavior_logprobs": "processed"})],
         common={"model.init_args.train_temperature": 1.0}),
     Experiment(
         "precision", "bf16 rollouts against an fp32 trainer",
@@ -121,6 +126,12 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
                                "init_args": {"save_dir": out_dir, "name": "tb", "version": ""}},
                     "callbacks": [{"class_path": "callbacks.WeightSync"}]},
     }
+
+
+def temperature(cell: Cell) -> float:
+    """The cell's sampling temperature: validation samples with it too, so its baseline is the warm
+    start validated at the same temperature."""
+    return float(cell.overrides.get(TEMPERATURE, 1.0))
 
 
 def apply(cfg: dict, overrides: dict) -> dict:

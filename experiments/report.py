@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .cells import EXPERIMENTS, Scale
+from .cells import EXPERIMENTS, Scale, temperature
 
 COLLAPSE = 0.10
 CURVES = [("rollout/reward_mean", "training reward (sampled)"), ("val/pass@1", "held-out pass@1"),
@@ -79,33 +79,42 @@ def _diagnosis(run: dict) -> str:
     return ", ".join(parts)
 
 
-def plot(out: Path, exp, runs_by_cell: dict[str, list[dict]], base: dict, path: Path) -> None:
+def _base(out: Path, temp: float) -> dict:
+    d = out / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
+    base = read_csv(d / "metrics.csv")
+    if _final(base, "val/pass@1") is None:
+        raise ValueError(f"{d / 'metrics.csv'} holds no val/pass@1: delete it and rerun")
+    return base
+
+
+def plot(out: Path, exp, runs_by_cell: dict[str, list[dict]], bases: dict[str, float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES), 3.8))
-    base_pass = _final(base, "val/pass@1")
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES) + 2.5, 3.8))
+    colors = {cell: plt.cm.tab20(i % 20) for i, cell in enumerate(runs_by_cell)}   # distinct up to 20 cells
     for ax, (tag, label) in zip(axes, CURVES):
         for cell, runs in runs_by_cell.items():
             series = [dict(r.get(tag, [])) for r in runs]
-            if tag == "val/pass@1" and base_pass is not None:
-                series = [{0: base_pass, **s} for s in series]
+            if tag == "val/pass@1":                    # step 0: the warm start at this cell's temperature
+                series = [{0: bases[cell], **s} for s in series]
             steps = sorted(set().union(*[set(s) for s in series])) if series else []
             steps = [t for t in steps if all(t in s for s in series)]
             if not steps:
                 continue
             vals = [[s[t] for s in series] for t in steps]
             mean = [statistics.mean(v) for v in vals]
-            line, = ax.plot(steps, mean, label=cell, marker="o" if tag == "val/pass@1" else None, ms=3)
-            ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=line.get_color(), alpha=0.15)
+            ax.plot(steps, mean, label=cell, color=colors[cell], marker="o" if tag == "val/pass@1" else None, ms=3)
+            ax.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=colors[cell], alpha=0.15)
         ax.set_title(label)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-    axes[-1].legend(fontsize=7, loc="best")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle(exp.title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1 - 2.5 / (5 * len(CURVES) + 2.5), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -113,10 +122,7 @@ def plot(out: Path, exp, runs_by_cell: dict[str, list[dict]], base: dict, path: 
 
 def write_report(out: Path, results: Path, names: list[str], scale: Scale, command: str) -> Path:
     """Write `results/results.md` and `results/img/experiments/<exp>.png`; return the page's path."""
-    base = read_csv(out / "_base" / "val" / "metrics.csv")
-    base_pass = _final(base, "val/pass@1")
-    if base_pass is None:
-        raise ValueError(f"{out / '_base' / 'val' / 'metrics.csv'} holds no val/pass@1: delete it and rerun")
+    base_pass = _final(_base(out, 1.0), "val/pass@1")
     img_dir = results / "img" / "experiments"
     seconds = sum(json.loads(p.read_text())["seconds"] for p in out.rglob("done.json"))
     lines = [
@@ -129,29 +135,31 @@ def write_report(out: Path, results: Path, names: list[str], scale: Scale, comma
         f"steps on 2-digit addition with 30% wrong labels), {scale.prompts} prompts x {scale.samples} samples per "
         f"rollout, 8 new tokens, lr 2e-4, {scale.steps} optimizer steps, {scale.seeds} seed(s) per cell. Held out: "
         f"{scale.val_prompts} sums that no training prompt contains (`Arithmetic(split: test)`), 4 samples each, "
-        f"every {scale.val_every} steps; pass@1 is the unbiased estimator. The warm start's held-out pass@1: "
-        f"**{base_pass:.3f}**. A seed *collapsed* when its final held-out pass@1 is more than {COLLAPSE} below "
-        f"that, or its run failed. The runs' wall times add up to {seconds / 60:.1f} min (2 CPU cores; with "
+        f"every {scale.val_every} steps, sampled with the run's own settings; pass@1 is the unbiased estimator. "
+        f"The warm start's held-out pass@1 at T = 1.0: **{base_pass:.3f}** (at other sampling temperatures "
+        f"it is validated at that temperature, the baseline of those cells). A seed *collapsed* when its "
+        f"final held-out pass@1 is more than {COLLAPSE} below its baseline, or its run failed. The runs' wall times add up to {seconds / 60:.1f} min (2 CPU cores; with "
         f"`--jobs 2` two run at a time, one thread each).",
         "",
     ]
     for name in names:
         exp = EXPERIMENTS[name]
-        runs_by_cell, rows, notes = {}, [], []
+        runs_by_cell, rows, notes, bases = {}, [], [], {}
         for cell in exp.cells[:scale.cells]:
             runs, failed = _runs(out, name, cell.label, scale.seeds)
             runs_by_cell[cell.label] = runs
+            bases[cell.label] = cell_base = _final(_base(out, temperature(cell)), "val/pass@1")
             finals = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
-            collapsed = [r for r in runs if (v := _final(r, "val/pass@1")) is not None and v < base_pass - COLLAPSE]
+            collapsed = [r for r in runs if (v := _final(r, "val/pass@1")) is not None and v < cell_base - COLLAPSE]
             reward = [v for r in runs if (v := _last_frac(r, "rollout/reward_mean")) is not None]
             ess = [statistics.mean(v for _, v in r["train/ess"]) for r in runs if r.get("train/ess")]
-            delta = f"{statistics.mean(finals) - base_pass:+.3f}" if finals else "n/a"
+            delta = f"{statistics.mean(finals) - cell_base:+.3f} (from {cell_base:.3f})" if finals else "n/a"
             rows.append(f"| {cell.label} | {len(runs)}/{scale.seeds} | {_mean_std(finals)} | {delta} | "
                         f"{_mean_std(reward)} | {_mean_std(ess)} | {len(collapsed) + failed} |")
             notes += [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
             notes += [f"- `{cell.label}`: {failed} run(s) failed (see failed.txt in their folders)"] if failed else []
         png = img_dir / f"{name}.png"
-        plot(out, exp, runs_by_cell, base, png)
+        plot(out, exp, runs_by_cell, bases, png)
         lines += [f"## {exp.title}", "", exp.question, "",
                   f"`python -m experiments.run {name}`", "",
                   f"![{name}]({png.relative_to(results)})", "",

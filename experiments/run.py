@@ -29,7 +29,7 @@ import yaml
 
 from lit_ess.console import quiet_console
 
-from .cells import EXPERIMENTS, FULL, QUICK, Scale, apply, base_config
+from .cells import EXPERIMENTS, FULL, QUICK, TEMPERATURE, Scale, apply, base_config, temperature
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,12 +72,17 @@ def prepare_base(out: Path, scale: Scale, threads: int | None = None) -> Path:
     return sft
 
 
-def base_validation(out: Path, sft: Path, scale: Scale, threads: int | None = None) -> Path:
-    """Held-out metrics of the warm start (`lit-ess validate`), the step-0 point of every curve."""
-    d = out / "_base" / "val"
+def base_dir(out: Path, temp: float) -> Path:
+    return out / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
+
+
+def base_validation(out: Path, sft: Path, scale: Scale, threads: int | None = None, temp: float = 1.0) -> Path:
+    """Held-out metrics of the warm start (`lit-ess validate`) sampled at `temp`, the step-0 point of
+    every curve whose runs sample (and so validate) at that temperature."""
+    d = base_dir(out, temp)
     if (d / "metrics.csv").exists() and "val/pass@1" in (d / "metrics.csv").read_text():
         return d
-    cfg = base_config(str(sft), str(d), 0, scale)
+    cfg = apply(base_config(str(sft), str(d), 0, scale), {TEMPERATURE: temp})
     res = lit_ess(["validate", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt", threads)
     if res.returncode != 0:
         raise SystemExit(f"validation of the warm start failed: see {d / 'log.txt'}")
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
     sft = prepare_base(out, scale, threads)
-    base_validation(out, sft, scale, threads)
+    for temp in sorted({temperature(c) for n in names for c in EXPERIMENTS[n].cells[:scale.cells]} | {1.0}):
+        base_validation(out, sft, scale, threads, temp)
     counts = {"done": 0, "skipped": 0, "failed": 0}
     todo = [(name, cell, seed) for name in names for cell in EXPERIMENTS[name].cells[:scale.cells]
             for seed in range(scale.seeds)]
