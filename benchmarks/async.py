@@ -35,7 +35,7 @@ def run(model: str, out: Path, mode: str, steps: int, reward: str) -> list[float
     times = out / f"{mode}.json"
     cfg["trainer"].update({"max_steps": steps, "logger": False, "enable_checkpointing": False,
                            "default_root_dir": str(out), "enable_progress_bar": False, "check_val_every_n_epoch": 1,
-                           "callbacks": [{"class_path": "callbacks.WeightSync"},
+                           "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
                                          {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}]})
     path = out / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(cfg))

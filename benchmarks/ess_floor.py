@@ -37,7 +37,7 @@ SETTINGS = {   # name: (engine dtype, behavior_logprobs, sampling temperature, t
 def measure(model: str, name: str, phases: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
     from lit_ess.engines import SamplingConfig, VLLMConfig
     from lit_ess.logprobs import sequence_logprobs
     from lit_ess.objectives import ess_stats

@@ -1,7 +1,7 @@
 """Memory per rank of a training step: 1 rank (plain policy) vs 2 gloo ranks with FSDP2.
 
 Each configuration runs in fresh processes (torch.multiprocessing spawn); with 2 ranks, a gloo
-process group on 127.0.0.1, a 1-D device mesh of the ranks, `callbacks.FSDP2().shard` on the
+process group on 127.0.0.1, a 1-D device mesh of the ranks, `lit_ess.callbacks.FSDP2().shard` on the
 policy (fp32, no mixed precision: only the sharding differs). Each rank builds the PolicyModule
 (`configure_model`), an AdamW over its (local) parameters as `configure_optimizers` groups them, and
 runs a few optimizer steps (`accumulate_gradients`, clipping, AdamW) on its share of one synthetic
@@ -92,7 +92,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, rows: int, tokens:
     torch.set_num_threads(threads)
     import torch.distributed as dist
 
-    from callbacks.fsdp import FSDP2
+    from lit_ess.callbacks.fsdp import FSDP2
     from lit_ess.module import PolicyModule
 
     if world > 1:

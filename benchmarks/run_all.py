@@ -164,7 +164,7 @@ def ensure_model(model: str, sft_steps: int, log) -> str:
     subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(ROOT / "configs" / "demo_sft.yaml"),
                     "--model.init_args.model_path", str(out / "init"), "--trainer.max_steps", str(sft_steps),
                     "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-                    "--trainer.callbacks", json.dumps([{"class_path": "callbacks.ExportHF",
+                    "--trainer.callbacks", json.dumps([{"class_path": "lit_ess.callbacks.ExportHF",
                                                         "init_args": {"dirpath": str(out / "sft")}}])],
                    env=env, check=True, cwd=out)
     return os.path.relpath(out / "sft", ROOT)

@@ -40,7 +40,7 @@ def main(argv=None):
             cfg["model"]["init_args"]["model_path"] = str(Path(a.model).resolve())
             cfg["data"]["init_args"].update({"max_staleness": S, "val_source": None})
             cfg["trainer"].update({"max_steps": a.steps, "enable_checkpointing": False, "enable_progress_bar": False,
-                                   "callbacks": [{"class_path": "callbacks.WeightSync"}],
+                                   "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"}],
                                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                               "init_args": {"save_dir": d, "name": "tb", "version": f"S{S}"}}})
             path = Path(d) / f"S{S}.yaml"

@@ -1,7 +1,7 @@
 """lit-ess against TRL's GRPOTrainer: seconds per optimizer step and the reward curve, in one run.
 
 Both sides train the same policy folder (default: the demo's SFT warm start) on the same task (2-digit
-addition, `datamodules.Arithmetic(digits=2, size=10000, seed=0)`, reward `lit_ess.rewards.exact_match`),
+addition, `lit_ess.datamodules.Arithmetic(digits=2, size=10000, seed=0)`, reward `lit_ess.rewards.exact_match`),
 with the same batch shape and optimisation:
 
     32 prompts x 8 samples = 256 completions per optimizer step, 8 new tokens, temperature 1.0 (no top-p/k),
@@ -81,8 +81,8 @@ def run_trl(model: str, steps: int, lr: float, seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from datamodules import Arithmetic
-    from datamodules.prompts import encode_prompt
+    from lit_ess.datamodules import Arithmetic
+    from lit_ess.datamodules.prompts import encode_prompt
     from lit_ess.rewards import exact_match
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -136,7 +136,7 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path) ->
                  "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "seed": seed}})
     times = d / f"{tag}.json"
     cfg["trainer"].update({"max_steps": steps, "enable_checkpointing": False, "enable_progress_bar": False,
-                           "callbacks": [{"class_path": "callbacks.WeightSync"},
+                           "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
                                          {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}],
                            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                       "init_args": {"save_dir": str(d), "name": "tb", "version": tag}}})

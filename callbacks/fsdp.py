@@ -5,7 +5,7 @@
         class_path: lightning.pytorch.strategies.ModelParallelStrategy
         init_args: {data_parallel_size: 8, tensor_parallel_size: 1}   # W = devices x nodes
       callbacks:
-        - class_path: callbacks.FSDP2
+        - class_path: lit_ess.callbacks.FSDP2
           init_args: {param_dtype: bfloat16, reduce_dtype: float32}
 
 Lightning calls the callbacks' `setup` after the process group and the device mesh exist and before
@@ -60,11 +60,11 @@ class FSDP2(L.Callback):
 
         strategy = trainer.strategy
         if not isinstance(strategy, ModelParallelStrategy):
-            raise ValueError(f"callbacks.FSDP2 needs trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy "
+            raise ValueError(f"lit_ess.callbacks.FSDP2 needs trainer.strategy: lightning.pytorch.strategies.ModelParallelStrategy "
                              f"(got {type(strategy).__name__}); for DDP drop the callback and use strategy: ddp")
         mesh = strategy.device_mesh
         if mesh["tensor_parallel"].size() != 1:
-            raise ValueError(f"callbacks.FSDP2 shards over data-parallel ranks only: set ModelParallelStrategy's "
+            raise ValueError(f"lit_ess.callbacks.FSDP2 shards over data-parallel ranks only: set ModelParallelStrategy's "
                              f"data_parallel_size to devices x nodes ({mesh.size()}) and tensor_parallel_size: 1 "
                              f"(its 'auto' puts a node's devices on the tensor-parallel axis)")
         if self.cpu_offload and strategy.root_device.type != "cuda":

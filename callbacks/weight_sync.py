@@ -1,7 +1,7 @@
 """WeightSync: hand the trainer's policy weights to the rollout engine when it will generate next.
 
 The data side declares what it needs through two methods (`WeightReceiver`, implemented by
-`datamodules.RolloutDataModule`): `wants_weights(version)` says whether the engine generates before the
+`lit_ess.datamodules.RolloutDataModule`): `wants_weights(version)` says whether the engine generates before the
 trainer's next step, `push_weights(named_tensors, version)` takes the weights of optimizer step
 `version`. So with k optimizer steps per rollout the full weights are gathered once per phase, not
 after every step. The callback pushes at train start (which covers a resume: Lightning has restored

@@ -18,7 +18,7 @@ order, same cursor) and keeps positions `rank, rank + W, ...`; request seeds use
 in the whole phase. So W ranks sample, between them, exactly the rows one rank would (vllm engine: a
 seed per request; hf seeds per chunk), each group stays whole on one rank (its advantages need it),
 and the ranks' batches never overlap. Weights arrive through the
-two methods `callbacks.WeightSync` calls, `wants_weights(version)` and `push_weights(tensors, version)`:
+two methods `lit_ess.callbacks.WeightSync` calls, `wants_weights(version)` and `push_weights(tensors, version)`:
 only when the engine will generate next (with k steps per rollout, once per phase). Without them the
 first rollout that would need newer weights fails with an error that names the callback.
 
@@ -250,7 +250,7 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
                           collate_fn=_identity)
 
-    # ------------------------------------------------------------------ weights (callbacks.WeightSync)
+    # ------------------------------------------------------------------ weights (lit_ess.callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
         """True when the engine will generate before the trainer's next step, so new weights are needed."""
         if self.mode == "sync":
@@ -311,7 +311,7 @@ class RolloutDataModule(L.LightningDataModule):
             if self.worker.version < need:
                 raise RuntimeError(
                     f"rollout phase {p} needs the weights of step {need} or later, but the engine holds step "
-                    f"{self.worker.version}'s: add callbacks.WeightSync to the Trainer's callbacks (it pushes "
+                    f"{self.worker.version}'s: add lit_ess.callbacks.WeightSync to the Trainer's callbacks (it pushes "
                     f"weights before each rollout)")
             self._add(self.worker.run(self._request(p)))
             return
@@ -319,7 +319,7 @@ class RolloutDataModule(L.LightningDataModule):
         if p not in self.submitted.values():
             raise RuntimeError(
                 f"no rollout is in flight for phase {p} at step {step}: it needs weights of step >= {need}, the "
-                f"worker holds step {self.worker.version}'s. Add callbacks.WeightSync to the Trainer's callbacks")
+                f"worker holds step {self.worker.version}'s. Add lit_ess.callbacks.WeightSync to the Trainer's callbacks")
         self._collect(timeout=1.0)
 
     def _collect(self, timeout: float) -> None:

@@ -108,14 +108,14 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
         "model": {"class_path": "lit_ess.module.PolicyModule",
                   "init_args": {"model_path": model_path, "lr": 2.0e-4, "max_grad_norm": 1.0,
                                 "objective": {"class_path": OBJ + "P3O"}}},
-        "data": {"class_path": "datamodules.RolloutDataModule", "init_args": {
-            "source": {"class_path": "datamodules.Arithmetic",
+        "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": {
+            "source": {"class_path": "lit_ess.datamodules.Arithmetic",
                        "init_args": {"digits": 2, "ops": "+", "size": 10000, "seed": 0, "split": "train"}},
             "engine": {"class_path": "lit_ess.engines.VLLMConfig", "init_args": {"dtype": "float32"}},
             "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": seed},
             "reward": "exact_match", "prompts_per_rollout": scale.prompts, "samples_per_prompt": scale.samples,
             "steps_per_epoch": 1, "seed": seed,
-            "val_source": {"class_path": "datamodules.Arithmetic",
+            "val_source": {"class_path": "lit_ess.datamodules.Arithmetic",
                            "init_args": {"digits": 2, "ops": "+", "size": scale.val_prompts, "seed": 1,
                                          "split": "test"}},
             "val_prompts": scale.val_prompts, "val_samples": 4}},
@@ -124,7 +124,7 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
                     "enable_progress_bar": False, "enable_checkpointing": False,
                     "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": out_dir, "name": "tb", "version": ""}},
-                    "callbacks": [{"class_path": "callbacks.WeightSync"}]},
+                    "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"}]},
     }
 
 

@@ -62,7 +62,7 @@ def prepare_base(out: Path, scale: Scale, threads: int | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "configs" / "demo_sft.yaml").read_text())
     apply(cfg, {"model.init_args.model_path": str(base / "init"), "trainer.max_steps": scale.sft_steps,
                 "trainer.logger.init_args.save_dir": str(base), "trainer.logger.init_args.version": "sft",
-                "trainer.callbacks": [{"class_path": "callbacks.ExportHF", "init_args": {"dirpath": str(sft)}}],
+                "trainer.callbacks": [{"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(sft)}}],
                 "trainer.enable_progress_bar": False})
     print(f"[base] supervised warm start, {scale.sft_steps} steps -> {sft}", flush=True)
     res = lit_ess(["fit", "--config", str(write_yaml(cfg, base / "sft.yaml"))], base / "sft.log", threads)

@@ -6,11 +6,11 @@
     lit-ess fit --config configs/demo.yaml --model.init_args.objective GRPO --model.init_args.objective.clip_eps 0.3
 
 The model and data classes are chosen in the config (`class_path`): lit_ess.module.PolicyModule with
-datamodules.RolloutDataModule for RL, lit_ess.sft.SFTModule with datamodules.SFTDataModule for SFT.
+lit_ess.datamodules.RolloutDataModule for RL, lit_ess.sft.SFTModule with lit_ess.datamodules.SFTDataModule for SFT.
 Objectives (lit_ess.objectives.P3O, GRPO, ...) and engines (lit_ess.engines.VLLMConfig, HFConfig) are
 typed configs too. `model_path` is linked from the model to the data module. The Trainer defaults to
 `max_epochs: -1` (stop on `max_steps`) and a one-line progress bar over optimizer steps
-(callbacks.StepProgressBar).
+(lit_ess.callbacks.StepProgressBar).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
 traceback). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
@@ -32,11 +32,11 @@ from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 from lightning.pytorch.callbacks import ProgressBar  # noqa: E402
 
-import callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
-import datamodules  # noqa: E402,F401
+import lit_ess.callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
+import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
-from callbacks.progress import StepProgressBar  # noqa: E402
+from lit_ess.callbacks.progress import StepProgressBar  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.objectives import OBJECTIVES, Objective  # noqa: E402
 

@@ -124,7 +124,7 @@ class PolicyModule(L.LightningModule):
         return full_weights(self.policy)
 
     def sharded_models(self) -> list[torch.nn.Module]:
-        """The models a sharding callback (callbacks.FSDP2) shards: the policy and the reference."""
+        """The models a sharding callback (lit_ess.callbacks.FSDP2) shards: the policy and the reference."""
         return [m for m in (self.policy, self.ref_policy) if m is not None]
 
     def configure_optimizers(self):
@@ -368,7 +368,7 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def averages_gradients(module: L.LightningModule) -> bool:
-    """True when the policy's gradients are averaged over ranks: FSDP2 shards (callbacks.FSDP2) or a
+    """True when the policy's gradients are averaged over ranks: FSDP2 shards (lit_ess.callbacks.FSDP2) or a
     DDP wrapper (strategy: ddp)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -382,7 +382,7 @@ def check_gradients_synchronised(module: L.LightningModule) -> None:
     """Refuse several ranks that would each train alone (e.g. ModelParallelStrategy without FSDP2)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not averages_gradients(module):
         raise ValueError(f"{dist.get_world_size()} ranks but nothing synchronises the policy's gradients: use "
-                         f"strategy: ddp, or ModelParallelStrategy with callbacks.FSDP2")
+                         f"strategy: ddp, or ModelParallelStrategy with lit_ess.callbacks.FSDP2")
 
 
 def _reduce_over_ranks(sums: dict[str, Tensor], device) -> dict[str, Tensor]:

@@ -37,7 +37,7 @@ class SFTModule(L.LightningModule):
         check_gradients_synchronised(self)
 
     def sharded_models(self) -> list[torch.nn.Module]:
-        """The models a sharding callback (callbacks.FSDP2) shards."""
+        """The models a sharding callback (lit_ess.callbacks.FSDP2) shards."""
         return [self.policy]
 
     def policy_weights(self):

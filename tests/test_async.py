@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from datamodules import Arithmetic, RolloutDataModule
+from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from fake_engine import FakeConfig
 from lit_ess.engines import SamplingConfig
 from lit_ess.rollout import RolloutBuffer, Row, WorkerError, collate
@@ -30,7 +30,7 @@ def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, sampl
 
 
 def drive(dm, steps, train_seconds=0.0, planned=None):
-    """What the Trainer and callbacks.WeightSync do: push at start, take a batch per step, push when
+    """What the Trainer and lit_ess.callbacks.WeightSync do: push at start, take a batch per step, push when
     the data side asks. Returns the batches; `planned` collects (step, phases planned) after each push."""
     dm.push_weights(weights(0), 0)
     out = []
@@ -147,11 +147,11 @@ def test_without_weight_pushes_the_stream_fails_loudly(tiny_model_dir, mode):
     dm = make_dm(tiny_model_dir, mode=mode)
     try:
         if mode == "async":
-            with pytest.raises(RuntimeError, match="callbacks.WeightSync"):
+            with pytest.raises(RuntimeError, match="lit_ess.callbacks.WeightSync"):
                 dm.next_batch(0)
         else:
             dm.next_batch(0)                                      # version 0: the engine's own weights
-            with pytest.raises(RuntimeError, match="callbacks.WeightSync"):
+            with pytest.raises(RuntimeError, match="lit_ess.callbacks.WeightSync"):
                 dm.next_batch(1)
     finally:
         dm.teardown("fit")

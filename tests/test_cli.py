@@ -84,7 +84,7 @@ def test_old_configs_say_how_to_update(tiny_model_dir, args, says):
 def test_old_weight_sync_period_says_what_to_use(tiny_model_dir, tmp_path):
     cfg = yaml.safe_load(open(DEMO))
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
-    cfg["trainer"]["callbacks"][0] = {"class_path": "callbacks.WeightSync", "init_args": {"every_n_steps": 4}}
+    cfg["trainer"]["callbacks"][0] = {"class_path": "lit_ess.callbacks.WeightSync", "init_args": {"every_n_steps": 4}}
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(cfg))
     line = _one_error_line(cli(["fit", "--config", str(path)], cwd=tmp_path))

@@ -21,8 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-import callbacks
-from datamodules import HFPrompts, RolloutDataModule
+import lit_ess.callbacks
+from lit_ess.datamodules import HFPrompts, RolloutDataModule
 from lit_ess.cli import LitESSCLI, _explain, _Parser
 from lit_ess.engines import VLLMConfig
 from lit_ess.module import PolicyModule
@@ -63,7 +63,7 @@ def test_hardware_settings_agree(path):
     engine = data["engine"]["init_args"]
     assert engine["max_model_len"] >= data["max_prompt_tokens"] + data["sampling"]["max_new_tokens"]
     assert 0 < engine["gpu_memory_utilization"] < 0.5                      # colocated with the trainer
-    assert _callback(cfg, "callbacks.FSDP2")["param_dtype"] == "bfloat16"
+    assert _callback(cfg, "lit_ess.callbacks.FSDP2")["param_dtype"] == "bfloat16"
     assert _callback(cfg, "lightning.pytorch.callbacks.ModelCheckpoint")["dirpath"]   # fixed: resume finds it
     header = path.read_text().split("\nseed_everything")[0]
     assert f"--config configs/{path.name}" in header and "Hardware assumed" in header
@@ -80,7 +80,7 @@ def _dry_config(path: Path, model_dir: str, tmp_path: Path) -> dict:
     prompt, answer, _ = ROWS[data["reward"]]
     for key in SOURCES:
         src = data.get(key)
-        if src and src["class_path"] == "datamodules.HFPrompts":
+        if src and src["class_path"] == "lit_ess.datamodules.HFPrompts":
             args = src["init_args"]
             rows = [{args.get("prompt_field", "prompt"): f"{prompt} ({i})", args.get("answer_field", "answer"): answer,
                      "other": "unused"} for i in range(4)]
@@ -139,9 +139,9 @@ def test_config_builds_with_the_tiny_model(path, tiny_model_dir, tmp_path):
     assert trainer.max_steps == written["trainer"]["max_steps"]
     assert isinstance(trainer.logger, TensorBoardLogger)
     kinds = {type(c) for c in trainer.callbacks}
-    assert {callbacks.FSDP2, callbacks.WeightSync, callbacks.RatioDashboard, callbacks.LogCompletions,
-            callbacks.ExportHF, ModelCheckpoint} <= kinds
-    fsdp = next(c for c in trainer.callbacks if isinstance(c, callbacks.FSDP2))
+    assert {lit_ess.callbacks.FSDP2, lit_ess.callbacks.WeightSync, lit_ess.callbacks.RatioDashboard, lit_ess.callbacks.LogCompletions,
+            lit_ess.callbacks.ExportHF, ModelCheckpoint} <= kinds
+    fsdp = next(c for c in trainer.callbacks if isinstance(c, lit_ess.callbacks.FSDP2))
     assert (fsdp.param_dtype, fsdp.reduce_dtype, fsdp.activation_checkpointing) == ("bfloat16", "float32", True)
     ckpt = next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint))
     assert ckpt.dirpath == str(tmp_path / "ckpt")

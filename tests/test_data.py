@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from datamodules import Arithmetic, HFPrompts, RolloutDataModule
+from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
 from lit_ess.advantages import group_advantages
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.rewards import RewardScorer, exact_match, gsm8k, math_verify
@@ -224,7 +224,7 @@ def test_all_prompts_too_long_is_named(tiny_model_dir, tmp_path):
 def test_sft_prompts_use_the_chat_template_as_rl_does(tiny_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from datamodules import SFTDataModule
+    from lit_ess.datamodules import SFTDataModule
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.chat_template = ("{% for m in messages %}<|sep|>{{ m['role'] }}: {{ m['content'] }}{% endfor %}"
@@ -273,7 +273,7 @@ def test_arithmetic_splits_are_disjoint_whatever_the_digits_and_ops():
 def test_every_rank_gets_the_same_number_of_validation_batches():
     """Validation is collective (weight gather, metric sync): a rank without a batch would leave the
     others waiting. Each example is evaluated exactly once over all ranks."""
-    from datamodules.rollout import val_chunks
+    from lit_ess.datamodules.rollout import val_chunks
 
     examples = list(range(10))
     for world in (1, 2, 3, 16):

@@ -1,4 +1,4 @@
-"""Several ranks: 2 gloo processes on this CPU, FSDP2 through callbacks.FSDP2 / ModelParallelStrategy.
+"""Several ranks: 2 gloo processes on this CPU, FSDP2 through lit_ess.callbacks.FSDP2 / ModelParallelStrategy.
 
 The references are one process holding the whole global batch: two ranks must give the same update,
 the same logged metrics, distinct prompts, and resume exactly from a sharded checkpoint.
@@ -61,7 +61,7 @@ def _rank_main(rank, world, port, model_dir, out, ess_scope="step"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from callbacks import FSDP2
+    from lit_ess.callbacks import FSDP2
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -128,7 +128,7 @@ def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dic
     elif world > 1:
         cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                                       "init_args": {"data_parallel_size": world, "tensor_parallel_size": 1}}
-        cfg["trainer"]["callbacks"].append({"class_path": "callbacks.FSDP2", "init_args": fsdp or {}})
+        cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2", "init_args": fsdp or {}})
     return cfg
 
 
@@ -149,7 +149,7 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
     process; the ranks train different prompts; the sharded checkpoint exports the same weights and
     validates on one device. The held-out set is one chunk: each rank evaluates half of it (rank 1
     once got no chunk, and the other rank waited for it)."""
-    val = {"val_source": {"class_path": "datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
+    val = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
            "val_prompts": 64, "val_samples": 2}
     runs = {}
     for name, world, strategy in (("one", 1, None), ("fsdp2", 2, "fsdp2"), ("ddp", 2, "ddp")):
@@ -176,7 +176,7 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
     cfg = _config(tiny_model_dir, tmp_path / "validate", 1, extra_data=val)
     cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                                   "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}
-    cfg["trainer"]["callbacks"].append({"class_path": "callbacks.FSDP2"})
+    cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
     res = cli(["validate", "--config", str(write_config(cfg, tmp_path / "validate" / "config.yaml")),
                "--ckpt_path", str(runs["fsdp2"][1] / "ckpt" / "last.ckpt")], timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -88,7 +88,7 @@ def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
 
 
 def test_validation_in_fit_and_validate_from_checkpoint(tiny_model_dir, tmp_path):
-    val = {"val_source": {"class_path": "datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
+    val = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
            "val_prompts": 16, "val_samples": 3}
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, ckpt_every=2, extra_data=val)
     cfg["trainer"]["check_val_every_n_epoch"] = 2

@@ -5,8 +5,8 @@ import torch
 import yaml
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from callbacks import WeightSync
-from datamodules import Arithmetic, RolloutDataModule
+from lit_ess.callbacks import WeightSync
+from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.module import PolicyModule
 

@@ -5,7 +5,7 @@ import lightning as L
 import pytest
 import torch
 
-from datamodules import Arithmetic, RolloutDataModule
+from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import build_objective
@@ -179,7 +179,7 @@ def test_skipped_steps_survive_a_checkpoint(tiny_model_dir):
 def test_plain_trainer_resumes_with_a_typed_objective(tiny_model_dir, tmp_path):
     """Without the CLI the objective dataclass is pickled in the checkpoint's hparams; torch.load's
     weights_only default must accept it (regression: 'Unsupported global: lit_ess.objectives.GRPO')."""
-    from callbacks import WeightSync
+    from lit_ess.callbacks import WeightSync
     from lit_ess.objectives import GRPO
 
     def fit(steps, ckpt=None):
@@ -210,7 +210,7 @@ class _Recorder(L.Callback):
 def test_plain_trainer_needs_no_flag_and_never_reuses_a_rollout(tiny_model_dir, k):
     """A plain Trainer (no reload_dataloaders_every_n_epochs): every phase is new data generated with
     the weights of its first step, and the full weights are pushed once per phase, not per step."""
-    from callbacks import WeightSync
+    from lit_ess.callbacks import WeightSync
 
     rec, sync = _Recorder(), WeightSync()
     module = PolicyModule(tiny_model_dir, lr=1e-3)

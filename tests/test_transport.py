@@ -8,7 +8,7 @@ import torch
 from fake_engine import FakeConfig, FakeEngine
 from lit_ess.engines import HFConfig, VLLMConfig
 from lit_ess.engines.vllm_engine import visible_devices
-from lit_ess.rollout.transport import (NCCL, InProcess, SharedMemory, Ticket, drop_tied, packed_buckets,
+from lit_ess.rollout.transport import (NCCL, InProcess, SharedMemory, Ticket, build_transport, drop_tied, packed_buckets,
                                        plan_buckets, update_info)
 
 
@@ -96,15 +96,15 @@ def test_in_process_loads_only_what_was_pushed():
 
 def test_default_transports_and_placement():
     for c in (HFConfig(), FakeConfig(), VLLMConfig()):
-        assert type(c.weight_transport(in_process=True)) is InProcess
-        assert type(c.weight_transport(in_process=False)) is SharedMemory
+        assert type(build_transport(c.weight_transfer(in_process=True))) is InProcess
+        assert type(build_transport(c.weight_transfer(in_process=False))) is SharedMemory
         assert c.worker_env() == {}                                       # colocated
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")
 def test_gpu_only_choices_fail_with_one_clear_line_without_cuda():
     with pytest.raises(ValueError, match=r"transport: nccl needs CUDA GPUs .* this machine has none"):
-        VLLMConfig(transport="nccl", worker_devices=[1]).weight_transport(in_process=False)
+        build_transport(VLLMConfig(transport="nccl", worker_devices=[1]).weight_transfer(in_process=False))
     with pytest.raises(ValueError, match=r"transport: nccl needs CUDA"):
         NCCL()
     with pytest.raises(ValueError, match=r"worker_devices=\[4, 5\] needs CUDA GPUs"):
@@ -125,7 +125,7 @@ def test_placement_and_transport_config_is_validated():
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         VLLMConfig(bucket_mb=0)
     with pytest.raises(ValueError, match="set data.mode: async"):
-        VLLMConfig(worker_devices=[2]).weight_transport(in_process=True)
+        VLLMConfig(worker_devices=[2]).weight_transfer(in_process=True)
     with pytest.raises(ValueError, match="bucket size must be >= 1"):
         plan_buckets([4], 0)
 

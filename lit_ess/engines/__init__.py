@@ -3,7 +3,7 @@
 Each engine has a typed config (`VLLMConfig`, `HFConfig`) whose `build(model_path)` starts it; configs
 name engines in YAML (`engine: {class_path: lit_ess.engines.HFConfig, init_args: {dtype: bfloat16}}`).
 """
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed
 from .hf_engine import HFConfig
 from .vllm_engine import VLLMConfig
 
@@ -17,5 +17,5 @@ def build_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
     return ENGINES[name](**kwargs).build(model_path)
 
 
-__all__ = ["Completion", "EngineConfig", "HFConfig", "RolloutEngine", "SamplingConfig", "VLLMConfig",
+__all__ = ["Completion", "EngineConfig", "HFConfig", "RolloutEngine", "SamplingConfig", "VLLMConfig", "WeightTransfer",
            "derive_seed", "build_engine", "ENGINES"]

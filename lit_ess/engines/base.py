@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Literal
 
 from torch import Tensor
 
@@ -60,6 +60,20 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(h, "little") & 0x7FFFFFFF
 
 
+@dataclass(frozen=True)
+class WeightTransfer:
+    """How an engine built from a config receives weights, as plain values; the rollout layer builds
+    the carrier (lit_ess/rollout/transport.py: `build_transport`).
+
+    kind: "in_process" (the engine reads the trainer's tensors), "shared_memory" (a slot of host shared
+        memory, for an engine in the async worker process) or "nccl" (vLLM's NCCL weight transfer).
+    bucket_mb, engine_ranks: nccl only, the bucket size and the engine's GPU workers.
+    """
+    kind: Literal["in_process", "shared_memory", "nccl"]
+    bucket_mb: float = 256.0
+    engine_ranks: int = 1
+
+
 class EngineConfig:
     """Base of the engines' typed configs: a config names its engine's settings (shown by
     `--print_config`) and `build(model_path)` starts the engine. Configs are plain values, so one can
@@ -74,13 +88,11 @@ class EngineConfig:
 
         return {"name": type(self).__name__, **asdict(self)}
 
-    def weight_transport(self, in_process: bool):
-        """How weights reach an engine built from this config (lit_ess/rollout/transport.py): built in
-        the trainer's process (sync mode) or in the async worker process. Default: the engine reads
-        the trainer's tensors (in process) or a shared-memory slot (worker process)."""
-        from lit_ess.rollout.transport import InProcess, SharedMemory
-
-        return InProcess() if in_process else SharedMemory()
+    def weight_transfer(self, in_process: bool) -> WeightTransfer:
+        """How weights reach an engine built from this config: built in the trainer's process (sync
+        mode) or in the async worker process. Default: the engine reads the trainer's tensors (in
+        process) or a shared-memory slot (worker process)."""
+        return WeightTransfer("in_process" if in_process else "shared_memory")
 
     def worker_env(self) -> dict[str, str]:
         """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an
@@ -106,6 +118,14 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Replace the engine's weights (Hugging Face parameter names) and set `version`."""
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """NCCL weight transfer: join the trainer's group (engines that support it override this)."""
+        raise NotImplementedError(f"{type(self).__name__} has no NCCL weight transfer: use transport: shared_memory")
+
+    def receive_weights(self, update_info: dict, version: int) -> None:
+        """NCCL weight transfer: receive the broadcast weights of `version` (see init_weight_transfer)."""
+        raise NotImplementedError(f"{type(self).__name__} has no NCCL weight transfer: use transport: shared_memory")
 
     def close(self) -> None:
         """Free the engine's resources."""

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..console import harmless_stderr_dropped, verbose
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, require_cuda
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda
 
 
 def _configure_env(kv_cache_gib: float) -> None:
@@ -120,17 +120,13 @@ class VLLMConfig(EngineConfig):
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)
 
-    def weight_transport(self, in_process: bool):
-        from lit_ess.rollout.transport import NCCL, InProcess, SharedMemory
-
+    def weight_transfer(self, in_process: bool) -> WeightTransfer:
         if in_process:
             if self.transport == "nccl" or self.worker_devices is not None:
                 raise ValueError("engine.transport: nccl and engine.worker_devices place the engine in the async "
                                  "worker process: set data.mode: async, or remove them")
-            return InProcess()
-        if self.transport == "nccl":
-            return NCCL(self.bucket_mb, self.engine_ranks())
-        return SharedMemory()
+            return WeightTransfer("in_process")
+        return WeightTransfer(self.transport, self.bucket_mb, self.engine_ranks())
 
     def worker_env(self) -> dict[str, str]:
         if self.worker_devices is None:

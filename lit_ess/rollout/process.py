@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from .transport import Ticket
+from .transport import Ticket, build_transport
 from .worker import RolloutWorker, WorkerConfig
 
 
@@ -46,7 +46,7 @@ class WorkerError(RuntimeError):
 
 class WorkerProcess:
     def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None):
-        self.transport = config.engine.weight_transport(in_process=False)   # trainer side; errors before the spawn
+        self.transport = build_transport(config.engine.weight_transfer(in_process=False))   # errors before the spawn
         env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(), **(env or {})}
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()

@@ -9,7 +9,8 @@
 (trainer's process: a direct call; worker process: its request queue). A `Ticket` names one pushed
 version; requests carry the ticket of the weights they must be generated with. `in_use` lists the
 tickets that queued requests still name (a carrier with several buffers must not overwrite those).
-Each side builds its own transport object from the engine config (`EngineConfig.weight_transport`).
+Each side builds its own transport object from what the engine config asks for
+(`EngineConfig.weight_transfer(in_process)`, plain values) with `build_transport`.
 
 * `InProcess` (sync mode): `load` calls `engine.load_weights` on the pushed iterator, unconsumed, so
   an FSDP2 policy is gathered tensor by tensor as the engine loads (the worker pushes and loads in one
@@ -41,10 +42,21 @@ from typing import Callable, Collection, Iterable
 import torch
 from torch import Tensor
 
-from lit_ess.engines.base import require_cuda
+from lit_ess.engines.base import RolloutEngine, WeightTransfer, require_cuda
 
 Send = Callable[[object], None]
 Named = Iterable[tuple[str, Tensor]]
+
+
+def build_transport(spec: WeightTransfer) -> "WeightTransport":
+    """The carrier an engine config asks for (`EngineConfig.weight_transfer`)."""
+    if spec.kind == "in_process":
+        return InProcess()
+    if spec.kind == "shared_memory":
+        return SharedMemory()
+    if spec.kind == "nccl":
+        return NCCL(spec.bucket_mb, spec.engine_ranks)
+    raise ValueError(f"unknown weight transfer {spec.kind!r}; one of in_process, shared_memory, nccl")
 
 
 @dataclass(frozen=True)
@@ -59,12 +71,12 @@ class WeightTransport(ABC):
     def push(self, named_tensors: Named, version: int, send: Send, in_use: Collection[Ticket] = ()) -> Ticket:
         """Trainer side: make the weights of `version` available to the engine side."""
 
-    def receive(self, engine, msg) -> None:
+    def receive(self, engine: RolloutEngine, msg) -> None:
         """Engine side: apply a message `push` sent (in order)."""
         raise RuntimeError(f"{type(self).__name__} sends no messages, got {msg!r:.80}")
 
     @abstractmethod
-    def load(self, engine, ticket: Ticket) -> None:
+    def load(self, engine: RolloutEngine, ticket: Ticket) -> None:
         """Engine side: make `engine` hold the weights of `ticket` (engine.version == ticket.version)."""
 
 

@@ -25,7 +25,7 @@ from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_see
 from lit_ess.rewards import RewardScorer
 
 from .batch import RolloutBatch, Row, collate
-from .transport import Ticket
+from .transport import Ticket, build_transport
 
 
 @dataclass
@@ -79,13 +79,13 @@ class WorkerConfig:
 
 class RolloutWorker:
     """`in_process`: the worker lives in the trainer's process (sync) or in its own (async); it picks
-    the engine side of the weight transport (`EngineConfig.weight_transport`)."""
+    the engine side of the weight transport (`EngineConfig.weight_transfer`)."""
 
     def __init__(self, config: WorkerConfig, in_process: bool = True):
         from transformers import AutoTokenizer
 
         self.config = c = config
-        self.transport = c.engine.weight_transport(in_process)     # before the engine: a bad choice fails fast
+        self.transport = build_transport(c.engine.weight_transfer(in_process))   # before the engine: fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.scorer = RewardScorer(c.reward, c.reward_timeout)
