@@ -59,13 +59,18 @@ def write_config(cfg: dict, path: Path) -> Path:
     return path
 
 
+def pythonpath() -> str:
+    """PYTHONPATH for a subprocess: this checkout's code (not whichever checkout the venv was installed
+    from) and the tests' helpers (rewards such as e2e_utils:digit_fraction)."""
+    here = Path(__file__).resolve().parent
+    return os.pathsep.join(filter(None, [str(here.parent), str(here), os.environ.get("PYTHONPATH")]))
+
+
 def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, env: dict | None = None,
         **popen) -> subprocess.CompletedProcess:
-    here = str(Path(__file__).parent)
     if cwd is not None:
         Path(cwd).mkdir(parents=True, exist_ok=True)
-    env = dict(env or os.environ, TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    env = dict(env or os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath())
     return subprocess.run([sys.executable, "-m", "lit_ess.cli", *args], cwd=cwd, env=env, timeout=timeout,
                           capture_output=True, text=True, **popen)
 
@@ -121,7 +126,7 @@ def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float =
     import signal
     import time
 
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    env = dict(os.environ, PYTHONPATH=pythonpath())
     proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline, last, size = time.time() + timeout, ckpt_dir / "last.ckpt", -1
