@@ -2,7 +2,7 @@
 
     python -m experiments.run all                 # every experiment, 3 seeds (docs/results.md)
     python -m experiments.run clip staleness      # some of them
-    python -m experiments.run all --quick         # 1 seed, 4 steps, 2 cells each: proves the pipeline (CI)
+    python -m experiments.run all --quick         # 1 seed, 4 steps, the first cell of each: proves the pipeline (CI)
 
 Runs land in `runs/experiments/<experiment>/<cell>/seed<k>/` (`--quick`: runs/experiments-quick): the
 config (`config.yaml`, rerun it with `lit-ess fit --config`), TensorBoard files, `metrics.csv`, and

@@ -5,6 +5,12 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test.sh runs the suite on 2 xdist workers (one per core of the machines it runs on):
+    # each worker, and every process it starts, gets one OpenMP thread that sleeps when idle, since
+    # processes whose thread teams outnumber the cores run many times slower.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
