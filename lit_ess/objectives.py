@@ -234,6 +234,74 @@ def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) ->
 
 
 # ----------------------------------------------------------------------------------------------
+# Mismatch corrections (composable with every objective)
+
+
+@dataclass
+class ISCorrection:
+    """The field's correction for a sampler that is not the trainer's policy: a detached weight c_t >= 0
+    on each token's policy-gradient term, from the importance ratio of the proximal policy to the
+    sampler, w = pi_prox / pi_b (TRL's `vllm_importance_sampling_correction`, verl's
+    `rollout_correction`, IcePop).
+
+    level   token:      w_t = exp(lp_prox_t - lb_t)
+            sequence:   w_b = exp(sum_t (lp_prox_t - lb_t)), the same for every token of the sequence
+            geometric:  w_b = exp(mean_t (lp_prox_t - lb_t)), the per-token geometric mean
+    mode    truncate:   c = min(w, high), and max(c, low) when low is set        (TIS)
+            mask:       c = w if low <= w <= high else 0                         (IcePop, TRL's *_mask)
+            reject:     c = 1 if low <= w <= high else 0                         (verl's rejection masks)
+
+    The weight multiplies the token's advantage, which scales every objective's surrogate by c_t (each
+    is linear in A_t for c_t >= 0: min(r A c, clip(r) A c) = c min(r A, clip(r) A)); KL and entropy
+    terms are not reweighted, and a masked token still counts in the loss's token normalisation (as
+    in TRL). pi_prox is the objective's `proximal_logprobs` when the trainer gives them, else the
+    current policy before the update (detached): the trainer's own logprobs, exact for the first step
+    after a rollout.
+
+    Args:
+        level: token, sequence or geometric.
+        mode: truncate, mask or reject.
+        high: upper bound C of the ratio (TRL's cap, verl's threshold 2.0).
+        low: lower bound; None = none for truncate, 1 / high for mask and reject.
+    """
+
+    level: Literal["token", "sequence", "geometric"] = "token"
+    mode: Literal["truncate", "mask", "reject"] = "truncate"
+    high: float = 2.0
+    low: float | None = None
+
+    def __post_init__(self):
+        if self.level not in ("token", "sequence", "geometric"):
+            raise ValueError(f"correction.level={self.level!r} is not one of ('token', 'sequence', 'geometric')")
+        if self.mode not in ("truncate", "mask", "reject"):
+            raise ValueError(f"correction.mode={self.mode!r} is not one of ('truncate', 'mask', 'reject')")
+        if not self.high > 0 or (self.low is not None and not 0 <= self.low <= self.high):
+            raise ValueError(f"correction bounds must satisfy 0 <= low <= high, high > 0; got low={self.low}, "
+                             f"high={self.high}")
+
+    def __call__(self, log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """(c [B, T] detached, metrics) from the log-ratio log(pi_prox / pi_b) [B, T] and the token mask."""
+        with torch.no_grad():
+            m = mask.to(log_ratio.dtype)
+            lr = log_ratio * m
+            if self.level == "sequence":
+                lr = lr.sum(-1, keepdim=True).expand_as(lr)
+            elif self.level == "geometric":
+                lr = (lr.sum(-1) / m.sum(-1).clamp(min=1))[:, None].expand_as(lr)
+            w = lr.clamp(-METRIC_LOG_RATIO_CLAMP, METRIC_LOG_RATIO_CLAMP).exp()
+            low = self.low if self.low is not None or self.mode == "truncate" else 1 / self.high
+            inside = (w <= self.high) & (w >= (low or 0.0))
+            if self.mode == "truncate":
+                c = w.clamp(min=low, max=self.high)
+            else:
+                c = torch.where(inside, w if self.mode == "mask" else torch.ones_like(w), torch.zeros_like(w))
+            c = c * m
+            n = m.sum().clamp(min=1)
+            metrics = {"is_weight_mean": c.sum() / n, "is_outside_frac": (~inside & mask.bool()).float().sum() / n}
+        return c, metrics
+
+
+# ----------------------------------------------------------------------------------------------
 # Objectives
 
 
@@ -255,12 +323,15 @@ class Objective:
             reference model, which is scored exactly as the policy).
         norm_len: the constant length of seq-mean-token-sum-norm. None = the rollout's
             max_new_tokens (PolicyModule passes it), else the width T of the call's tensors.
+        correction: a mismatch correction (ISCorrection: truncated IS, IcePop masks, sequence masks)
+            weighting each token's policy-gradient term; None = off.
     """
 
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = None
     entropy_coef: float = 0.0
     ref_kl_coef: float = 0.0
     norm_len: int | None = None
+    correction: ISCorrection | None = None
 
     name: ClassVar[str] = "base"
     needs_ess: ClassVar[bool] = False
@@ -275,6 +346,8 @@ class Objective:
             raise ValueError(f"entropy_coef and ref_kl_coef must be >= 0, got {self.entropy_coef}, {self.ref_kl_coef}")
         if self.norm_len is not None and self.norm_len < 1:
             raise ValueError(f"norm_len must be >= 1 or None, got {self.norm_len}")
+        if self.correction is not None and not isinstance(self.correction, ISCorrection):
+            raise ValueError(f"correction must be an ISCorrection or None, got {self.correction!r}")
 
     def __call__(
         self,
@@ -307,7 +380,12 @@ class Objective:
         def agg(x: Tensor) -> Tensor:
             return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, norm_len)
 
+        correction = {}
+        if self.correction is not None:
+            weight, correction = self.correction((lp.detach() if prox is None else prox) - lb, valid)
+            adv = adv * weight
         loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_logprobs=prox)
+        metrics.update(correction)
         metrics["policy_loss"] = loss.detach()
         if self.entropy_coef:
             ent_term = agg(ent)
@@ -524,7 +602,7 @@ OBJECTIVES: dict[str, Callable[..., Objective]] = {
 
 
 # Objectives are saved in checkpoints' hyper-parameters: let torch.load(weights_only=True) rebuild them.
-torch.serialization.add_safe_globals(list(OBJECTIVES.values()))
+torch.serialization.add_safe_globals([*OBJECTIVES.values(), ISCorrection])
 
 
 def build_objective(name: str, **hparams) -> Objective:

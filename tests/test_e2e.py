@@ -36,10 +36,16 @@ def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
 
 
 def test_dashboard_tags_and_histograms(tiny_model_dir, tmp_path):
-    s = run_ok(rl_config(tiny_model_dir, tmp_path, max_steps=2, micro_batch_size=8), tmp_path)
+    """P3O with an IcePop correction, 2 micro-batches: the dashboard's tags, and on-policy data keeps
+    every token with weight 1 (pi_prox = pi_b)."""
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, micro_batch_size=8)
+    cfg["model"]["init_args"]["objective"]["init_args"] = {"correction": {"level": "token", "mode": "mask"}}
+    s = run_ok(cfg, tmp_path)
     for tag in ["train/ess", "train/loss", "train/kl_behavior", "train/ratio_max", "train/capped_frac",
                 "rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "rollout/degenerate_frac"]:
         assert tag in s, tag
+    assert [v for _, v in s["train/is_weight_mean"]] == pytest.approx([1.0, 1.0], abs=1e-4)
+    assert [v for _, v in s["train/is_outside_frac"]] == [0.0, 0.0]
     assert {"ratio/log_ratio", "ratio/capped_weight"} <= read_histogram_tags(tmp_path / "tb" / "run")
 
 
