@@ -15,9 +15,29 @@ def run_ok(cfg, tmp_path, *extra):
     return scalars(tmp_path)
 
 
+VAL = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
+       "val_prompts": 16, "val_samples": 3}
+
+
+def shared_config(model_dir, out, **data):
+    """The sync vLLM run that several tests below read (one run instead of one each): 4 steps, P3O with
+    an IcePop correction, 2 micro-batches per step, validation every 2 steps, a checkpoint every 2."""
+    cfg = rl_config(model_dir, out, max_steps=4, micro_batch_size=8, ckpt_every=2, extra_data={**VAL, **data})
+    cfg["model"]["init_args"]["objective"]["init_args"] = {"correction": {"level": "token", "mode": "mask"}}
+    cfg["trainer"]["check_val_every_n_epoch"] = 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def sync_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync_run")
+    cfg = shared_config(tiny_model_dir, out)
+    return run_ok(cfg, out), out, cfg
+
+
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
-def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path):
-    s = run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine, max_steps=4), tmp_path)
+def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path, sync_run):
+    s = sync_run[0] if engine == "vllm" else run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine), tmp_path)
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 4 and min(ess) >= 0.9999, ess
     assert [v for _, v in s["train/policy_lag"]] == [0.0] * 4
@@ -35,18 +55,24 @@ def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
     assert lag == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-def test_dashboard_tags_and_histograms(tiny_model_dir, tmp_path):
+def test_dashboard_tags_and_histograms(sync_run):
     """P3O with an IcePop correction, 2 micro-batches: the dashboard's tags, and on-policy data keeps
     every token with weight 1 (pi_prox = pi_b)."""
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, micro_batch_size=8)
-    cfg["model"]["init_args"]["objective"]["init_args"] = {"correction": {"level": "token", "mode": "mask"}}
-    s = run_ok(cfg, tmp_path)
+    s, out, _ = sync_run
     for tag in ["train/ess", "train/loss", "train/kl_behavior", "train/ratio_max", "train/capped_frac",
                 "rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "rollout/degenerate_frac"]:
         assert tag in s, tag
-    assert [v for _, v in s["train/is_weight_mean"]] == pytest.approx([1.0, 1.0], abs=1e-4)
-    assert [v for _, v in s["train/is_outside_frac"]] == [0.0, 0.0]
-    assert {"ratio/log_ratio", "ratio/capped_weight"} <= read_histogram_tags(tmp_path / "tb" / "run")
+    assert [v for _, v in s["train/is_weight_mean"]] == pytest.approx([1.0] * 4, abs=1e-4)
+    assert [v for _, v in s["train/is_outside_frac"]] == [0.0] * 4
+    assert {"ratio/log_ratio", "ratio/capped_weight"} <= read_histogram_tags(out / "tb" / "run")
+
+
+def test_async_with_staleness_zero_reproduces_the_sync_run(tiny_model_dir, tmp_path, sync_run):
+    sync = sync_run[0]
+    asyn = run_ok(shared_config(tiny_model_dir, tmp_path, mode="async", max_staleness=0), tmp_path)
+    for tag in ("train/loss", "train/ess", "rollout/reward_mean", "train/grad_norm", "val/reward_mean", "val/pass@1"):
+        assert [v for _, v in asyn[tag]] == pytest.approx([v for _, v in sync[tag]], abs=1e-6), tag
+    assert [v for _, v in asyn["train/policy_lag_max"]] == [0.0] * 4
 
 
 def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
@@ -93,16 +119,11 @@ def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
     assert "Traceback" not in res.stderr
 
 
-def test_validation_in_fit_and_validate_from_checkpoint(tiny_model_dir, tmp_path):
-    val = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
-           "val_prompts": 16, "val_samples": 3}
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, ckpt_every=2, extra_data=val)
-    cfg["trainer"]["check_val_every_n_epoch"] = 2
-    s = run_ok(cfg, tmp_path)
-    assert len(s["val/reward_mean"]) == 1 and 0 <= s["val/reward_mean"][0][1] <= 1
-    passes = [s[f"val/pass@{k}"][0][1] for k in (1, 2, 3)]
+def test_validation_in_fit_and_validate_from_checkpoint(sync_run):
+    s, out, cfg = sync_run
+    assert [step for step, _ in s["val/reward_mean"]] == [2, 4] and 0 <= s["val/reward_mean"][0][1] <= 1
+    passes = [s[f"val/pass@{k}"][-1][1] for k in (1, 2, 3)]
     assert 0 <= passes[0] <= passes[1] <= passes[2] <= 1 and "val/pass@4" not in s
-    path = write_config(cfg, tmp_path / "config.yaml")
-    res = cli(["validate", "--config", str(path), "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt")])
+    res = cli(["validate", "--config", str(out / "config.yaml"), "--ckpt_path", str(out / "ckpt" / "last.ckpt")])
     assert res.returncode == 0, res.stderr[-4000:]
     assert "val/reward_mean" in res.stdout
