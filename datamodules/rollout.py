@@ -126,6 +126,9 @@ class RolloutDataModule(L.LightningDataModule):
             ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
         val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
             (`val/pass@k`; a sample passes when its reward is 1), the mean reward and length.
+        val_sampling: the sampling settings of held-out evaluation (temperature, top_p, top_k,
+            max_new_tokens, stop, seed); None = the training `sampling`. A fixed setting (e.g.
+            temperature 1.0) compares runs trained with different sampling on the same ruler.
     """
 
     def __init__(
@@ -149,6 +152,7 @@ class RolloutDataModule(L.LightningDataModule):
         val_source: PromptSource | None = None,
         val_prompts: int = 64,
         val_samples: int = 1,
+        val_sampling: SamplingConfig | None = None,
     ):
         super().__init__()
         if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
@@ -175,6 +179,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
+        self.val_sampling = val_sampling
         self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
@@ -182,7 +187,8 @@ class RolloutDataModule(L.LightningDataModule):
             "engine": engine.hparams(), "sampling": asdict(sampling), "mode": mode, "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
-            "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__})
+            "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__,
+            "val_sampling": asdict(val_sampling) if val_sampling is not None else None})
         self.worker: RolloutWorker | WorkerProcess | None = None
         self.tokenizer = None
         # resumable state
@@ -403,13 +409,13 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def evaluate(self, examples: list[tuple[int, str, str]]) -> dict[str, torch.Tensor]:
-        """`val_samples` samples per held-out (index, prompt, answer) with the training sampling
-        settings: the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`."""
+        """`val_samples` samples per held-out (index, prompt, answer) with `val_sampling` (default: the
+        training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`."""
         if not examples:                      # an empty batch keeps this rank in step with the others
             empty = torch.zeros(0, self.val_samples)
             return {"reward": empty, "length": empty.clone()}
         req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
-                          [i for i, _, _ in examples], self.val_samples)
+                          [i for i, _, _ in examples], self.val_samples, self.val_sampling)
         if self.mode == "sync":
             return self.worker.evaluate(req)
         rid = self.worker.submit("evaluate", req)

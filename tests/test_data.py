@@ -281,3 +281,17 @@ def test_every_rank_gets_the_same_number_of_validation_batches():
         assert len({len(c) for c in per_rank}) == 1 and len(per_rank[0]) >= 1
         assert sorted(x for chunks in per_rank for chunk in chunks for x in chunk) == examples
         assert all(len(chunk) <= 4 for chunks in per_rank for chunk in chunks)
+
+
+def test_held_out_evaluation_samples_with_val_sampling(tiny_model_dir):
+    """val_sampling replaces the training settings for held-out prompts only (here: a shorter limit)."""
+    held_out = [(i, f"{i}+{i}=", str(2 * i)) for i in range(4)]
+    lengths = {}
+    for name, val in (("train", None), ("val", SamplingConfig(max_new_tokens=2, seed=0))):
+        dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
+                               sampling=SamplingConfig(max_new_tokens=6, seed=0), val_samples=3, val_sampling=val)
+        dm.setup("validate")
+        lengths[name] = dm.evaluate(held_out)["length"]
+        dm.teardown("validate")
+    assert lengths["val"].shape == (4, 3) and lengths["val"].max() == 2
+    assert lengths["train"].max() > 2                        # the random model rarely stops within 2 tokens

@@ -45,11 +45,12 @@ class RolloutRequest:
 class EvalRequest:
     """Held-out prompts (token ids) with their answers, `n` samples each; `keys` (the prompts'
     positions in the held-out set) derive the request seeds, so any sharding samples the same (vllm
-    engine; the hf engine seeds per chunk)."""
+    engine; the hf engine seeds per chunk). `sampling`: None = the worker's training settings."""
     prompts: list[list[int]]
     answers: list[str]
     keys: list[int]
     n: int = 1
+    sampling: SamplingConfig | None = None
 
 
 @dataclass
@@ -165,13 +166,14 @@ class RolloutWorker:
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
 
     def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:
-        """`req.n` samples per held-out prompt with the training sampling settings: the reward and the
+        """`req.n` samples per held-out prompt with `req.sampling` (or the training settings): the reward and the
         length of each, `{"reward": [P, n], "length": [P, n]}`."""
         return self.score_eval(req, *self.sample_eval(req))
 
     @torch.no_grad()
     def sample_eval(self, req: "EvalRequest") -> tuple[list[str], list[int]]:
-        groups = self.engine.generate(req.prompts, req.n, self.config.sampling, call_seed=-1, prompt_keys=req.keys)
+        groups = self.engine.generate(req.prompts, req.n, req.sampling or self.config.sampling, call_seed=-1,
+                                      prompt_keys=req.keys)
         return ([self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g],
                 [len(s.token_ids) for g in groups for s in g])
 
