@@ -121,7 +121,7 @@ def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
 
 def test_validation_in_fit_and_validate_from_checkpoint(sync_run):
     s, out, cfg = sync_run
-    assert [step for step, _ in s["val/reward_mean"]] == [2, 4] and 0 <= s["val/reward_mean"][0][1] <= 1
+    assert len(s["val/reward_mean"]) == 2 and 0 <= s["val/reward_mean"][0][1] <= 1       # every 2nd of 4 epochs
     passes = [s[f"val/pass@{k}"][-1][1] for k in (1, 2, 3)]
     assert 0 <= passes[0] <= passes[1] <= passes[2] <= 1 and "val/pass@4" not in s
     res = cli(["validate", "--config", str(out / "config.yaml"), "--ckpt_path", str(out / "ckpt" / "last.ckpt")])
