@@ -1,0 +1,87 @@
+"""No silent wrong run (issue 16): bad input stops with one line naming the culprit, or is counted;
+a run never ends with exit 0 having learned from garbage."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from e2e_utils import cli, rl_config, write_config
+from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
+from lit_ess.rewards import RewardError, RewardScorer
+
+NOT_A_FUNCTION = 3
+
+
+def returns_none(c, a):
+    return None
+
+
+def returns_text(c, a):
+    return "1.0"
+
+
+def returns_inf(c, a):
+    return float("inf")
+
+
+def raises(c, a):
+    raise KeyError("no such field")
+
+
+def one_line(res, prog="lit-ess"):
+    """The single `prog: error:` line of a failed command (exit 2, no traceback)."""
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith(f"{prog}: error:")]
+    assert len(lines) == 1, res.stderr[-3000:]
+    return lines[0]
+
+
+# ---------------------------------------------------------------- rewards
+
+
+@pytest.mark.parametrize("fn, says", [(returns_none, "returned None"), (returns_text, "returned '1.0'"),
+                                      (returns_inf, "returned inf"), (raises, "KeyError")])
+def test_a_reward_that_fails_everywhere_is_counted_then_stops(fn, says):
+    name = f"test_faults:{fn.__name__}"
+    counting = RewardScorer(name, max_error_rate=1.0)
+    with pytest.warns(UserWarning, match=says):
+        assert counting(["a", "b"], ["1", "1"]) == [0.0, 0.0]
+    assert counting.errors == 2
+    with pytest.raises(RewardError, match=rf"reward '{name}' failed on 2 of 2 completions.*first error: .*{says}"):
+        RewardScorer(name)(["a", "b"], ["1", "1"])
+
+
+def test_reward_and_group_size_are_checked_at_start():
+    with pytest.raises(ValueError, match="'test_faults:NOT_A_FUNCTION' is a int, not a function"):
+        RolloutDataModule(reward="test_faults:NOT_A_FUNCTION")
+    with pytest.raises(ValueError, match="cannot be called as loads"):
+        RolloutDataModule(reward="json:loads")
+    with pytest.raises(ValueError, match="samples_per_prompt=1: the group advantage"):
+        RolloutDataModule(samples_per_prompt=1)
+
+
+def test_async_worker_stops_on_a_failing_reward_with_the_same_error(tiny_model_dir):
+    from fake_engine import FakeConfig
+    from lit_ess.engines import SamplingConfig
+
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
+                           prompts_per_rollout=2, samples_per_prompt=2, source=Arithmetic(size=10),
+                           sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="test_faults:returns_inf")
+    dm.setup("fit")
+    try:
+        dm.push_weights({"w": torch.zeros(1)}.items(), 0)
+        with pytest.raises(RewardError, match="returns_inf' failed on 4 of 4"):
+            dm.next_batch(0)
+    finally:
+        dm.teardown("fit")
+
+
+@pytest.mark.e2e
+def test_fit_with_an_infinite_reward_stops_naming_it(tiny_model_dir, tmp_path):
+    """It used to train to the end with exit 0: reward_mean inf, reward_errors 0, loss 0 every step."""
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf", max_steps=2, prompts=4, samples=2,
+                    extra_data={"reward": "test_faults:returns_inf", "sampling": {"max_new_tokens": 4, "seed": 0}})
+    line = one_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
+    assert "reward 'test_faults:returns_inf' failed on 8 of 8" in line and "returned inf" in line, line
