@@ -38,6 +38,47 @@ def one_line(res, prog="lit-ess"):
     return lines[0]
 
 
+# ---------------------------------------------------------------- prompt files
+
+
+def _write(tmp_path, fmt):
+    """Three rows: a plain answer, a missing one (blank CSV cell, null), one with leading zeros."""
+    rows = [("1+1=", "2"), ("2+2=", None), ("3+4=", "007")]
+    f = tmp_path / f"p.{fmt}"
+    if fmt == "csv":
+        f.write_text("prompt,answer\n" + "".join(f"{p},{a or ''}\n" for p, a in rows))
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"prompt": [p for p, _ in rows], "answer": [a for _, a in rows]}), f)
+    else:   # JSON numbers where the text is one, as a spreadsheet export writes them
+        objs = [{"prompt": p, "answer": int(a) if a == "2" else a} for p, a in rows]
+        f.write_text(json.dumps(objs) if fmt == "json" else "\n".join(json.dumps(o) for o in objs))
+    return str(f)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "jsonl", "parquet"])
+def test_local_files_keep_answers_as_written(tmp_path, fmt):
+    """A blank cell used to turn every CSV answer into a float ("2.0"), so exact_match scored 0 on
+    every row; "007" became "7"."""
+    src = HFPrompts(_write(tmp_path, fmt))
+    assert [e.answer for e in src.examples] == ["2", "007"] and src.skipped == 1
+
+
+def test_bad_prompt_files_name_the_file_and_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl.*holds no rows"):
+        HFPrompts(str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", answer: 4}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2: not valid JSON"):
+        HFPrompts(str(bad))
+    with pytest.raises(ValueError, match=r"the rows have fields \['prompt', 'answer'\]"):
+        HFPrompts(_write(tmp_path, "csv"), answer_field="solution")
+
+
 # ---------------------------------------------------------------- rewards
 
 
