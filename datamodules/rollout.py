@@ -128,7 +128,8 @@ class RolloutDataModule(L.LightningDataModule):
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
         seed: prompt order and row shuffling.
-        val_source: held-out prompts for validation (None = no validation loop).
+        val_source: held-out prompts for validation (None = no validation loop in fit; `lit-ess
+            validate` needs it).
         val_prompts: validation prompts per batch; every example of val_source is used once (with W
             ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
         val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
@@ -218,6 +219,9 @@ class RolloutDataModule(L.LightningDataModule):
             return
         if not self.model_path:
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
+        if stage == "validate" and self.val_source is None:
+            raise ValueError("validate needs held-out prompts: set data.val_source (e.g. class_path "
+                             "lit_ess.datamodules.Arithmetic with split: test, or HFPrompts)")
         from transformers import AutoTokenizer
 
         self.rank, self.world = self._rank_and_world()

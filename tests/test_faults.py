@@ -126,3 +126,12 @@ def test_fit_with_an_infinite_reward_stops_naming_it(tiny_model_dir, tmp_path):
                     extra_data={"reward": "test_faults:returns_inf", "sampling": {"max_new_tokens": 4, "seed": 0}})
     line = one_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
     assert "reward 'test_faults:returns_inf' failed on 8 of 8" in line and "returned inf" in line, line
+
+
+# ---------------------------------------------------------------- validate, model files, checkpoints
+
+
+def test_validate_without_val_source_is_an_error(tiny_model_dir, tmp_path):
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf")
+    line = one_line(cli(["validate", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
+    assert "data.val_source" in line, line
