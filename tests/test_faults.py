@@ -135,3 +135,33 @@ def test_validate_without_val_source_is_an_error(tiny_model_dir, tmp_path):
     cfg = rl_config(tiny_model_dir, tmp_path, engine="hf")
     line = one_line(cli(["validate", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
     assert "data.val_source" in line, line
+
+
+def test_validate_with_a_truncated_checkpoint_names_it(tiny_model_dir, tmp_path):
+    ckpt = _checkpoint(tiny_model_dir, tmp_path / "last.ckpt")
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf",
+                    extra_data={"val_source": {"class_path": "lit_ess.datamodules.Arithmetic"}})
+    line = one_line(cli(["validate", "--config", str(write_config(cfg, tmp_path / "c.yaml")), "--ckpt_path", str(ckpt)],
+                        cwd=tmp_path))
+    assert str(ckpt) in line and "truncated" in line, line
+
+
+def test_a_truncated_model_file_is_named(tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    cfg = rl_config(str(broken), tmp_path, engine="hf")
+    line = one_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
+    assert f"{weights} is not a readable safetensors file" in line, line
+
+
+def _checkpoint(model_dir, path):
+    """A policy checkpoint as Lightning writes it (weights under `policy.`), without a run."""
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    torch.save({"state_dict": {f"policy.{k}": v for k, v in state.items()},
+                "hyper_parameters": {"model_path": model_dir}}, path)
+    return path
