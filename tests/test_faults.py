@@ -165,3 +165,42 @@ def _checkpoint(model_dir, path):
     torch.save({"state_dict": {f"policy.{k}": v for k, v in state.items()},
                 "hyper_parameters": {"model_path": model_dir}}, path)
     return path
+
+
+def _export(capsys, *args):
+    from lit_ess.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lit-ess-export: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_export_errors_name_the_culprit(tiny_model_dir, tmp_path, capsys):
+    from lit_ess.tiny import build_tiny_model
+
+    ckpt = _checkpoint(tiny_model_dir, tmp_path / "last.ckpt")
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    assert "is an existing file" in _export(capsys, ckpt, taken)
+    assert taken.read_text() == "x"
+    nothing = tmp_path / "nothing"
+    assert f"'{nothing}': no such model folder" in _export(capsys, ckpt, tmp_path / "out", "--model_path", nothing)
+    wide = build_tiny_model(tmp_path / "wide", hidden_size=256, num_heads=4, num_kv_heads=4)
+    assert "has shape [260, 192], the model of" in _export(capsys, ckpt, tmp_path / "out", "--model_path", wide)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(ckpt.read_bytes()[:5000])
+    assert f"{truncated}' cannot be read as a checkpoint" in _export(capsys, truncated, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_callback_refuses_a_file_at_start(tmp_path):
+    from lit_ess.callbacks import ExportHF
+
+    taken = tmp_path / "taken.txt"
+    taken.write_text("x")
+    with pytest.raises(ValueError, match="is an existing file"):
+        ExportHF(str(taken))
