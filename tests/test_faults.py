@@ -204,3 +204,17 @@ def test_export_callback_refuses_a_file_at_start(tmp_path):
     taken.write_text("x")
     with pytest.raises(ValueError, match="is an existing file"):
         ExportHF(str(taken))
+
+
+def test_tiny_takes_any_multiple_of_the_head_size(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from lit_ess.tiny import main
+
+    main([str(tmp_path / "m"), "--hidden-size", "128", "--num-layers", "1"])
+    assert AutoConfig.from_pretrained(tmp_path / "m").num_attention_heads == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "n"), "--hidden-size", "100"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("lit-ess-tiny: error: --hidden-size 100 must be") and "\n" not in err
