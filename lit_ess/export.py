@@ -45,9 +45,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, model_path: str | None = 
     if sharded:
         import torch.distributed.checkpoint as dcp
 
-        shapes = {k: tuple(m.size) for k, m in dcp.FileSystemReader(str(checkpoint)).read_metadata()
-                  .state_dict_metadata.items() if k.startswith("state_dict.")}
-        _check_shapes(checkpoint, model_path, state, {k.removeprefix("state_dict."): v for k, v in shapes.items()})
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        _check_shapes(checkpoint, model_path, state, {k.removeprefix("state_dict."): tuple(m.size) for k, m in stored.items()
+                                                      if isinstance(m, TensorStorageMetadata)})
         wanted = {"state_dict": state}
         dcp.load(wanted, checkpoint_id=str(checkpoint), no_dist=True)      # fills `state` in place
     else:

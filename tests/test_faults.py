@@ -183,6 +183,8 @@ def _export(capsys, *args):
 
 
 def test_export_errors_name_the_culprit(tiny_model_dir, tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
     from lit_ess.tiny import build_tiny_model
 
     ckpt = _checkpoint(tiny_model_dir, tmp_path / "last.ckpt")
@@ -194,6 +196,10 @@ def test_export_errors_name_the_culprit(tiny_model_dir, tmp_path, capsys):
     assert f"'{nothing}': no such model folder" in _export(capsys, ckpt, tmp_path / "out", "--model_path", nothing)
     wide = build_tiny_model(tmp_path / "wide", hidden_size=256, num_heads=4, num_kv_heads=4)
     assert "has shape [260, 192], the model of" in _export(capsys, ckpt, tmp_path / "out", "--model_path", wide)
+    shards = tmp_path / "shards"                        # a folder of shards, as ModelParallelStrategy saves
+    dcp.save({"state_dict": torch.load(ckpt)["state_dict"]}, checkpoint_id=str(shards), no_dist=True)
+    torch.save({"hyper_parameters": {"model_path": tiny_model_dir}}, shards / "meta.pt")
+    assert "has shape [260, 192], the model of" in _export(capsys, shards, tmp_path / "out", "--model_path", wide)
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(ckpt.read_bytes()[:5000])
     assert f"{truncated}' cannot be read as a checkpoint" in _export(capsys, truncated, tmp_path / "out")
