@@ -12,6 +12,8 @@ class ExportHF(L.Callback):
     """
 
     def __init__(self, dirpath: str):
+        if Path(dirpath).is_file():        # transformers would log an error at the end and write nothing
+            raise ValueError(f"ExportHF.dirpath={dirpath!r} is an existing file: give a folder")
         self.dirpath = dirpath
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -3,11 +3,16 @@
     Arithmetic         built-in verifiable task for CPU runs ("37+85=" -> "122")
     HFPrompts          a Hugging Face `datasets` name, or local json / jsonl / parquet / csv files
 
-Malformed rows (missing field, non-text value, empty prompt) are skipped and counted in `skipped`.
+Malformed rows (missing field, non-text value, empty prompt or answer) are skipped and counted in
+`skipped`. Local files are read as text: an answer is the file's own characters ("007" stays "007",
+and a blank cell does not turn the other answers of a CSV into floats).
 """
 from __future__ import annotations
 
+import csv
+import glob
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,10 +121,14 @@ def eval_op(a: int, op: str, b: int) -> int:
 class HFPrompts(PromptSource):
     """Prompts from a `datasets` name (e.g. "openai/gsm8k" with name="main") or local data files.
 
+    Local files (.json, .jsonl, .parquet, .csv) are read here, not by `datasets`, so every value is
+    kept as written: CSV cells are text, JSON numbers keep their spelling, and a malformed line is
+    named by file and line number.
+
     Args:
         path: dataset name, or a file / glob / list of files (.json, .jsonl, .parquet, .csv).
         name: dataset configuration name.
-        split: split to read.
+        split: split to read (a hub dataset's; local files are one split, "train").
         prompt_field: column holding the prompt.
         answer_field: column holding the reference answer.
         template: Python format string applied to the prompt, e.g. "{prompt}\\nAnswer:".
@@ -131,23 +140,88 @@ class HFPrompts(PromptSource):
     def __init__(self, path: str | list[str], name: str | None = None, split: str = "train",
                  prompt_field: str = "prompt", answer_field: str = "answer", template: str = "{prompt}",
                  limit: int | None = None):
-        import datasets
-
         files = [path] if isinstance(path, str) else list(path)
         suffixes = {Path(f).suffix for f in files}
-        if len(suffixes) == 1 and (kind := self.FILE_TYPES.get(suffixes.pop())):
-            ds = datasets.load_dataset(kind, data_files=files, split=split)
+        if len(suffixes) == 1 and suffixes.pop() in self.FILE_TYPES:
+            if split != "train":
+                raise ValueError(f"HFPrompts(split={split!r}): local files form one split, 'train'; give the "
+                                 f"held-out rows as their own file")
+            rows = (row for f in _expand(files) for row in _read_rows(f))
         else:
-            ds = datasets.load_dataset(files[0], name, split=split)
+            import datasets
+
+            rows = iter(datasets.load_dataset(files[0], name, split=split))
         self.examples, self.skipped = [], 0
-        for row in ds:
-            p, a = row.get(prompt_field), row.get(answer_field)
-            if not isinstance(p, str) or not p.strip() or a is None or isinstance(a, (dict, list)):
+        columns = None
+        for row in rows:
+            columns = columns or list(row)
+            p, a = _text(row.get(prompt_field)), _text(row.get(answer_field))
+            if p is None or not p.strip() or a is None or not a.strip():
                 self.skipped += 1
                 continue
-            self.examples.append(Example(template.format(prompt=p), str(a)))
+            self.examples.append(Example(template.format(prompt=p), a))
             if limit is not None and len(self.examples) >= limit:
                 break
+        if columns is None:
+            raise ValueError(f"HFPrompts({path!r}) holds no rows (an empty file?): give a file with one example per row")
         if not self.examples:
-            raise ValueError(f"HFPrompts({path!r}): no usable rows with fields {prompt_field!r} and "
-                             f"{answer_field!r} ({self.skipped} malformed rows skipped)")
+            raise ValueError(f"HFPrompts({path!r}): no usable rows with fields {prompt_field!r} and {answer_field!r} "
+                             f"({self.skipped} malformed rows skipped; the rows have fields {columns}): set "
+                             f"prompt_field / answer_field")
+
+
+def _text(value) -> str | None:
+    """A prompt or answer as text: strings as they are, numbers in their own spelling; None for a
+    missing value or a nested one (dict, list)."""
+    if value is None or isinstance(value, (dict, list, bytes)):
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+def _expand(files: list[str]) -> list[str]:
+    """Files and globs as a list of existing files (a glob in sorted order)."""
+    out = []
+    for f in files:
+        hits = sorted(glob.glob(f)) if glob.has_magic(f) else [f] if Path(f).is_file() else []
+        if not hits:
+            raise FileNotFoundError(f"HFPrompts: no such file {f!r}")
+        out.extend(hits)
+    return out
+
+
+def _read_rows(file: str):
+    """The rows of one local file as dicts of text (csv), JSON values with numbers as written
+    (json, jsonl), or parquet values."""
+    suffix = Path(file).suffix
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(file).to_pylist()
+        return
+    with open(file, encoding="utf-8-sig", newline="" if suffix == ".csv" else None) as f:
+        if suffix == ".csv":
+            for row in csv.DictReader(f):
+                yield {k: v for k, v in row.items() if k is not None}
+            return
+        text = f.read()
+    as_text = {"parse_int": str, "parse_float": str}
+    if suffix == ".json" and text.lstrip()[:1] in ("[", "{"):
+        try:
+            data = json.loads(text, **as_text)
+        except json.JSONDecodeError:
+            data = None                   # perhaps JSON lines in a .json file: read line by line below
+        if isinstance(data, list):
+            yield from (r if isinstance(r, dict) else {} for r in data)
+            return
+        if isinstance(data, dict) and data and all(isinstance(v, list) for v in data.values()):
+            yield from (dict(zip(data, values)) for values in zip(*data.values()))     # columns
+            return
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line, **as_text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}, line {line_no}: not valid JSON ({e.msg} at column {e.colno}): fix or "
+                             f"remove that line") from None
+        yield row if isinstance(row, dict) else {}

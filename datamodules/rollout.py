@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
+from lit_ess.rewards import resolve_reward
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
                              WorkerProcess)
 
@@ -101,11 +102,17 @@ class RolloutDataModule(L.LightningDataModule):
             mismatch, behavior_logprobs: raw for the authors' definition of pi_b.
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
-        reward: "exact_match", "gsm8k", "math_verify" or "module:function".
+        reward: "exact_match", "gsm8k", "math_verify" or "module:function" (checked at start: it must
+            import and be callable as f(completion, answer)).
         reward_timeout: seconds per completion for rewards run in a worker.
+        max_reward_error_rate: a reward that raises or returns something other than a finite number
+            scores 0 and is counted (`rollout/reward_errors`, the first error shown as a warning); a
+            rollout phase or validation batch in which more than this share of the completions fail
+            stops the run with the reward's error (1.0: never stop).
         prompts_per_rollout: prompts sampled per phase, over all data-parallel ranks (a multiple of
             their number: each rank generates and trains prompts_per_rollout / W of them).
-        samples_per_prompt: completions per prompt (the group size).
+        samples_per_prompt: completions per prompt (the group size), at least 2: a group of one has
+            advantage 0 under both estimators, so nothing would be learned.
         steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
         mode: "sync" (generate when the trainer needs data, in this process) or "async" (a worker
             process generates ahead while the trainer trains, within max_staleness).
@@ -121,7 +128,8 @@ class RolloutDataModule(L.LightningDataModule):
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
         seed: prompt order and row shuffling.
-        val_source: held-out prompts for validation (None = no validation loop).
+        val_source: held-out prompts for validation (None = no validation loop in fit; `lit-ess
+            validate` needs it).
         val_prompts: validation prompts per batch; every example of val_source is used once (with W
             ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
         val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
@@ -139,6 +147,7 @@ class RolloutDataModule(L.LightningDataModule):
         sampling: SamplingConfig = SamplingConfig(seed=0),
         reward: str = "exact_match",
         reward_timeout: float = 5.0,
+        max_reward_error_rate: float = 0.5,
         prompts_per_rollout: int = 32,
         samples_per_prompt: int = 8,
         steps_per_rollout: int = 1,
@@ -157,6 +166,12 @@ class RolloutDataModule(L.LightningDataModule):
         super().__init__()
         if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
             raise ValueError("prompts_per_rollout, samples_per_prompt and steps_per_rollout must be >= 1")
+        if samples_per_prompt == 1:
+            raise ValueError(f"samples_per_prompt=1: the group advantage (advantage: {advantage}) of a group of one "
+                             f"sample is always 0, so nothing would be learned; use samples_per_prompt >= 2")
+        if not 0 <= max_reward_error_rate <= 1:
+            raise ValueError(f"max_reward_error_rate must be in [0, 1], got {max_reward_error_rate}")
+        resolve_reward(reward)                        # a typo or a non-function fails now, not after the engine starts
         if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
             raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
                              f"{samples_per_prompt} rows of a rollout")
@@ -171,7 +186,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.model_path = model_path
         self.source = source if source is not None else Arithmetic()
         self.engine_config, self.sampling = engine, sampling
-        self.reward_name, self.reward_timeout = reward, reward_timeout
+        self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
         self.steps_per_rollout, self.mode = steps_per_rollout, mode
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
@@ -210,6 +225,9 @@ class RolloutDataModule(L.LightningDataModule):
             return
         if not self.model_path:
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
+        if stage == "validate" and self.val_source is None:
+            raise ValueError("validate needs held-out prompts: set data.val_source (e.g. class_path "
+                             "lit_ess.datamodules.Arithmetic with split: test, or HFPrompts)")
         from transformers import AutoTokenizer
 
         self.rank, self.world = self._rank_and_world()
@@ -233,7 +251,8 @@ class RolloutDataModule(L.LightningDataModule):
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
                             self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
-                            self.seed, self.max_staleness, dict(self.reward_counters))
+                            self.seed, self.max_staleness, dict(self.reward_counters),
+                            max_reward_error_rate=self.max_reward_error_rate)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:

@@ -38,6 +38,7 @@ import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks.progress import StepProgressBar  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
+from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import OBJECTIVES, Objective  # noqa: E402
 
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
@@ -111,6 +112,15 @@ class LitESSCLI(LightningCLI):
         if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, callbacks)
+
+    def parse_arguments(self, parser, args) -> None:
+        """A checkpoint file given as --ckpt_path that cannot be read fails naming it, before
+        LightningCLI reads its hyper-parameters (a torch.load traceback)."""
+        super().parse_arguments(parser, args)
+        sub = self.config.get("subcommand")
+        ckpt = self.config[sub].get("ckpt_path") if sub else None
+        if ckpt and os.path.isfile(ckpt):
+            check_checkpoint(ckpt, "ckpt_path")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,8 +1,11 @@
 """Verifiable rewards. A reward function maps (completion text, reference answer) to a float.
 
-They only parse model text, they never execute or eval it. `RewardScorer` runs them: an exception
-scores 0 and is counted in `errors`; `math_verify` (sympy) runs in a worker process with a timeout per
-completion, and a timeout scores 0 and is counted in `timeouts`.
+They only parse model text, they never execute or eval it. `RewardScorer` runs them: an exception, or
+a value that is not a finite number (None, a string, NaN, inf), scores 0 and is counted in `errors`;
+the first one is shown as a warning, and a batch in which more than `max_error_rate` of the completions
+fail stops the run with a `RewardError` naming the reward and its error (a reward that fails on every
+input would otherwise train on zeros to the end). `math_verify` (sympy) runs in a worker process with a
+timeout per completion, and a timeout scores 0 and is counted in `timeouts`.
 
 The worker is started, and warmed up (its imports done), before any completion is timed, so its start
 (about 2 s here) never eats into a completion's timeout. A completion that times out kills the worker
@@ -12,7 +15,10 @@ dies (segfault, out of memory) scores that completion 0, counts an error, and is
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 import re
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -80,19 +86,42 @@ def resolve_reward(name: str) -> Callable[[str, str], float]:
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        mod, fn = name.split(":", 1)
+        mod, attr = name.split(":", 1)
         try:
-            return getattr(importlib.import_module(mod), fn)
+            fn = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"reward {name!r} cannot be imported: {e}") from None
+        if not callable(fn):
+            raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function of (completion, answer)")
+        try:
+            inspect.signature(fn).bind("completion", "answer")
+        except TypeError as e:
+            raise ValueError(f"reward {name!r} cannot be called as {attr}(completion, answer): {e}") from None
+        except ValueError:
+            pass                          # no signature to inspect (a builtin): its calls will tell
+        return fn
     raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)} or 'module:function'")
 
 
+class RewardError(ValueError):
+    """A reward failed on more than `max_error_rate` of a batch's completions."""
+
+
 def _safe_score(fn, completion, answer):
+    """(score, None), or (0.0, what went wrong) for an exception or a value that is not a finite number."""
     try:
-        return float(fn(completion, answer)), None
-    except Exception as e:  # a reward bug must not kill the run; it is counted
+        value = fn(completion, answer)
+    except Exception as e:  # a reward bug must not kill the run at once; it is counted
         return 0.0, f"{type(e).__name__}: {e}"
+    if value is None or isinstance(value, (str, bytes)):
+        return 0.0, f"returned {value!r}, not a number"
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return 0.0, f"returned a {type(value).__name__}, not a number"
+    if not math.isfinite(score):
+        return 0.0, f"returned {score}"
+    return score, None
 
 
 class RewardScorer:
@@ -104,12 +133,17 @@ class RewardScorer:
             not included.
         in_worker: run in a worker process (default: only for math_verify).
         startup_timeout: seconds a new worker may take to start and import the reward.
+        max_error_rate: a call in which more than this share of the completions fail raises
+            RewardError (1.0: never).
     """
 
     def __init__(self, name: str = "exact_match", timeout: float = 5.0, in_worker: bool | None = None,
-                 startup_timeout: float = 120.0):
+                 startup_timeout: float = 120.0, max_error_rate: float = 0.5):
         if timeout <= 0:
             raise ValueError(f"reward_timeout must be > 0 seconds, got {timeout}")
+        if not 0 <= max_error_rate <= 1:
+            raise ValueError(f"max_reward_error_rate must be in [0, 1], got {max_error_rate}")
+        self.max_error_rate = max_error_rate
         self.name, self.fn, self.timeout, self.startup_timeout = name, resolve_reward(name), timeout, startup_timeout
         self.in_worker = name in IN_WORKER if in_worker is None else in_worker
         self._pool: ProcessPoolExecutor | None = None
@@ -144,14 +178,22 @@ class RewardScorer:
             return 0.0, "reward worker process died"
 
     def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
-        scores = []
+        scores, failed, first = [], 0, None
         for c, a in zip(completions, answers, strict=True):
             s, err = self._score_in_worker(c, a) if self.in_worker else _safe_score(self.fn, c, a)
-            if err is not None or s != s:            # NaN from a user reward counts as an error too
+            if err is not None:
+                if self.errors == 0:
+                    warnings.warn(f"reward {self.name!r} failed on a completion ({err}); failures score 0 and "
+                                  f"are counted in rollout/reward_errors", stacklevel=2)
                 self.errors += 1
-                self.last_error = err or "reward returned NaN"
-                s = 0.0
+                failed += 1
+                self.last_error = err
+                first = first or err
             scores.append(s)
+        if scores and failed / len(scores) > self.max_error_rate:
+            raise RewardError(f"reward {self.name!r} failed on {failed} of {len(scores)} completions, more than "
+                              f"max_reward_error_rate={self.max_error_rate}; first error: {first}. A reward must "
+                              f"return a finite number for any completion (0.0 for one it cannot parse)")
         return scores
 
     def state_dict(self) -> dict[str, int]:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|endoftext|>", "<|sep|>"]
+HEAD_DIM = 64              # the command line's head size: --hidden-size 128 gives 2 heads, 192 gives 3
 
 
 def build_tokenizer():
@@ -100,11 +102,19 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Build a tiny offline causal LM folder.")
     p.add_argument("out_dir")
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
-    p.add_argument("--hidden-size", type=int, default=192)
+    p.add_argument("--hidden-size", type=int, default=192, help=f"a multiple of the head size, {HEAD_DIM}")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    path = build_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers, seed=a.seed)
+    if a.hidden_size < HEAD_DIM or a.hidden_size % HEAD_DIM or a.num_layers < 1:
+        bad = f"--num-layers {a.num_layers} must be >= 1" if a.num_layers < 1 else (
+            f"--hidden-size {a.hidden_size} must be a positive multiple of {HEAD_DIM} (the head size, which vLLM's "
+            f"CPU attention supports), e.g. 128 or 192")
+        print(f"lit-ess-tiny: error: {bad}", file=sys.stderr)
+        sys.exit(2)
+    heads = a.hidden_size // HEAD_DIM
+    path = build_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers,
+                            num_heads=heads, num_kv_heads=heads, seed=a.seed)
     print(f"wrote {path} (vocab {json.loads((path / 'config.json').read_text())['vocab_size']})")
 
 

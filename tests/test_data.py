@@ -39,9 +39,9 @@ def _slow(c, a):
 
 
 def test_scorer_counts_errors_and_timeouts():
-    s = RewardScorer("test_data:_boom")
+    s = RewardScorer("test_data:_boom", max_error_rate=1.0)
     assert s(["x", "y"], ["1", "2"]) == [0.0, 0.0] and s.errors == 2 and "bad reward" in s.last_error
-    s = RewardScorer("test_data:_nan")
+    s = RewardScorer("test_data:_nan", max_error_rate=1.0)
     assert s(["x"], ["1"]) == [0.0] and s.errors == 1
     s = RewardScorer("test_data:_slow", timeout=1.0, in_worker=True)
     t0 = time.time()
@@ -201,7 +201,7 @@ def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_p
     cumulative over the run and raised 'every prompt is longer' at phase ~125)."""
     rows = [(f"{i}+{i}=", str(2 * i)) for i in range(18)] + [("9" * 40 + "+1=", "x"), ("8" * 40 + "+1=", "y")]
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=HFPrompts(_prompt_file(tmp_path, rows)),
-                           prompts_per_rollout=8, samples_per_prompt=1, max_prompt_tokens=16,
+                           prompts_per_rollout=8, samples_per_prompt=2, max_prompt_tokens=16,
                            sampling=SamplingConfig(max_new_tokens=1, seed=0))
     dm.setup("fit")
     for _ in range(150):
@@ -214,7 +214,7 @@ def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_p
 def test_all_prompts_too_long_is_named(tiny_model_dir, tmp_path):
     rows = [("9" * 40 + f"+{i}=", "x") for i in range(5)]
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=HFPrompts(_prompt_file(tmp_path, rows)),
-                           prompts_per_rollout=2, samples_per_prompt=1, max_prompt_tokens=16,
+                           prompts_per_rollout=2, samples_per_prompt=2, max_prompt_tokens=16,
                            sampling=SamplingConfig(max_new_tokens=1, seed=0))
     dm.setup("fit")
     with pytest.raises(ValueError, match="max_prompt_tokens=16"):
@@ -243,7 +243,7 @@ def test_sft_prompts_use_the_chat_template_as_rl_does(tiny_model_dir, tmp_path):
 
 def test_reward_counters_survive_a_checkpoint(tiny_model_dir):
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
-                           prompts_per_rollout=2, samples_per_prompt=2, reward="test_data:_boom",
+                           prompts_per_rollout=2, samples_per_prompt=2, reward="test_data:_boom", max_reward_error_rate=1.0,
                            sampling=SamplingConfig(max_new_tokens=2, seed=0))
     dm.setup("fit")
     dm.generate_phase()

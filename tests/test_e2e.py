@@ -83,7 +83,7 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     def config(out):
         cfg = rl_config(tiny_model_dir, out, max_steps=steps, steps_per_rollout=2, ckpt_every=3, lr=lr,
                         extra_model={"warmup_steps": warmup},
-                        extra_data={"reward": "e2e_utils:flaky_digit_fraction"})
+                        extra_data={"reward": "e2e_utils:flaky_digit_fraction", "max_reward_error_rate": 1.0})
         cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                             "init_args": {"path": str(out / "prompts.jsonl")}})
         return cfg

@@ -26,6 +26,8 @@ import traceback
 
 import torch
 
+from lit_ess.rewards import RewardError
+
 from .transport import Ticket, build_transport
 from .worker import RolloutWorker, WorkerConfig
 
@@ -107,6 +109,8 @@ class WorkerProcess:
                     raise WorkerError(f"the rollout worker did not start its engine within {self.start_timeout:.0f} s") from None
                 return out
             if kind == "error":
+                if isinstance(payload, RewardError):
+                    raise payload                # bad input, not a worker fault: the same one line as sync
                 raise WorkerError(f"the rollout worker failed:\n{payload}")
             if kind == "ready":
                 self.started = True
@@ -174,6 +178,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
             try:
                 out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
                 results.put(("result", rid, pickle.dumps(out), (clock["idle"], clock["busy"], clock["weights"])))
+            except RewardError as e:
+                results.put(("error", rid, e, None))
+                return
             except BaseException:
                 results.put(("error", rid, traceback.format_exc(), None))
                 return
