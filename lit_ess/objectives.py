@@ -248,15 +248,19 @@ class ISCorrection:
             sequence:   w_b = exp(sum_t (lp_prox_t - lb_t)), the same for every token of the sequence
             geometric:  w_b = exp(mean_t (lp_prox_t - lb_t)), the per-token geometric mean
     mode    truncate:   c = min(w, high), and max(c, low) when low is set        (TIS)
-            mask:       c = w if low <= w <= high else 0                         (IcePop, TRL's *_mask)
-            reject:     c = 1 if low <= w <= high else 0                         (verl's rejection masks)
+            mask:       c = w if low <= w <= high else 0     (IcePop; TRL's *_mask masks above high only: low 0)
+            reject:     c = 1 if low <= w <= high else 0     (verl's rejection masks, which also drop the
+                                                               token from the normalisation; here it stays)
 
-    The weight multiplies the token's advantage, which scales every objective's surrogate by c_t (each
-    is linear in A_t for c_t >= 0: min(r A c, clip(r) A c) = c min(r A, clip(r) A)); KL and entropy
-    terms are not reweighted, and a masked token still counts in the loss's token normalisation (as
-    in TRL). pi_prox is the objective's `proximal_logprobs` when the trainer gives them, else the
-    current policy before the update (detached): the trainer's own logprobs, exact for the first step
-    after a rollout.
+    The weight multiplies the token's advantage, which scales the objective's surrogate by c_t (each is
+    linear in A_t for c_t >= 0: min(r A c, clip(r) A c) = c min(r A, clip(r) A)); KL and entropy terms
+    are not reweighted, and a masked token still counts in the loss's token normalisation (as in TRL).
+    So that the mismatch is counted once, the objective's own ratio is then taken against pi_prox
+    instead of pi_b (GRPO/DAPO/GSPO/CISPO clip r = pi_theta / pi_prox, DecoupledPPO's behaviour weight
+    becomes c), as TRL and verl do. P3O keeps rho = pi_theta / pi_b for its ESS and cap: its weight is
+    min(rho, e_B) * c. pi_prox is the objective's `proximal_logprobs` when the trainer gives them, else
+    the current policy before the update (detached): the trainer's own logprobs, exact for the first
+    step after a rollout; with several steps per rollout (or async) w then also holds staleness.
 
     Args:
         level: token, sequence or geometric.
@@ -275,9 +279,10 @@ class ISCorrection:
             raise ValueError(f"correction.level={self.level!r} is not one of ('token', 'sequence', 'geometric')")
         if self.mode not in ("truncate", "mask", "reject"):
             raise ValueError(f"correction.mode={self.mode!r} is not one of ('truncate', 'mask', 'reject')")
-        if not self.high > 0 or (self.low is not None and not 0 <= self.low <= self.high):
-            raise ValueError(f"correction bounds must satisfy 0 <= low <= high, high > 0; got low={self.low}, "
-                             f"high={self.high}")
+        low = self.low if self.low is not None or self.mode == "truncate" else 1 / self.high if self.high > 0 else None
+        if not self.high > 0 or (low is not None and not 0 <= low <= self.high):
+            raise ValueError(f"correction bounds must satisfy 0 <= low <= high, high > 0; got low={self.low} "
+                             f"(in effect {low}), high={self.high}")
 
     def __call__(self, log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """(c [B, T] detached, metrics) from the log-ratio log(pi_prox / pi_b) [B, T] and the token mask."""
@@ -335,6 +340,9 @@ class Objective:
 
     name: ClassVar[str] = "base"
     needs_ess: ClassVar[bool] = False
+    # with a correction, take the objective's ratio against pi_prox (the correction's weight carries
+    # pi_prox / pi_b), so the mismatch is not counted twice; P3O keeps its ratio against pi_b
+    rebase_on_correction: ClassVar[bool] = True
     default_aggregation: ClassVar[str] = "token-mean"
 
     def __post_init__(self):
@@ -380,12 +388,18 @@ class Objective:
         def agg(x: Tensor) -> Tensor:
             return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, norm_len)
 
-        correction = {}
-        if self.correction is not None:
-            weight, correction = self.correction((lp.detach() if prox is None else prox) - lb, valid)
-            adv = adv * weight
-        loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_logprobs=prox)
-        metrics.update(correction)
+        if self.correction is None:
+            loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_logprobs=prox)
+        else:
+            base = lp.detach() if prox is None else prox
+            weight, correction = self.correction(base - lb, valid)
+            # the mismatch pi_prox / pi_b is carried by the weight alone: the objective's own ratio is
+            # taken against pi_prox (its clip then acts around the trainer's policy, as in TRL and verl)
+            rebased = base if self.rebase_on_correction else lb
+            loss, metrics = self.policy_loss(lp, rebased, adv * weight, valid, agg, ess=ess, proximal_logprobs=prox)
+            if self.rebase_on_correction:
+                metrics.update(ratio_metrics(lp - lb, valid))      # the ratio statistics stay against pi_b
+            metrics.update(correction)
         metrics["policy_loss"] = loss.detach()
         if self.entropy_coef:
             ent_term = agg(ent)
@@ -431,6 +445,7 @@ class P3O(Objective):
 
     ess_cap: bool = True
     adaptive_kl: bool = True
+    rebase_on_correction: ClassVar[bool] = False
     name: ClassVar[str] = "p3o"
     needs_ess: ClassVar[bool] = True
 

@@ -65,9 +65,10 @@ def test_reinforce_with_token_truncation_hand_computed():
     assert out.metrics["is_weight_mean"].item() == pytest.approx(1.25)
 
 
-def test_a_correction_scales_every_objectives_surrogate_by_its_weight():
-    """For each objective: the loss with a correction equals the loss without it on advantages times c
-    (KL and entropy terms untouched), and a fully masked batch leaves only the non-PG terms."""
+def test_a_correction_weights_the_surrogate_and_counts_the_mismatch_once():
+    """For each objective: the loss with a correction equals the loss without it on advantages times c,
+    with the objective's ratio taken against pi_prox (here the current policy) instead of pi_b; P3O
+    keeps its ratio, ESS and cap against pi_b (KL term untouched)."""
     g = torch.Generator().manual_seed(0)
     lp = (-torch.rand(3, 5, generator=g, dtype=torch.float64) * 2).requires_grad_()
     lb = lp.detach() + 0.4 * torch.randn(3, 5, generator=g, dtype=torch.float64)
@@ -77,10 +78,27 @@ def test_a_correction_scales_every_objectives_surrogate_by_its_weight():
     c, _ = corr(lp.detach() - lb, mask)
     assert 0 < int((c == 0).sum()) < int(mask.sum())                  # some tokens masked, some kept
     for obj in (GRPO(), P3O(), REINFORCE(), DecoupledPPO()):
-        with_c = type(obj)(correction=corr)(lp, lb, adv, mask).loss
-        ess = batch_ess(lp.detach() - lb, mask) if isinstance(obj, P3O) else None    # the uncorrected batch's
-        by_hand = obj(lp, lb, adv * c, mask, ess=ess).loss
-        assert with_c.item() == pytest.approx(by_hand.item(), abs=1e-12), type(obj).__name__
+        with_c = type(obj)(correction=corr)(lp, lb, adv, mask)
+        if isinstance(obj, P3O):
+            by_hand = obj(lp, lb, adv * c, mask, ess=batch_ess(lp.detach() - lb, mask)).loss
+        else:
+            by_hand = obj(lp, lp.detach(), adv * c, mask).loss
+        assert with_c.loss.item() == pytest.approx(by_hand.item(), abs=1e-12), type(obj).__name__
+        ratio_max = (lp.detach() - lb)[mask].exp().max().item()
+        assert with_c.metrics["ratio_max"].item() == pytest.approx(ratio_max, rel=1e-5)   # still against pi_b
+
+
+@pytest.mark.parametrize("objective", [GRPO, DecoupledPPO, REINFORCE])
+def test_gradient_matches_trls_truncated_correction(objective):
+    """One token, trainer p = 0.55, sampler p = 0.5, A = 1, token truncation at 2: TRL's loss
+    -min(r A, clip(r) A) * min(pi_old / pi_vllm, 2) with r = pi / pi_old = 1 has dL/dlp = -1.1 (the
+    mismatch counted once; a ratio against pi_b as well would give -1.21)."""
+    lp = torch.tensor([[LN(0.55)]], dtype=torch.float64, requires_grad=True)
+    lb = torch.tensor([[LN(0.5)]], dtype=torch.float64)
+    out = objective(correction=ISCorrection("token", "truncate", high=2.0))(lp, lb, torch.ones(1, 1, dtype=torch.float64),
+                                                                             torch.ones(1, 1, dtype=torch.bool))
+    out.loss.backward()
+    assert lp.grad.item() == pytest.approx(-1.1, abs=1e-9)
 
 
 def test_the_proximal_policy_sets_the_weight_when_given():
@@ -93,7 +111,8 @@ def test_the_proximal_policy_sets_the_weight_when_given():
     assert out.metrics["is_weight_mean"].item() == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("bad", [dict(level="tok"), dict(mode="clip"), dict(high=0.0), dict(low=3.0, high=2.0)])
+@pytest.mark.parametrize("bad", [dict(level="tok"), dict(mode="clip"), dict(high=0.0), dict(low=3.0, high=2.0),
+                                 dict(mode="mask", high=0.5)])           # default low 1/high = 2 > high
 def test_bad_settings_name_the_field(bad):
     with pytest.raises(ValueError, match="correction"):
         ISCorrection(**bad)
