@@ -1,0 +1,77 @@
+"""Faults that must stop a run loudly or be survived, never give a silent wrong run: a checkpoint torn
+by a kill or a full disk, a rollout worker that hangs, a reward that hangs."""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from e2e_utils import cli, kill_when_rewritten, rl_config, write_config
+from lit_ess.checkpoint import unreadable
+
+
+def _other_filesystem_tmpdir(than: Path) -> str | None:
+    """A temp folder on another filesystem than `than` (tmpfs), as on the shared filesystems of
+    multi-node runs; None when this machine has none."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shm.stat().st_dev != than.stat().st_dev:
+        return tempfile.mkdtemp(dir=shm, prefix="lit-ess-test-")
+    return None
+
+
+@pytest.mark.e2e
+def test_kill_during_checkpoint_write_and_torn_last_ckpt_resume(tiny_model_dir, tmp_path):
+    """kill -9 while last.ckpt is rewritten, the temp folder on another filesystem: last.ckpt stays
+    whole. A torn last.ckpt (as a copy across filesystems left it) is named in one line and the run
+    resumes from the newest whole checkpoint instead, training each step once."""
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf", max_steps=3, ckpt_every=1)
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                        "init_args": {"path": str(tmp_path / "prompts.jsonl")}})
+    path = write_config(cfg, tmp_path / "config.yaml")
+    ckpt, tmpdir = tmp_path / "ckpt", _other_filesystem_tmpdir(tmp_path)
+    try:
+        kill_when_rewritten(path, ckpt / "last.ckpt", env=dict(os.environ, TMPDIR=tmpdir or tempfile.gettempdir()))
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    assert unreadable(ckpt / "last.ckpt") is None
+    intact = sorted(ckpt.glob("epoch=*.ckpt"), key=lambda p: p.stat().st_mtime_ns)[-1]
+    last = ckpt / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 10])          # torn
+    before = len((tmp_path / "prompts.jsonl").read_text().splitlines())
+    res = cli(["fit", "--config", str(path), "--ckpt_path", "last"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    notice = [ln for ln in res.stderr.splitlines() if "unreadable" in ln]
+    assert len(notice) == 1 and "last.ckpt" in notice[0] and f"resuming from {intact}" in notice[0], res.stderr[-2000:]
+    resumed_at = int(intact.name.split("step=")[1].split(".")[0])
+    resumed = [json.loads(ln)["step"] for ln in (tmp_path / "prompts.jsonl").read_text().splitlines()[before:]]
+    assert resumed_at >= 1 and resumed == list(range(resumed_at, 3))
+
+
+def test_an_explicit_torn_checkpoint_is_one_line(tiny_model_dir, tmp_path):
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf")
+    torn = tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
+    torn.parent.mkdir()
+    torn.write_bytes(b"PK\x03\x04" + b"\0" * 1000)
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml")), "--ckpt_path", str(torn)])
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"--ckpt_path {torn}: torn or not a checkpoint" in res.stderr
+
+
+def test_readable_judges_shard_folders_by_their_parts(tmp_path):
+    """A sharded checkpoint (DCP shards + .metadata, then rank 0's meta.pt) is whole when meta.pt is
+    and no shard is newer: a shard rewritten after meta.pt is a folder caught mid-rewrite."""
+    import torch
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"\0" * 64)
+    (folder / ".metadata").write_bytes(b"\0")
+    assert unreadable(folder) == "a folder without meta.pt"
+    torch.save({"global_step": 3}, folder / "meta.pt")
+    assert unreadable(folder) is None
+    later = (folder / "meta.pt").stat().st_mtime_ns + 10**9
+    os.utime(folder / "__0_0.distcp", ns=(later, later))
+    assert "newer than meta.pt" in unreadable(folder)
