@@ -75,3 +75,42 @@ def test_readable_judges_shard_folders_by_their_parts(tmp_path):
     later = (folder / "meta.pt").stat().st_mtime_ns + 10**9
     os.utime(folder / "__0_0.distcp", ns=(later, later))
     assert "newer than meta.pt" in unreadable(folder)
+
+
+@pytest.mark.parametrize("fault", ["engine hangs", "SIGSTOP"])
+def test_a_stalled_async_worker_stops_the_run_with_its_pid_and_stage(tiny_model_dir, fault):
+    """The async worker hangs in its engine (fake engine) or is stopped (SIGSTOP) while phase 1 is in
+    flight: the trainer's wait ends after worker_timeout with an error naming the pid and the stage,
+    and the worker is gone."""
+    import signal
+    import time
+
+    from fake_engine import FakeConfig
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import SamplingConfig
+    from lit_ess.rollout import WorkerError
+    from test_async import weights
+
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0, hang_on_call=1 if fault == "engine hangs" else -1),
+                           mode="async", max_staleness=0, prompts_per_rollout=2, samples_per_prompt=2,
+                           source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward="e2e_utils:digit_fraction", worker_timeout=1.0)
+    dm.setup("fit")
+    try:
+        dm.push_weights(weights(0), 0)
+        dm.next_batch(0)                            # S = 0: phase 1 starts only after the next push
+        pid = dm.worker.proc.pid
+        if fault == "SIGSTOP":
+            os.kill(pid, signal.SIGSTOP)
+        dm.push_weights(weights(1), 1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"rollout worker \(pid {pid}\) sent nothing for \d+ s while (\w.*) "
+                                              rf"\(requested: phase 1\)") as e:
+            dm.next_batch(1)
+        assert time.monotonic() - t0 < 10
+        if fault == "engine hangs":
+            assert "while sampling phase 1" in str(e.value)
+        dm.worker.proc.join(timeout=5)
+        assert not dm.worker.proc.is_alive()
+    finally:
+        dm.teardown("fit")
