@@ -22,9 +22,9 @@ kills it and raises a WorkerError that names its pid, its last reported stage an
 flight, instead of waiting forever. The clock starts at the later of the last message and the
 submission that gave an idle worker work, so time the worker spent idle never counts. With several
 ranks (async refuses them today) each rank's watchdog watches its own worker: the rank whose worker
-stalls raises, and the other ranks, waiting for it in the step's collectives, end with the job
-(torchrun's agent and Lightning's launcher stop all ranks when one fails; otherwise the process
-group's timeout ends them).
+stalls raises and exits, and the other ranks, waiting for it in the step's collectives, fail there
+once their peer is gone (gloo at once, NCCL by its watchdog within the process group's timeout) or
+are stopped by torchrun's agent.
 """
 from __future__ import annotations
 
