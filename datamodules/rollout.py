@@ -102,7 +102,12 @@ class RolloutDataModule(L.LightningDataModule):
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function".
-        reward_timeout: seconds per completion for rewards run in a worker.
+        reward_timeout: seconds per completion for rewards run in a worker process; a completion that
+            takes longer scores 0 and is counted in `rollout/reward_timeouts`.
+        reward_in_worker: run the reward in a worker process with `reward_timeout`, so a verifier that
+            hangs costs one completion, not the run. None (default): only math_verify; true: any reward
+            (e.g. a `module:function` that may hang; the worker process must import its module);
+            false: in this process, no timeout.
         prompts_per_rollout: prompts sampled per phase, over all data-parallel ranks (a multiple of
             their number: each rank generates and trains prompts_per_rollout / W of them).
         samples_per_prompt: completions per prompt (the group size).
@@ -140,6 +145,7 @@ class RolloutDataModule(L.LightningDataModule):
         sampling: SamplingConfig = SamplingConfig(seed=0),
         reward: str = "exact_match",
         reward_timeout: float = 5.0,
+        reward_in_worker: bool | None = None,
         prompts_per_rollout: int = 32,
         samples_per_prompt: int = 8,
         steps_per_rollout: int = 1,
@@ -174,7 +180,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.model_path = model_path
         self.source = source if source is not None else Arithmetic()
         self.engine_config, self.sampling = engine, sampling
-        self.reward_name, self.reward_timeout = reward, reward_timeout
+        self.reward_name, self.reward_timeout, self.reward_in_worker = reward, reward_timeout, reward_in_worker
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
         self.steps_per_rollout, self.mode = steps_per_rollout, mode
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
@@ -235,7 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
                             self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
-                            self.seed, self.max_staleness, dict(self.reward_counters))
+                            self.seed, self.max_staleness, dict(self.reward_counters), reward_in_worker=self.reward_in_worker)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:

@@ -1,8 +1,10 @@
 """Verifiable rewards. A reward function maps (completion text, reference answer) to a float.
 
 They only parse model text, they never execute or eval it. `RewardScorer` runs them: an exception
-scores 0 and is counted in `errors`; `math_verify` (sympy) runs in a worker process with a timeout per
-completion, and a timeout scores 0 and is counted in `timeouts`.
+scores 0 and is counted in `errors`; `math_verify` (sympy), and any reward given `in_worker=True`,
+runs in a worker process with a timeout per completion, and a timeout scores 0 and is counted in
+`timeouts`. The worker imports a `module:function` reward by its module name (spawn passes it the
+parent's sys.path).
 
 The worker is started, and warmed up (its imports done), before any completion is timed, so its start
 (about 2 s here) never eats into a completion's timeout. A completion that times out kills the worker

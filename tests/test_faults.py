@@ -114,3 +114,28 @@ def test_a_stalled_async_worker_stops_the_run_with_its_pid_and_stage(tiny_model_
         assert not dm.worker.proc.is_alive()
     finally:
         dm.teardown("fit")
+
+
+def test_a_custom_reward_that_hangs_times_out_in_the_worker(tiny_model_dir):
+    """reward_in_worker: a `module:function` reward that never returns on some inputs scores 0 on
+    them after reward_timeout, counted in rollout/reward_timeouts; the others are scored normally."""
+    from fake_engine import FakeConfig
+    from hanging_rewards import digits_unless_five
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import SamplingConfig
+
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), prompts_per_rollout=2,
+                           samples_per_prompt=2, source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward="hanging_rewards:digits_unless_five", reward_in_worker=True, reward_timeout=0.5)
+    dm.setup("fit")
+    try:
+        batch = dm.next_batch(0)
+    finally:
+        dm.teardown("fit")
+    answers = [dm.source.examples[i].answer for i in batch.prompt_ids.tolist()]
+    hung = [a.endswith("5") for a in answers]
+    assert 0 < sum(hung) < len(hung), answers                 # the test needs both kinds of rows
+    assert batch.stats["rollout/reward_timeouts"] == sum(hung)
+    assert batch.stats["rollout/reward_errors"] == 0
+    for a, h, r, text in zip(answers, hung, batch.rewards.tolist(), batch.completion_texts, strict=True):
+        assert r == (0.0 if h else pytest.approx(digits_unless_five(text, "0")))
