@@ -57,8 +57,12 @@ def atomic_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        cause = e if isinstance(e, OSError) else e.__context__      # torch.save re-raises a failed write
+        if isinstance(cause, OSError):                                # as a RuntimeError about positions
+            raise OSError(cause.errno, f"checkpoint {path} not written ({cause.strerror}); the previous one "
+                                       f"is kept") from e
         raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:

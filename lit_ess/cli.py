@@ -123,11 +123,11 @@ class LitESSCLI(LightningCLI):
         return trainer
 
     def _parse_ckpt_path(self) -> None:
-        """A torn or missing checkpoint file named by --ckpt_path is one line (before LightningCLI
-        reads its hyper-parameters, where torch.load would raise a PytorchStreamReader traceback)."""
+        """A torn checkpoint named by --ckpt_path is one line (before LightningCLI reads its
+        hyper-parameters, where torch.load would raise a PytorchStreamReader traceback)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if path and path not in ("last", "best", "hpc"):
+        if path and path not in ("last", "best", "hpc") and Path(path).exists():
             try:
                 resolve_resume(path, [])
             except ValueError as e:

@@ -139,3 +139,27 @@ def test_a_custom_reward_that_hangs_times_out_in_the_worker(tiny_model_dir):
     assert batch.stats["rollout/reward_errors"] == 0
     for a, h, r, text in zip(answers, hung, batch.rewards.tolist(), batch.completion_texts, strict=True):
         assert r == (0.0 if h else pytest.approx(digits_unless_five(text, "0")))
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    """A write that fails midway (a disk with 100 kB left: RLIMIT_FSIZE) raises one OSError that
+    names the checkpoint, leaves no temp file, and the previous checkpoint loads."""
+    import resource
+    import signal
+
+    import torch
+
+    from lit_ess.checkpoint import AtomicCheckpointIO
+
+    io, path = AtomicCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.zeros(10)}, path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(OSError, match=rf"checkpoint {path} not written \(File too large\); the previous one is kept"):
+            io.save_checkpoint({"step": 2, "w": torch.zeros(100_000)}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+    assert os.listdir(tmp_path) == ["last.ckpt"] and torch.load(path)["step"] == 1

@@ -135,7 +135,7 @@ class WorkerProcess:
                 continue
             self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info[:3]
             self.in_flight.pop(rid, None)
-            self.stage = f"idle after {self.requested.pop(rid, 'a request')}"
+            self.stage = f"between requests (last finished: {self.requested.pop(rid, '?')})"
             out.append((rid, pickle.loads(payload)))
 
     def _check_progress(self) -> None:
