@@ -104,7 +104,12 @@ class RolloutDataModule(L.LightningDataModule):
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function" (checked at start: it must
             import and be callable as f(completion, answer)).
-        reward_timeout: seconds per completion for rewards run in a worker.
+        reward_timeout: seconds per completion for rewards run in a worker process; a completion that
+            takes longer scores 0 and is counted in `rollout/reward_timeouts`.
+        reward_in_worker: run the reward in a worker process with `reward_timeout`, so a verifier that
+            hangs costs one completion, not the run. None (default): only math_verify; true: any reward
+            (e.g. a `module:function` that may hang; the worker process must import its module);
+            false: in this process, no timeout.
         max_reward_error_rate: a reward that raises or returns something other than a finite number
             scores 0 and is counted (`rollout/reward_errors`, the first error shown as a warning); a
             rollout phase or validation batch in which more than this share of the completions fail
@@ -120,6 +125,10 @@ class RolloutDataModule(L.LightningDataModule):
             row and the step that trains on it) ever trained on. None = steps_per_rollout - 1, the
             synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
             above it lets the worker start a phase one optimizer step earlier.
+        worker_timeout: async: seconds the worker process may go without a word (a stage of a request
+            begun, a result sent) while it has work; then the run stops with an error that names the
+            worker's pid and the stage it was in (a hung engine or reward, a stopped process). Generous
+            by default: one phase's sampling, or its scoring, may take this long.
         steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout, one phase per epoch),
             the unit of check_val_every_n_epoch.
         advantage: "zscore" (GRPO) or "mean" (Dr.GRPO).
@@ -148,11 +157,13 @@ class RolloutDataModule(L.LightningDataModule):
         reward: str = "exact_match",
         reward_timeout: float = 5.0,
         max_reward_error_rate: float = 0.5,
+        reward_in_worker: bool | None = None,
         prompts_per_rollout: int = 32,
         samples_per_prompt: int = 8,
         steps_per_rollout: int = 1,
         mode: Literal["sync", "async"] = "sync",
         max_staleness: int | None = None,
+        worker_timeout: float = 1800.0,
         steps_per_epoch: int | None = None,
         advantage: Literal["zscore", "mean"] = "zscore",
         drop_degenerate: bool = False,
@@ -179,6 +190,8 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"mode={mode!r} is not one of ('sync', 'async')")
         if val_samples < 1:
             raise ValueError(f"val_samples must be >= 1, got {val_samples}")
+        if worker_timeout <= 0:
+            raise ValueError(f"worker_timeout must be > 0 seconds, got {worker_timeout}")
         if steps_per_epoch is not None and steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be >= 1 or null, got {steps_per_epoch}")
         if not isinstance(engine, EngineConfig):
@@ -187,9 +200,11 @@ class RolloutDataModule(L.LightningDataModule):
         self.source = source if source is not None else Arithmetic()
         self.engine_config, self.sampling = engine, sampling
         self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
+        self.reward_in_worker = reward_in_worker
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
         self.steps_per_rollout, self.mode = steps_per_rollout, mode
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
+        self.worker_timeout = worker_timeout
         self.steps_per_epoch = steps_per_epoch or steps_per_rollout
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
@@ -246,13 +261,13 @@ class RolloutDataModule(L.LightningDataModule):
         if self.mode == "sync":
             self.worker = RolloutWorker(self._worker_config())
         else:
-            self.worker = _LazyProcess(self._worker_config)   # started at first use, after a checkpoint's restore
+            self.worker = _LazyProcess(self._worker_config, self.worker_timeout)   # started at first use, after a checkpoint's restore
 
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
                             self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
                             self.seed, self.max_staleness, dict(self.reward_counters),
-                            max_reward_error_rate=self.max_reward_error_rate)
+                            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
@@ -496,8 +511,8 @@ class _LazyProcess:
     """A WorkerProcess started at its first use: after `load_state_dict`, so a resumed run's worker
     starts with the checkpoint's reward counters."""
 
-    def __init__(self, make_config):
-        self._make_config, self._proc = make_config, None
+    def __init__(self, make_config, progress_timeout: float):
+        self._make_config, self._timeout, self._proc = make_config, progress_timeout, None
 
     @property
     def version(self) -> int:
@@ -507,7 +522,7 @@ class _LazyProcess:
         if name.startswith("_"):
             raise AttributeError(name)
         if self._proc is None:
-            self._proc = WorkerProcess(self._make_config())
+            self._proc = WorkerProcess(self._make_config(), progress_timeout=self._timeout)
         return getattr(self._proc, name)
 
     def close(self) -> None:

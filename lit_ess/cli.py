@@ -15,6 +15,9 @@ typed configs too. `model_path` is linked from the model to the data module. The
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
 traceback). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
 
+Checkpoints are written atomically and `--ckpt_path last` resumes from the newest readable one,
+saying so in one line when it passes over a torn one (lit_ess/checkpoint.py).
+
 Note (upstream LightningCLI behaviour): with `--ckpt_path FILE`, hyper-parameters saved in the
 checkpoint override those given on the command line for the model.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from pathlib import Path
 
 from lit_ess.console import quiet_console
 
@@ -30,13 +34,15 @@ quiet_console()            # before Lightning, transformers and vLLM are importe
 
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
-from lightning.pytorch.callbacks import ProgressBar  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
+from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 
 import lit_ess.callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
 import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks.progress import StepProgressBar  # noqa: E402
+from lit_ess.checkpoint import AtomicCheckpointIO, resolve_resume  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import OBJECTIVES, Objective  # noqa: E402
@@ -107,11 +113,44 @@ class LitESSCLI(LightningCLI):
                              "trainer.num_sanity_val_steps": 0})
 
     def _instantiate_trainer(self, config, callbacks):
-        """Add the step progress bar unless the config brings its own or turns the bar off."""
+        """Add the step progress bar unless the config brings its own or turns the bar off, and write
+        checkpoints atomically (lit_ess.checkpoint) unless the config brings its own CheckpointIO."""
         given = list(config.get("callbacks") or []) + list(callbacks)
         if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
-        return super()._instantiate_trainer(config, callbacks)
+        trainer = super()._instantiate_trainer(config, callbacks)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        return trainer
+
+    def _parse_ckpt_path(self) -> None:
+        """A torn checkpoint named by --ckpt_path is one line (before LightningCLI reads its
+        hyper-parameters, where torch.load would raise a PytorchStreamReader traceback)."""
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if path and path not in ("last", "best", "hpc") and Path(path).exists():
+            try:
+                resolve_resume(path, [])
+            except ValueError as e:
+                _fail(str(e))
+        super()._parse_ckpt_path()
+
+    def before_fit(self) -> None:
+        """`--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
+        (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over."""
+        args = self.config_init[self.subcommand]
+        if args.get("ckpt_path") != "last":
+            return
+        dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        if not dirs:
+            return                 # Lightning's own search (a version folder of the logger)
+        try:
+            args["ckpt_path"], notice = resolve_resume("last", dirs)
+        except ValueError as e:
+            _fail(str(e))
+        if notice and self.trainer.is_global_zero:
+            print(f"lit-ess: {notice}", file=sys.stderr)
 
     def parse_arguments(self, parser, args) -> None:
         """A checkpoint file given as --ckpt_path that cannot be read fails naming it, before

@@ -4,8 +4,10 @@ They only parse model text, they never execute or eval it. `RewardScorer` runs t
 a value that is not a finite number (None, a string, NaN, inf), scores 0 and is counted in `errors`;
 the first one is shown as a warning, and a batch in which more than `max_error_rate` of the completions
 fail stops the run with a `RewardError` naming the reward and its error (a reward that fails on every
-input would otherwise train on zeros to the end). `math_verify` (sympy) runs in a worker process with a
-timeout per completion, and a timeout scores 0 and is counted in `timeouts`.
+input would otherwise train on zeros to the end). `math_verify` (sympy), and any reward given
+`in_worker=True`, runs in a worker process with a timeout per completion, and a timeout scores 0 and is
+counted in `timeouts`. The worker imports a `module:function` reward by its module name (spawn passes it
+the parent's sys.path).
 
 The worker is started, and warmed up (its imports done), before any completion is timed, so its start
 (about 2 s here) never eats into a completion's timeout. A completion that times out kills the worker

@@ -145,3 +145,36 @@ def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float =
         pass
     proc.wait()
     assert list(ckpt_dir.glob(f"*step={step}*.ckpt")) and last.exists(), "no checkpoint was written before the kill"
+
+
+def kill_when_rewritten(cfg: Path, target: Path, env: dict | None = None, timeout: float = 300) -> None:
+    """Start `lit-ess fit --config cfg` and SIGKILL its process group the moment `target` (a checkpoint
+    file) changes after its first version appeared: while it is being rewritten, if it ever is in place."""
+    import signal
+    import time
+
+    env = dict(env or os.environ, PYTHONPATH=pythonpath())
+    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(cfg)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline, first = time.time() + timeout, None
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                st = target.stat()
+                now = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except FileNotFoundError:
+                now = None
+            if first is None and now is not None:
+                time.sleep(0.02)
+                st = target.stat()                       # the first version, once its size holds still
+                first = now if now == (st.st_ino, st.st_size, st.st_mtime_ns) else None
+            elif first is not None and now != first:
+                break
+            time.sleep(0.0005)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert first is not None and time.time() < deadline, f"{target} was not rewritten before the run ended"

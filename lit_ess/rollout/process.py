@@ -14,6 +14,17 @@ default (the trainer copies into a slot no queued request names; the worker's en
 Transport messages share the request queue, so the worker applies them in order with the requests.
 The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for dedicated
 GPUs). It exits when told to, or when it finds the trainer process gone (kill -9).
+
+A progress watchdog: the worker reports each stage it begins (loading weights, sampling, scoring a
+request) and each result. When a request is in flight and the worker has sent nothing for
+`progress_timeout` seconds (a hung engine or reward, a stopped or swapped-out process), `poll`
+kills it and raises a WorkerError that names its pid, its last reported stage and the requests in
+flight, instead of waiting forever. The clock starts at the later of the last message and the
+submission that gave an idle worker work, so time the worker spent idle never counts. With several
+ranks (async refuses them today) each rank's watchdog watches its own worker: the rank whose worker
+stalls raises and exits, and the other ranks, waiting for it in the step's collectives, fail there
+once their peer is gone (gloo at once, NCCL by its watchdog within the process group's timeout) or
+are stopped by torchrun's agent.
 """
 from __future__ import annotations
 
@@ -47,7 +58,8 @@ class WorkerError(RuntimeError):
 
 
 class WorkerProcess:
-    def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None):
+    def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None,
+                 progress_timeout: float = 1800.0):
         self.transport = build_transport(config.engine.weight_transfer(in_process=False))   # errors before the spawn
         env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(), **(env or {})}
         ctx = torch.multiprocessing.get_context("spawn")
@@ -63,10 +75,12 @@ class WorkerProcess:
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         atexit.register(self.close)                           # before multiprocessing joins its children
         self.start_timeout, self.t_created = start_timeout, time.monotonic()
+        self.progress_timeout, self.last_heard, self.stage = progress_timeout, time.monotonic(), "starting its engine"
         self.started = False
         self._pending: list[tuple[int, object]] = []           # results read while waiting for the start
         self.current: Ticket | None = None                    # the newest weights pushed
         self.in_flight: dict[int, Ticket | None] = {}          # request id -> the weights it names
+        self.requested: dict[int, str] = {}                    # request id -> what it asks, in words
         self.next_id = 0
         self.version = -1
         self.idle_seconds = self.busy_seconds = self.weight_load_seconds = 0.0
@@ -87,7 +101,10 @@ class WorkerProcess:
         """Queue a request ("phase": a RolloutRequest, "evaluate": an EvalRequest); it runs with
         the newest weights pushed before it."""
         rid, self.next_id = self.next_id, self.next_id + 1
+        if not self.in_flight:
+            self.last_heard = time.monotonic()                 # an idle worker's silence is not a stall
         self.in_flight[rid] = self.current
+        self.requested[rid] = _what(kind, payload)
         self.requests.put((kind, rid, payload, self.current))
         return rid
 
@@ -107,17 +124,34 @@ class WorkerProcess:
                     raise WorkerError(f"the rollout worker process died (exit code {self.proc.exitcode})") from None
                 if not self.started and time.monotonic() - self.t_created > self.start_timeout:
                     raise WorkerError(f"the rollout worker did not start its engine within {self.start_timeout:.0f} s") from None
+                self._check_progress()
                 return out
             if kind == "error":
                 if isinstance(payload, RewardError):
                     raise payload                # bad input, not a worker fault: the same one line as sync
                 raise WorkerError(f"the rollout worker failed:\n{payload}")
+            self.last_heard = max(self.last_heard, info[-1])       # when it was sent
             if kind == "ready":
-                self.started = True
+                self.started, self.stage = True, "idle"
                 continue
-            self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info
+            if kind == "stage":
+                self.stage = payload
+                continue
+            self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info[:3]
             self.in_flight.pop(rid, None)
+            self.stage = f"between requests (last finished: {self.requested.pop(rid, '?')})"
             out.append((rid, pickle.loads(payload)))
+
+    def _check_progress(self) -> None:
+        """The watchdog: stop a worker that has sent nothing for progress_timeout s with work in flight."""
+        silent = time.monotonic() - self.last_heard
+        if not self.started or not self.in_flight or silent <= self.progress_timeout:
+            return
+        self.proc.kill()
+        waiting = ", ".join(self.requested[r] for r in sorted(self.in_flight))
+        raise WorkerError(f"the rollout worker (pid {self.proc.pid}) sent nothing for {silent:.0f} s while {self.stage} "
+                          f"(requested: {waiting}); it was stopped. If a stage legitimately takes this long, raise "
+                          f"worker_timeout (now {self.progress_timeout:g} s)")
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the worker has built its engine (or raise its error)."""
@@ -166,7 +200,10 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
         return
-    results.put(("ready", -1, None, None))
+    results.put(("ready", -1, None, (time.monotonic(),)))
+
+    def report(stage: str) -> None:
+        results.put(("stage", -1, stage, (time.monotonic(),)))
     to_score: queue.Queue = queue.Queue()
     clock = {"idle": 0.0, "busy": 0.0, "weights": 0.0}       # of the engine (main thread)
 
@@ -176,8 +213,10 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
                 continue                         # closing: nobody will read it
             kind, rid, payload, sampled = item
             try:
+                report(f"scoring {_what(kind, payload)} (rewards)")
                 out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
-                results.put(("result", rid, pickle.dumps(out), (clock["idle"], clock["busy"], clock["weights"])))
+                results.put(("result", rid, pickle.dumps(out),
+                             (clock["idle"], clock["busy"], clock["weights"], time.monotonic())))
             except RewardError as e:
                 results.put(("error", rid, e, None))
                 return
@@ -203,13 +242,16 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
                 return                           # (a killed trainer: skip what it had queued)
             t1 = time.perf_counter()
             if kind == "transport":
+                report("receiving weights")
                 worker.receive(payload)
                 clock["weights"] += time.perf_counter() - t1
                 continue
             if weights is not None and weights != loaded:
+                report(f"loading the weights of step {weights.version}")
                 worker.load(weights)
                 loaded = weights
                 clock["weights"] += time.perf_counter() - t1
+            report(f"sampling {_what(kind, payload)}")
             sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload)
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
@@ -221,3 +263,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
         worker.close()
         if stop.is_set():
             results.cancel_join_thread()         # exit even if unread results fill the pipe
+
+
+def _what(kind: str, payload) -> str:
+    return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"

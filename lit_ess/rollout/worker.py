@@ -77,6 +77,7 @@ class WorkerConfig:
     max_staleness: int = 0
     reward_counters: dict = field(default_factory=dict)
     max_reward_error_rate: float = 0.5
+    reward_in_worker: bool | None = None
 
 
 class RolloutWorker:
@@ -90,7 +91,8 @@ class RolloutWorker:
         self.transport = build_transport(c.engine.weight_transfer(in_process))   # before the engine: fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate)
+        self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
+                                   in_worker=c.reward_in_worker)
         if c.reward_counters:
             self.scorer.load_state_dict(c.reward_counters)
         self.engine = c.engine.build(c.model_path)

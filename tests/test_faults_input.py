@@ -85,7 +85,7 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path):
 @pytest.mark.parametrize("fn, says", [(returns_none, "returned None"), (returns_text, "returned '1.0'"),
                                       (returns_inf, "returned inf"), (raises, "KeyError")])
 def test_a_reward_that_fails_everywhere_is_counted_then_stops(fn, says):
-    name = f"test_faults:{fn.__name__}"
+    name = f"test_faults_input:{fn.__name__}"
     counting = RewardScorer(name, max_error_rate=1.0)
     with pytest.warns(UserWarning, match=says):
         assert counting(["a", "b"], ["1", "1"]) == [0.0, 0.0]
@@ -95,8 +95,8 @@ def test_a_reward_that_fails_everywhere_is_counted_then_stops(fn, says):
 
 
 def test_reward_and_group_size_are_checked_at_start():
-    with pytest.raises(ValueError, match="'test_faults:NOT_A_FUNCTION' is a int, not a function"):
-        RolloutDataModule(reward="test_faults:NOT_A_FUNCTION")
+    with pytest.raises(ValueError, match="'test_faults_input:NOT_A_FUNCTION' is a int, not a function"):
+        RolloutDataModule(reward="test_faults_input:NOT_A_FUNCTION")
     with pytest.raises(ValueError, match="cannot be called as loads"):
         RolloutDataModule(reward="json:loads")
     with pytest.raises(ValueError, match="samples_per_prompt=1: the group advantage"):
@@ -109,7 +109,7 @@ def test_async_worker_stops_on_a_failing_reward_with_the_same_error(tiny_model_d
 
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
                            prompts_per_rollout=2, samples_per_prompt=2, source=Arithmetic(size=10),
-                           sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="test_faults:returns_inf")
+                           sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="test_faults_input:returns_inf")
     dm.setup("fit")
     try:
         dm.push_weights({"w": torch.zeros(1)}.items(), 0)
@@ -123,9 +123,9 @@ def test_async_worker_stops_on_a_failing_reward_with_the_same_error(tiny_model_d
 def test_fit_with_an_infinite_reward_stops_naming_it(tiny_model_dir, tmp_path):
     """It used to train to the end with exit 0: reward_mean inf, reward_errors 0, loss 0 every step."""
     cfg = rl_config(tiny_model_dir, tmp_path, engine="hf", max_steps=2, prompts=4, samples=2,
-                    extra_data={"reward": "test_faults:returns_inf", "sampling": {"max_new_tokens": 4, "seed": 0}})
+                    extra_data={"reward": "test_faults_input:returns_inf", "sampling": {"max_new_tokens": 4, "seed": 0}})
     line = one_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
-    assert "reward 'test_faults:returns_inf' failed on 8 of 8" in line and "returned inf" in line, line
+    assert "reward 'test_faults_input:returns_inf' failed on 8 of 8" in line and "returned inf" in line, line
 
 
 # ---------------------------------------------------------------- validate, model files, checkpoints

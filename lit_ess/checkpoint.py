@@ -1,0 +1,147 @@
+"""Checkpoints that are whole or absent, and a resume that never starts from a torn one.
+
+Writing. Lightning's TorchCheckpointIO writes through an fsspec transaction: the bytes go to a temp
+file in the system temp folder, then `shutil.move` puts it in place. When the checkpoint folder is on
+another filesystem (a shared filesystem for multi-node runs, tmpfs), that move is a copy into the
+target itself: a kill -9 or a full disk during it leaves a truncated `last.ckpt`, and the intact
+previous one is already gone. `AtomicCheckpointIO` writes `<target>.tmp` in the target's own folder,
+fsyncs it, and `os.replace`s it onto the target (one rename on one filesystem), then fsyncs the folder.
+A failed write removes its temp file and leaves the previous checkpoint as it was. The CLI installs it
+in place of Lightning's default TorchCheckpointIO; remote URLs (s3://, ...) keep Lightning's writer.
+
+Sharded checkpoints (ModelParallelStrategy, a folder of DCP shards and `meta.pt`) do not go through
+a CheckpointIO: torch.distributed.checkpoint writes the shards in place, renames its `.metadata` into
+place, and rank 0 writes `meta.pt` last. So `readable` judges such a folder by its parts instead: a
+whole `meta.pt`, a `.metadata`, and no shard newer than `meta.pt` (a newer shard means the folder was
+being rewritten when the run stopped, and its shards may mix two steps).
+
+Resuming. `resolve_resume` turns `--ckpt_path last` into the newest readable checkpoint of the
+ModelCheckpoint folders (Lightning's choice, the newest `last*.ckpt`, when it is whole), and says in one
+line when it had to pass over a torn one. An explicit path that is not readable is an error that lists
+the readable checkpoints beside it. Readable means the zip archive that torch.save writes is whole: its
+directory (at the end of the file) opens, every member lies inside the file, and the pickle member
+passes its CRC. That costs a few reads, not a load of the weights.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+TMP_SUFFIX = ".tmp"
+SHARDED_META = "meta.pt"           # Lightning's name for the non-tensor state of a sharded checkpoint
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """TorchCheckpointIO whose local writes are atomic on every filesystem: a temp file beside the
+    target, fsync, os.replace, fsync of the folder."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        atomic_save(checkpoint, Path(path))
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save `obj` to `path` so that `path` is always either the previous file or the new one whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        cause = e if isinstance(e, OSError) else e.__context__      # torch.save re-raises a failed write
+        if isinstance(cause, OSError):                                # as a RuntimeError about positions
+            raise OSError(cause.errno, f"checkpoint {path} not written ({cause.strerror}); the previous one "
+                                       f"is kept") from e
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)                   # the rename itself survives a power loss
+    finally:
+        os.close(fd)
+
+
+def unreadable(path: str | Path) -> str | None:
+    """None when `path` is a whole checkpoint (a torch.save file, or a folder of DCP shards with its
+    meta.pt), else the reason, in a few words."""
+    path = Path(path)
+    if path.is_dir():
+        meta = path / SHARDED_META
+        if not meta.is_file():
+            return f"a folder without {SHARDED_META}"
+        if not (path / ".metadata").is_file():
+            return "a folder of shards without .metadata"
+        if reason := _zip_unreadable(meta):
+            return f"{SHARDED_META}: {reason}"
+        newer = [p.name for p in path.glob("*.distcp") if p.stat().st_mtime_ns > meta.stat().st_mtime_ns]
+        return f"shard {newer[0]} is newer than {SHARDED_META} (rewritten when the run stopped)" if newer else None
+    if not path.is_file():
+        return "missing"
+    return _zip_unreadable(path)
+
+
+def _zip_unreadable(path: Path) -> str | None:
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            end = max((i.header_offset + i.compress_size for i in infos), default=0)
+            if end > size:
+                return f"truncated ({size} of at least {end} bytes)"
+            pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if not pickles:
+                return "not a torch checkpoint (no data.pkl)"
+            z.read(pickles[0])         # checks its CRC
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as e:
+        return f"torn or not a checkpoint ({size} bytes: {e})"
+    return None
+
+
+def candidates(dirs: list[Path]) -> list[Path]:
+    """The checkpoints (files and shard folders named *.ckpt) in `dirs`, newest first."""
+    found = {p for d in dirs if d.is_dir() for p in d.glob("*.ckpt")}
+    return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+def _is_last(p: Path) -> bool:
+    stem = p.name[:-len(".ckpt")]
+    return stem == "last" or (stem.startswith("last-") and stem[5:].lstrip("v").isdigit())
+
+
+def resolve_resume(ckpt_path: str, dirs: list[Path]) -> tuple[str | None, str | None]:
+    """The checkpoint to resume from and a one-line notice (None when there is nothing to say).
+
+    `ckpt_path` "last": Lightning's choice (the newest last*.ckpt) when it is readable, else the newest
+    readable checkpoint of `dirs`; None when `dirs` hold no checkpoint (a fresh start, as in Lightning).
+    Any other value is a path, returned as is when readable. Raises ValueError, naming the checkpoints
+    and why each was passed over, when none can be used."""
+    if ckpt_path != "last":
+        if (reason := unreadable(ckpt_path)) is None:
+            return ckpt_path, None
+        ok = [str(p) for p in candidates([Path(ckpt_path).parent]) if unreadable(p) is None]
+        hint = f"readable beside it: {', '.join(ok)}" if ok else "no readable checkpoint beside it"
+        raise ValueError(f"--ckpt_path {ckpt_path}: {reason}; {hint}")
+    found = candidates(dirs)
+    if not found:
+        return None, f"--ckpt_path last: no checkpoint in {', '.join(map(str, dirs)) or 'any ModelCheckpoint folder'}: starting from scratch"
+    ordered = [p for p in found if _is_last(p)][:1] + found
+    skipped = []
+    for p in ordered:
+        if (reason := unreadable(p)) is None:
+            if not skipped:
+                return str(p), None
+            why = "; ".join(f"{q.name} is unreadable ({r})" for q, r in skipped)
+            return str(p), f"--ckpt_path last: {why}: resuming from {p}"
+        if all(q != p for q, _ in skipped):
+            skipped.append((p, reason))
+    raise ValueError("--ckpt_path last: no readable checkpoint: " + "; ".join(f"{q} ({r})" for q, r in skipped))
