@@ -34,7 +34,7 @@ def _nan(c, a):
 
 
 def _slow(c, a):
-    time.sleep(30)
+    time.sleep(600)                  # far longer than the worker's start on a loaded machine
     return 1.0
 
 
@@ -46,7 +46,7 @@ def test_scorer_counts_errors_and_timeouts():
     s = RewardScorer("test_data:_slow", timeout=1.0, in_worker=True)
     t0 = time.time()
     assert s(["x"], ["1"]) == [0.0] and s.timeouts == 1
-    assert time.time() - t0 < 20
+    assert time.time() - t0 < 300                    # the timeout ended it, not the 600 s sleep
     s.close()
     with pytest.raises(ValueError, match="exact_match, gsm8k, math_verify"):
         RewardScorer("nope")
@@ -289,7 +289,8 @@ def test_held_out_evaluation_samples_with_val_sampling(tiny_model_dir):
     lengths = {}
     for name, val in (("train", None), ("val", SamplingConfig(max_new_tokens=2, seed=0))):
         dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
-                               sampling=SamplingConfig(max_new_tokens=6, seed=0), val_samples=3, val_sampling=val)
+                               sampling=SamplingConfig(max_new_tokens=6, seed=0), val_samples=3, val_sampling=val,
+                               val_source=Arithmetic(size=8, split="test"))
         dm.setup("validate")
         lengths[name] = dm.evaluate(held_out)["length"]
         dm.teardown("validate")
