@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Literal
 
 import lightning as L
@@ -143,9 +143,10 @@ class RolloutDataModule(L.LightningDataModule):
             ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
         val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
             (`val/pass@k`; a sample passes when its reward is 1), the mean reward and length.
-        val_sampling: the sampling settings of held-out evaluation (temperature, top_p, top_k,
-            max_new_tokens, stop, seed); None = the training `sampling`. A fixed setting (e.g.
-            temperature 1.0) compares runs trained with different sampling on the same ruler.
+        val_sampling: held-out evaluation's changes to `sampling`, e.g. {temperature: 1.0} (every other
+            setting, the seed and max_new_tokens included, stays the training one); None = sample
+            held-out prompts as in training. A fixed setting compares runs trained with different
+            sampling on the same ruler.
     """
 
     def __init__(
@@ -172,7 +173,7 @@ class RolloutDataModule(L.LightningDataModule):
         val_source: PromptSource | None = None,
         val_prompts: int = 64,
         val_samples: int = 1,
-        val_sampling: SamplingConfig | None = None,
+        val_sampling: dict | None = None,
     ):
         super().__init__()
         if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
@@ -209,7 +210,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
-        self.val_sampling = val_sampling
+        self.val_sampling = _with_changes(sampling, val_sampling, "val_sampling") if val_sampling else None
         self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
@@ -218,7 +219,7 @@ class RolloutDataModule(L.LightningDataModule):
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
             "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__,
-            "val_sampling": asdict(val_sampling) if val_sampling is not None else None})
+            "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None})
         self.worker: RolloutWorker | WorkerProcess | None = None
         self.tokenizer = None
         # resumable state
@@ -528,6 +529,14 @@ class _LazyProcess:
     def close(self) -> None:
         if self._proc is not None:
             self._proc.close()
+
+
+def _with_changes(sampling: SamplingConfig, changes: dict, knob: str) -> SamplingConfig:
+    """`sampling` with some fields changed; an unknown field is named."""
+    unknown = sorted(set(changes) - set(asdict(sampling)))
+    if unknown:
+        raise ValueError(f"{knob}: {unknown} are not sampling settings; choose from {sorted(asdict(sampling))}")
+    return replace(sampling, **changes)
 
 
 def _as_tuple(x):

@@ -284,15 +284,19 @@ def test_every_rank_gets_the_same_number_of_validation_batches():
 
 
 def test_held_out_evaluation_samples_with_val_sampling(tiny_model_dir):
-    """val_sampling replaces the training settings for held-out prompts only (here: a shorter limit)."""
+    """val_sampling changes the training settings for held-out prompts only (here: a shorter limit; the
+    seed and the rest stay the training ones); an unknown setting is named."""
     held_out = [(i, f"{i}+{i}=", str(2 * i)) for i in range(4)]
     lengths = {}
-    for name, val in (("train", None), ("val", SamplingConfig(max_new_tokens=2, seed=0))):
+    for name, val in (("train", None), ("val", {"max_new_tokens": 2})):
         dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
                                sampling=SamplingConfig(max_new_tokens=6, seed=0), val_samples=3, val_sampling=val,
                                val_source=Arithmetic(size=8, split="test"))
         dm.setup("validate")
         lengths[name] = dm.evaluate(held_out)["length"]
+        assert val is None or (dm.val_sampling.seed, dm.val_sampling.max_new_tokens) == (0, 2)
         dm.teardown("validate")
     assert lengths["val"].shape == (4, 3) and lengths["val"].max() == 2
     assert lengths["train"].max() > 2                        # the random model rarely stops within 2 tokens
+    with pytest.raises(ValueError, match=r"val_sampling: \['temp'\] are not sampling settings"):
+        RolloutDataModule(model_path=tiny_model_dir, val_sampling={"temp": 1.0})
