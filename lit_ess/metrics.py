@@ -1,4 +1,10 @@
-"""Held-out metrics: unbiased pass@k (Chen et al. 2021) as a torchmetrics metric.
+"""Logged metrics: how each one combines over ranks (RULES, reduce_over_ranks), and unbiased pass@k.
+
+Every key lit-ess logs has one rule in `RULES`; `accumulate` applies it over the micro-batches of a
+step and `reduce_over_ranks` over data-parallel ranks, for the step's metrics and the rollout
+statistics alike. A key without a rule raises: it is never silently averaged.
+
+Held-out metrics: unbiased pass@k (Chen et al. 2021) as a torchmetrics metric.
 
 For a prompt with n samples of which c pass, the probability that at least one of k samples drawn
 without replacement passes is
