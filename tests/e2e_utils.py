@@ -30,7 +30,7 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
         {"class_path": "lit_ess.callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
     ]
     if ckpt_every:
-        lit_ess.callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                           "init_args": {"dirpath": str(out / "ckpt"), "save_last": True,
                                         "every_n_train_steps": ckpt_every, "save_top_k": -1}})
     data = {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
