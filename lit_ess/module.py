@@ -327,12 +327,12 @@ class PolicyModule(L.LightningModule):
             self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
 
-        rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
-                "train/lr": lr, "train/batch_rows": float(batch.rows),
-                "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
-                **batch.stats}
+        per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
+                    "train/lr": lr, "train/batch_rows": float(batch.rows),
+                    "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
+                    **batch.stats}
         logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
-        logs.update(reduce_over_ranks(rank, device=self.device))      # the step's rows, lag, rollout statistics
+        logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
