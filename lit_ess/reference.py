@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     source = Arithmetic(size=args.size)
     order = PromptOrder(len(source), args.seed)
-    P, n, history = args.prompts, args.samples, []
+    P, n, history, updates = args.prompts, args.samples, [], 0       # updates: optimizer steps taken
 
     for step in range(args.steps):
         # rollout: P prompts x n samples; request seeds derive from (seed, step, prompt position, sample)
@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         # update: one AdamW step with the clipped gradient (a non-finite gradient norm skips the step)
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * lr_factor(step, args.warmup_steps)
+            group["lr"] = args.lr * lr_factor(updates, args.warmup_steps)
         out.loss.backward()
         grad_norm = clip_gradients(policy.parameters(), args.max_grad_norm)
         if torch.isfinite(grad_norm):
             optimizer.step()
+            updates += 1
         optimizer.zero_grad(set_to_none=True)
 
         # weight push: the engine samples the next step with the new weights
