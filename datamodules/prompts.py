@@ -39,6 +39,38 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
+class PromptOrder:
+    """The order prompts are drawn in: epoch after epoch, the indices 0..size-1 shuffled by one
+    `random.Random(seed)`, read by a cursor. Its state (order, cursor, rng) goes in checkpoints."""
+
+    def __init__(self, size: int, seed: int = 0):
+        self.size, self.rng, self.order, self.cursor = size, random.Random(seed), [], 0
+
+    def take(self, k: int) -> list[int]:
+        """The next k indices (a new shuffled epoch starts when one runs out)."""
+        out = []
+        while len(out) < k:
+            if self.cursor >= len(self.order):
+                self.order = list(range(self.size))
+                self.rng.shuffle(self.order)
+                self.cursor = 0
+            out.append(self.order[self.cursor])
+            self.cursor += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "order": self.order, "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor, self.order = state["cursor"], list(state["order"])
+        self.rng.setstate(_as_tuple(state["rng"]))
+
+
+def _as_tuple(x):
+    """random.Random state survives torch.save as nested lists/tuples; setstate wants tuples."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
 class PromptSource:
     """Base class: `examples` (list of Example) and `skipped` (rows dropped as malformed)."""
 

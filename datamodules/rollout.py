@@ -28,7 +28,6 @@ version of each row), and the requests in flight, which are regenerated after a 
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import asdict, replace
 from typing import Literal
@@ -43,7 +42,7 @@ from lit_ess.rewards import resolve_reward
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
                              WorkerProcess)
 
-from .prompts import Arithmetic, Example, PromptSource, encode_prompt
+from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
 MAX_PHASES_IN_FLIGHT = 2
 
@@ -223,9 +222,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.worker: RolloutWorker | WorkerProcess | None = None
         self.tokenizer = None
         # resumable state
-        self.rng = random.Random(seed)
-        self.order: list[int] = []
-        self.cursor = 0
+        self.prompt_order = PromptOrder(len(self.source), seed)
         self.next_plan = 0                                  # next phase whose prompts are drawn
         self.requests: dict[int, RolloutRequest] = {}      # planned and not yet in the buffer, by phase
         self.submitted: dict[int, int] = {}                # async: request id -> phase
@@ -397,16 +394,7 @@ class RolloutDataModule(L.LightningDataModule):
         return self.requests[phase]
 
     def _next_examples(self, k: int) -> list[tuple[int, Example]]:
-        out = []
-        while len(out) < k:
-            if self.cursor >= len(self.order):
-                self.order = list(range(len(self.source)))
-                self.rng.shuffle(self.order)
-                self.cursor = 0
-            i = self.order[self.cursor]
-            out.append((i, self.source.examples[i]))
-            self.cursor += 1
-        return out
+        return [(i, self.source.examples[i]) for i in self.prompt_order.take(k)]
 
     def encode_prompt(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
@@ -486,7 +474,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _local_state(self) -> dict:
         return {
-            "cursor": self.cursor, "order": self.order, "rng": self.rng.getstate(), "next_plan": self.next_plan,
+            **self.prompt_order.state_dict(), "next_plan": self.next_plan,
             "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
             "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
@@ -496,8 +484,8 @@ class RolloutDataModule(L.LightningDataModule):
         if "buffer" not in state:
             raise ValueError("this checkpoint's rollout state comes from lit-ess before the rollout buffer "
                              "(issue 8); resume it with that version or start a new run from its weights")
-        self.cursor, self.order, self.next_plan = state["cursor"], list(state["order"]), state["next_plan"]
-        self.rng.setstate(_as_tuple(state["rng"]))
+        self.prompt_order.load_state_dict(state)
+        self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
@@ -538,7 +526,3 @@ def _with_changes(sampling: SamplingConfig, changes: dict, knob: str) -> Samplin
         raise ValueError(f"{knob}: {unknown} are not sampling settings; choose from {sorted(asdict(sampling))}")
     return replace(sampling, **changes)
 
-
-def _as_tuple(x):
-    """random.Random state survives torch.save as nested lists/tuples; setstate wants tuples."""
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

@@ -14,14 +14,13 @@ Data parallel (W ranks, DDP or FSDP2): each rank holds its share of the step's r
 normalised by the global counts, and DDP/FSDP *average* gradients over ranks, so each rank's loss is
 scaled by W before backward: the update and `train/grad_norm` equal those of one rank with the whole
 batch. Ranks run the same number of forward/backward passes (a rank with fewer micro-batches runs
-zero-weighted extra passes), since every pass under FSDP is a collective. Logged metrics are reduced
-over ranks (sums, token-weighted means, min/max); ratio quantiles are token-weighted means of the
-ranks' quantiles.
+zero-weighted extra passes), since every pass under FSDP is a collective. Every logged metric is
+combined over micro-batches and ranks by its rule in lit_ess.metrics.RULES (sum, token-weighted mean,
+mean over ranks, min, max, pooled std).
 """
 from __future__ import annotations
 
-import math
-from typing import Iterator, Literal
+from typing import Iterator, Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -30,13 +29,20 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from .logprobs import sequence_logprobs
-from .metrics import PassAtK
+from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
 from .rollout import RolloutBatch
+from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, lr_factor
 
-MIN_MAX_KEYS = {"ratio_min": torch.minimum, "ratio_max": torch.maximum, "log_ratio_abs_max": torch.maximum}
-SUMMED_KEYS = {"loss", "policy_loss", "kl_term", "kl_ref", "entropy", "nonfinite_tokens", "tokens"}
+__all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
+
+
+class StepCounts(NamedTuple):
+    """Counts of one optimizer step, float64 scalars."""
+    tokens: Tensor          # N: completion tokens of all micro-batches on all ranks
+    seqs: Tensor            # rows with at least one completion token, all ranks
+    local_tokens: Tensor    # n_r: this rank's completion tokens
 
 
 class PolicyModule(L.LightningModule):
@@ -128,22 +134,15 @@ class PolicyModule(L.LightningModule):
         return [m for m in (self.policy, self.ref_policy) if m is not None]
 
     def configure_optimizers(self):
+        """AdamW (lit_ess.step.build_optimizer) with the learning-rate schedule of lit_ess.step.lr_factor,
+        stepped once per optimizer step; the decay ends at trainer.max_steps."""
         h = self.hparams
-        decay = [p for n, p in self.policy.named_parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for n, p in self.policy.named_parameters() if p.requires_grad and p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=h.lr, betas=tuple(h.betas))
+        opt = build_optimizer(self.policy, h.lr, h.betas, h.weight_decay)
         trainer = self._trainer                      # None when used without a Trainer (benchmarks, notebooks)
         total = trainer.max_steps if trainer is not None and trainer.max_steps and trainer.max_steps > 0 else None
 
         def factor(step: int) -> float:
-            if step < h.warmup_steps:
-                return (step + 1) / (h.warmup_steps + 1)
-            if h.lr_schedule == "constant" or not total:
-                return 1.0
-            frac = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
-            shape = 0.5 * (1 + math.cos(math.pi * frac)) if h.lr_schedule == "cosine" else 1 - frac
-            return h.min_lr_ratio + (1 - h.min_lr_ratio) * shape
+            return lr_factor(step, h.warmup_steps, h.lr_schedule, total, h.min_lr_ratio)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -151,8 +150,8 @@ class PolicyModule(L.LightningModule):
     # ------------------------------------------------------------------ step
     def _score(self, model, mb: RolloutBatch, sampling: dict, with_grad: bool,
                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """(logprobs, entropy or None) of `model` on the micro-batch, processed as the engine sampled:
-        logits / T -> top-k -> top-p, with T = train_temperature or the rollout's temperature.
+        """(logprobs [b, T], entropy [b, T] or None) of `model` on the micro-batch, processed as the
+        engine sampled: logits / T -> top-k -> top-p, with T = train_temperature or the rollout's.
 
         The policy and the reference model are both scored here, so with reference == policy the
         reference KL is exactly 0 whatever the sampling settings.
@@ -193,43 +192,81 @@ class PolicyModule(L.LightningModule):
             out += [(mbs[0], 0.0)] * (int(n) - len(mbs))
         return out
 
-    def accumulate_gradients(self, batch: RolloutBatch) -> tuple[dict[str, float], Tensor | None]:
-        """Forward and backward every micro-batch of one optimizer step; return (metrics, step ESS).
+    def _step_counts(self, mbs: list[RolloutBatch]) -> StepCounts:
+        """The step's completion tokens N and sequences over all micro-batches and ranks, and n_r, this
+        rank's tokens (float64 scalars)."""
+        masks = [mb.completion_mask for mb in mbs]
+        local = sum(m.sum() for m in masks).to(torch.float64)
+        return StepCounts(tokens=self._global_sum(local), seqs=self._global_sum(sum((m.sum(-1) > 0).sum() for m in masks)),
+                          local_tokens=local)
 
-        Gradients accumulate in the parameters' .grad; the caller clips and steps.
+    def accumulate_gradients(self, batch: RolloutBatch) -> tuple[dict[str, float], Tensor | None]:
+        """Forward and backward every micro-batch of one optimizer step; return (metrics of the whole
+        step, step ESS e_B or None). Gradients accumulate in the parameters' .grad; the caller clips
+        and steps.
+
+            micro-batches    `micro_batch_size` rows each, the same count on every rank (`_same_count`)
+            counts           N tokens and sequences of the whole step (`_step_counts`)
+            ESS pre-pass     e_B over the whole step, when it spans several passes (`ess_prepass`)
+            gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
+            metrics          combined over micro-batches and ranks by lit_ess.metrics.RULES (`step_metrics`)
         """
         sampling = batch.sampling
         mbs = batch.micro_batches(self.hparams.micro_batch_size)
         passes = self._same_count(mbs)
-        masks = [mb.completion_mask for mb in mbs]
-        local_tokens = sum(m.sum() for m in masks)
-        num_tokens = self._global_sum(local_tokens)
-        num_seqs = self._global_sum(sum((m.sum(-1) > 0).sum() for m in masks))
-        w_rank = local_tokens / num_tokens.clamp(min=1.0)         # this rank's share of the step's tokens
-
+        counts = self._step_counts(mbs)
         step_ess = None
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):
-            stats = None
-            for mb, weight in passes:                                           # no-grad pre-pass
-                lp = self._forward(mb, sampling, False)[0]
-                if weight:
-                    s = ess_stats(lp - mb.behavior_logprobs, _finite_mask(mb, lp))
-                    stats = s if stats is None else stats.merge(s)
-            step_ess = (stats.all_reduce() if self._world() else stats).value()
+            step_ess = self.ess_prepass(passes, sampling)
+        metrics, log_ratio, mask = self.gradient_pass(passes, sampling, counts, step_ess)
+        return self.step_metrics(metrics, log_ratio, mask, counts, step_ess, several=len(mbs) > 1)
 
-        sums: dict[str, Tensor] = {}              # tensors until the end: no device sync per micro-batch
-        log_ratios, mask_list = [], []
+    @torch.no_grad()
+    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: dict) -> Tensor:
+        """e_B of the whole step, before any gradient: a no-grad forward of every micro-batch.
+
+            rho_t = exp(lp_t - lb_t)                   lp, lb: [b, T] of each micro-batch
+            e_B   = (sum_t rho_t)^2 / (N sum_t rho_t^2)   over the valid tokens of all micro-batches and ranks
+
+        Kept as mergeable log-space sums (lit_ess.objectives.ESSStats: max m, sum e^(lr - m),
+        sum e^(2 (lr - m)), n), merged over micro-batches, then all-reduced over ranks. Padding passes
+        (weight 0) run the forward (a collective under FSDP) and add nothing. Returns a float64 scalar.
+        """
+        stats = None
+        for mb, weight in passes:
+            lp = self._forward(mb, sampling, False)[0]
+            if weight:
+                s = ess_stats(lp - mb.behavior_logprobs, finite_mask(mb.completion_mask, mb.behavior_logprobs, lp))
+                stats = s if stats is None else stats.merge(s)
+        return (stats.all_reduce() if self._world() else stats).value()
+
+    def gradient_pass(self, passes: list[tuple[RolloutBatch, float]], sampling: dict, counts: StepCounts,
+                      step_ess: Tensor | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """Forward, objective and backward of each micro-batch; gradients add up in .grad.
+
+            lp, entropy [b, T] = policy(mb)                  ref [b, T] = reference(mb) (ref_kl_coef > 0)
+            e_B = step_ess, else this micro-batch's (one micro-batch; or scope micro, over ranks)
+            L_mb = objective(lp, lb, A, mask; e_B, N, N_seqs)    aggregated over the step's N tokens, so
+                                                                 sum_mb L_mb = the step's loss
+            backward(W * weight * L_mb)      W: DDP/FSDP average gradients over W ranks; weight 0: padding
+
+        Returns (this rank's metrics, combined over its micro-batches by lit_ess.metrics.accumulate;
+        token-weighted ones are means over its tokens), and the log-ratios lp - lb [n] with their
+        valid-token mask [n] of all its micro-batches, flattened.
+        """
+        acc: dict[str, Tensor] = {}              # tensors until the end: no device sync per micro-batch
+        log_ratios, masks = [], []
         scale = self._grad_scale()
         for mb, weight in passes:
             lp, ent = self._forward(mb, sampling, True)
             ref = self._score(self.ref_policy, mb, sampling, False)[0] if self.ref_policy is not None else None
+            valid = finite_mask(mb.completion_mask, mb.behavior_logprobs, lp)
             ess = step_ess
             if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
-                tokens = _finite_mask(mb, lp) if weight else torch.zeros_like(mb.completion_mask)  # padding: none
-                st = ess_stats(lp.detach() - mb.behavior_logprobs, tokens)
+                st = ess_stats(lp.detach() - mb.behavior_logprobs, valid if weight else torch.zeros_like(valid))
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
-                                 ref_logprobs=ref, entropy=ent, num_tokens=num_tokens, num_seqs=num_seqs,
+                                 ref_logprobs=ref, entropy=ent, num_tokens=counts.tokens, num_seqs=counts.seqs,
                                  norm_len=sampling["max_new_tokens"])
             loss = out.loss * (scale * weight)
             if self._trainer is not None:
@@ -238,35 +275,37 @@ class PolicyModule(L.LightningModule):
                 loss.backward()
             if not weight:                          # a padding pass: gradients and metrics unchanged
                 continue
-            w = mb.completion_mask.sum() / num_tokens.clamp(min=1.0)
-            for k, v in out.metrics.items():
-                v = v.detach().double()
-                if k in MIN_MAX_KEYS:
-                    sums[k] = MIN_MAX_KEYS[k](sums.get(k, v), v)
-                elif k in SUMMED_KEYS:              # already scaled by the whole step's counts, or counts
-                    sums[k] = sums.get(k, 0.0) + v
-                else:                               # per-micro-batch means: token-weighted
-                    sums[k] = sums.get(k, 0.0) + v * w
+            accumulate(acc, out.metrics, mb.completion_mask.sum())
             log_ratios.append((lp.detach() - mb.behavior_logprobs).flatten())
-            mask_list.append(_finite_mask(mb, lp).flatten())
+            masks.append(valid.flatten())
+        finish_token_means(acc, counts.local_tokens)
+        return acc, torch.cat(log_ratios), torch.cat(masks)
 
-        # step-level ratio statistics over all micro-batches (same parameters throughout the step)
-        lr_all, m_all = torch.cat(log_ratios), torch.cat(mask_list)
-        ess_value = step_ess if step_ess is not None else sums.get("ess")
-        if len(mbs) > 1:     # one micro-batch: the objective's ratio statistics are already the step's
-            for k, v in ratio_metrics(lr_all[None], m_all[None], ess_value).items():
-                sums[k] = v.double() if k in MIN_MAX_KEYS else v.double() * w_rank   # token-weighted over ranks
-        if self._world():
-            sums = _reduce_over_ranks(sums, self.device)
+    def step_metrics(self, local: dict[str, Tensor], log_ratio: Tensor, mask: Tensor, counts: StepCounts,
+                     step_ess: Tensor | None, several: bool) -> tuple[dict[str, float], Tensor | None]:
+        """The step's metrics over all ranks, and its ESS. `log_ratio`, `mask`: [n], this rank's tokens.
+
+        With several micro-batches the ratio statistics (mean, min, max, quantiles, KL to pi_b, capped
+        fraction) are taken again over all of this rank's tokens at once: the parameters did not change
+        within the step. Then every key is combined over ranks by its rule (lit_ess.metrics.RULES;
+        token_mean keys weighted by n_r / N). An objective that does not use the ESS still logs it
+        (`ess`), as a diagnostic of how off-policy its data was. `self.last_step` keeps the step's token
+        log-ratios and capped weights min(rho, e_B) for the ratio dashboard.
+        """
+        ess = step_ess if step_ess is not None else local.get("ess")
+        if several:          # one micro-batch: the objective's ratio statistics are already the step's
+            local.update({k: v.double() for k, v in ratio_metrics(log_ratio[None], mask[None], ess).items()})
+        share = counts.local_tokens / counts.tokens.clamp(min=1.0)
+        metrics = reduce_over_ranks(local, share, self.device, prefix="train/")
         if not self.objective.needs_ess:       # diagnostic: how off-policy was the data (every rank reduces)
-            st = ess_stats(lr_all, m_all)
+            st = ess_stats(log_ratio, mask)
             st = st.all_reduce() if self._world() else st
-            if m_all.any() or self._world():
-                sums["ess"] = st.value().double()
-        self.last_step = {"log_ratio": lr_all[m_all].float().cpu()}
-        if ess_value is not None:
-            self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess_value.float().cpu())
-        return {k: float(v) for k, v in sums.items()}, ess_value
+            if mask.any() or self._world():
+                metrics["ess"] = float(st.value())
+        self.last_step = {"log_ratio": log_ratio[mask].float().cpu()}
+        if ess is not None:
+            self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess.float().cpu())
+        return metrics, ess
 
     def training_step(self, batch: RolloutBatch, batch_idx: int):
         opt = self.optimizers()
@@ -277,7 +316,7 @@ class PolicyModule(L.LightningModule):
             raise RuntimeError(f"step {step_before} got rows sampled at step {int(batch.versions.min())}, older than "
                                f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
                                f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
-        sums, _ = self.accumulate_gradients(batch)
+        metrics, _ = self.accumulate_gradients(batch)
 
         grad_norm = self._clip_and_norm()
         lr = sched.get_last_lr()[0]                  # the rate this step is taken with
@@ -288,15 +327,12 @@ class PolicyModule(L.LightningModule):
             self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
 
-        logs = {f"train/{k}": v for k, v in sums.items()}
-        logs.update({
-            "train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
-            "train/lr": lr, "train/batch_rows": float(batch.rows),
-            "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
-        })
-        logs.update(batch.stats)
-        if self._world():                    # the step's rows, lag and rollout statistics over all ranks
-            logs.update(reduce_stats({k: logs[k] for k in (*batch.stats, *RANK_KEYS)}, self.device))
+        per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
+                    "train/lr": lr, "train/batch_rows": float(batch.rows),
+                    "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
+                    **batch.stats}
+        logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
+        logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
@@ -309,9 +345,8 @@ class PolicyModule(L.LightningModule):
     def _log_step(self, logs: dict[str, float]) -> None:
         """One `log_metrics` call per logger every `log_every_n_steps` (x-axis: global step).
 
-        Lightning's per-key `self.log` costs about 0.8 ms a key on CPU (5% of a tiny-model step for ~30
-        keys), so only the keys that callbacks (ModelCheckpoint/EarlyStopping `monitor`) and the
-        progress bar need go through it, with `logger=False`.
+        Lightning's `self.log` has a cost per key, so only the keys that callbacks (ModelCheckpoint /
+        EarlyStopping `monitor`) and the progress bar need go through it, with `logger=False`.
         """
         for key in ("train/ess", "train/loss", "rollout/reward_mean"):
             if key in logs:
@@ -340,26 +375,8 @@ class PolicyModule(L.LightningModule):
         self.val_pass.reset()
 
     def _clip_and_norm(self) -> Tensor:
-        """Clip the global gradient norm and return it (before clipping). Under FSDP2 the gradients
-        are DTensor shards: their norm is reduced over ranks and returned as a plain tensor."""
-        params = [p for p in self.policy.parameters() if p.grad is not None]
-        if not params:
-            return torch.tensor(0.0)
-        max_norm = self.hparams.max_grad_norm
-        if max_norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(name, full tensor) for every entry of the state dict, in its fixed order, with Hugging Face
-    names (wrapper prefixes are stripped by the wrappers' state-dict hooks). A DTensor shard (FSDP2)
-    is gathered when its turn comes, so at most one full tensor exists beside the shards; every rank
-    must consume the iterator in step."""
-    for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+        """Clip the policy's global gradient norm to max_grad_norm; return the norm before clipping."""
+        return clip_gradients(self.policy.parameters(), self.hparams.max_grad_norm)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -383,75 +400,3 @@ def check_gradients_synchronised(module: L.LightningModule) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not averages_gradients(module):
         raise ValueError(f"{dist.get_world_size()} ranks but nothing synchronises the policy's gradients: use "
                          f"strategy: ddp, or ModelParallelStrategy with lit_ess.callbacks.FSDP2")
-
-
-def _reduce_over_ranks(sums: dict[str, Tensor], device) -> dict[str, Tensor]:
-    """Step metrics of every rank combined: min/max keys by min/max, all others summed (they are
-    already token-weighted shares or counts). Keys are agreed first: a rank without valid tokens
-    has no ratio statistics."""
-    keys: list = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, sorted(sums))
-    keys = sorted(set().union(*keys))
-    out = {}
-    for op, members in ((dist.ReduceOp.SUM, [k for k in keys if k not in MIN_MAX_KEYS]),
-                        (dist.ReduceOp.MIN, [k for k in keys if MIN_MAX_KEYS.get(k) is torch.minimum]),
-                        (dist.ReduceOp.MAX, [k for k in keys if MIN_MAX_KEYS.get(k) is torch.maximum])):
-        if not members:
-            continue
-        empty = 0.0 if op == dist.ReduceOp.SUM else (math.inf if op == dist.ReduceOp.MIN else -math.inf)
-        t = torch.stack([sums[k].double().to(device) if k in sums else torch.tensor(empty, dtype=torch.float64,
-                         device=device) for k in members])
-        dist.all_reduce(t, op=op)
-        out.update(zip(members, t.cpu()))
-    return out
-
-
-# rollout statistics: how the ranks' values of a phase combine (default: mean; every rank has as many rows)
-RANK_KEYS = ("train/batch_rows", "train/policy_lag", "train/policy_lag_max")   # per rank in training_step
-STAT_SUM = {"train/batch_rows", "rollout/rows", "rollout/reward_errors", "rollout/reward_timeouts", "rollout/dropped_groups", "rollout/gen_tokens_per_s",
-            "rollout/stale_dropped", "rollout/buffer_size"}
-STAT_MAX = {"train/policy_lag_max", "rollout/response_len_max", "rollout/gen_seconds", "perf/trainer_wait_frac"}
-
-
-def reduce_stats(stats: dict[str, float], device) -> dict[str, float]:
-    """Rollout statistics of the whole step from every rank's: sums, maxima, means; the reward std is
-    pooled from the ranks' means and stds (equal row counts)."""
-    keys = sorted(stats)
-    vals = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
-    world = dist.get_world_size()
-    pooled = {"rollout/reward_mean", "rollout/reward_std", "rollout/rows"} <= set(stats)
-    if pooled:         # sum of r^2 on this rank, from its mean and unbiased std over m rows
-        m, mu, sd = stats["rollout/rows"], stats["rollout/reward_mean"], stats["rollout/reward_std"]
-        sq = torch.tensor([sd * sd * (m - 1) + m * mu * mu], dtype=torch.float64, device=device)
-        dist.all_reduce(sq)
-    total, top = vals.clone(), vals.clone()
-    dist.all_reduce(total)
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    out = {k: float(top[i]) if k in STAT_MAX else float(total[i]) if k in STAT_SUM else float(total[i]) / world
-           for i, k in enumerate(keys)}
-    if pooled:         # unbiased std over all M rows
-        M, mu = out["rollout/rows"], out["rollout/reward_mean"]
-        out["rollout/reward_std"] = max((float(sq) - M * mu * mu) / max(M - 1, 1.0), 0.0) ** 0.5
-    return out
-
-
-def _finite_mask(mb: RolloutBatch, lp: Tensor) -> Tensor:
-    """The tokens that enter the loss, and so the ESS: completion tokens whose behaviour and trainer
-    logprobs are both finite. A token outside the trainer's top-k/top-p set (-inf) or a NaN is dropped
-    from both and counted in `train/nonfinite_tokens`; one rule for the pre-pass and the gradient pass."""
-    return mb.completion_mask & torch.isfinite(mb.behavior_logprobs) & torch.isfinite(lp.detach())
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability to 0: `nn.Dropout` modules and the float `attention_dropout` /
-    `dropout` attributes that Hugging Face attention layers pass to their functional dropout."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        for attr in ("attention_dropout", "dropout", "hidden_dropout", "attn_dropout"):
-            if isinstance(getattr(module, attr, None), float):
-                setattr(module, attr, 0.0)
-    config = getattr(model, "config", None)
-    for attr in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if isinstance(getattr(config, attr, None), float):
-            setattr(config, attr, 0.0)
