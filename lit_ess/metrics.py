@@ -110,6 +110,8 @@ RULES: dict[str, str | PooledStd] = {
     "train/clip_ratio_low": TOKEN_MEAN,
     "train/clip_ratio_high": TOKEN_MEAN,
     "train/behavior_capped_frac": TOKEN_MEAN,
+    "train/is_weight_mean": TOKEN_MEAN,        # ISCorrection (objective.correction)
+    "train/is_outside_frac": TOKEN_MEAN,
     # lit_ess/module.py: the optimizer step
     "train/grad_norm": SAME,                   # of the all-reduced gradients
     "train/lr": SAME,
