@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 from torch import Tensor
@@ -32,12 +32,16 @@ class LoRA:
             with a random sub-network, so on-policy data no longer has ESS 1.
         target_modules: the layers that get adapters: "all-linear" (every linear layer but the output
             head) or a list of module names (e.g. [q_proj, v_proj]).
+        sync: what the engine receives: "merged" (W + s B A under the base's names, through the same
+            transports as full weights) or "adapter" (A and s B only; vLLM serves them as a LoRA
+            adapter: start it with data.engine.init_args.max_lora_rank >= rank).
     """
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: str | list[str] = field(default="all-linear")
+    sync: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self):
         if self.rank < 1:
@@ -46,6 +50,8 @@ class LoRA:
             raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.sync not in ("merged", "adapter"):
+            raise ValueError(f"lora.sync must be 'merged' or 'adapter', got {self.sync!r}")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
             raise ValueError(f"lora.target_modules must be 'all-linear' or a list of module names, "
                              f"got {self.target_modules!r}")
@@ -82,6 +88,41 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         if leaf == "weight":
             t = t + base.get_submodule(owner).get_delta_weight(ADAPTER).to(t.dtype)
         yield f"{owner}.{leaf}", t
+
+
+def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The adapters as a self-describing LoRA checkpoint: peft's saved names (`...q_proj.lora_A.weight`),
+    with the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1)
+    reproduces the update exactly (see `write_adapter`)."""
+    from peft.utils import get_peft_model_state_dict
+
+    base = model.get_base_model()
+    for name, t in get_peft_model_state_dict(model, adapter_name=ADAPTER).items():
+        if ".lora_B." in name:
+            owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
+            t = t * base.get_submodule(owner).scaling[ADAPTER]
+        yield name, t
+
+
+def is_adapter_payload(names: list[str]) -> bool:
+    """True when pushed weights are adapters (`adapter_weights`) rather than full weights."""
+    return bool(names) and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def write_adapter(folder: str | Path, tensors: dict[str, Tensor]) -> Path:
+    """A peft adapter folder (adapter_model.safetensors + adapter_config.json) for the tensors of
+    `adapter_weights`: rank from lora_A's shape, target modules from the names, lora_alpha = rank."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = next(t.shape[0] for n, t in tensors.items() if ".lora_A." in n)
+    targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": targets, "task_type": "CAUSAL_LM", "fan_in_fan_out": False}))
+    return folder
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:

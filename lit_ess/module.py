@@ -30,7 +30,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from .logprobs import sequence_logprobs
-from .lora import LoRA, adapter_state, base_fingerprint, is_peft, merged_weights
+from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, merged_weights
 from .metrics import PassAtK
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
@@ -134,8 +134,11 @@ class PolicyModule(L.LightningModule):
 
     def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights with Hugging Face names, gathered one tensor at a time (FSDP2:
-        every rank must consume the iterator, in the same order); with LoRA, the merged weights."""
-        return merged_weights(self.policy) if is_peft(self.policy) else full_weights(self.policy)
+        every rank must consume the iterator, in the same order); with LoRA, the merged weights, or the
+        adapters alone (`lora.sync: adapter`)."""
+        if self.lora is None:
+            return full_weights(self.policy)
+        return adapter_weights(self.policy) if self.lora.sync == "adapter" else merged_weights(self.policy)
 
     def sharded_models(self) -> list[torch.nn.Module]:
         """The models a sharding callback (lit_ess.callbacks.FSDP2) shards: the policy and the reference."""

@@ -88,3 +88,65 @@ def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(tiny_mode
     assert [s for s, _ in got["train/loss"]] == [s for s, _ in full["train/loss"]][2:]       # the last 2 steps
     assert [v for _, v in got["train/loss"]] == pytest.approx([v for _, v in full["train/loss"]][2:], abs=1e-6)
     assert min(v for _, v in got["train/ess"]) >= 0.9999             # the engine got the resumed adapters
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_lora_on_two_ddp_ranks_equals_one_rank(tiny_model_dir, tmp_path):
+    """The same global batch on 2 DDP ranks (adapters replicated, gradients averaged and rescaled) and on
+    1 rank: losses, ESS and gradient norms agree; FSDP2 with LoRA stops with one line."""
+    runs = {}
+    for world in (1, 2):
+        out = tmp_path / f"w{world}"
+        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=1e-2, extra_model={"lora": {"rank": 4}})
+        cfg["trainer"]["devices"] = world
+        if world == 2:
+            cfg["trainer"]["strategy"] = "ddp"
+        res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
+        assert res.returncode == 0, res.stderr[-4000:]
+        runs[world] = scalars(out)
+    for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
+        a, b = [v for _, v in runs[1][key]], [v for _, v in runs[2][key]]
+        assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (key, a, b)
+
+    cfg = rl_config(tiny_model_dir, tmp_path / "fsdp", max_steps=1, extra_model={"lora": {"rank": 4}})
+    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                  "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}
+    cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "fsdp" / "config.yaml"))])
+    assert res.returncode == 2 and "model.lora is not supported with FSDP2" in res.stderr, res.stderr[-2000:]
+
+
+def test_adapter_payload_reproduces_the_adapted_model(adapted, tiny_model_dir, tmp_path):
+    """The pushed adapters (scale folded into B) written as a peft folder and loaded on the base give the
+    adapted model's logits: what vLLM is handed in lora.sync: adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lit_ess.lora import adapter_weights, is_adapter_payload, write_adapter
+
+    tensors = dict(adapter_weights(adapted))
+    assert is_adapter_payload(list(tensors)) and not is_adapter_payload(["model.embed_tokens.weight"])
+    folder = write_adapter(tmp_path / "v1", tensors)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), folder)
+    x = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(x).logits, adapted(x).logits, atol=1e-5)
+
+
+@pytest.mark.e2e
+def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_model_dir, tmp_path):
+    """lora.sync: adapter with vLLM serving the pushed adapters: ESS 1 on every step. The same run with
+    a sync that keeps handing the engine the first adapter (labelled as current) drops below 1."""
+    runs = {}
+    for name, sync in (("adapter", "lit_ess.callbacks.WeightSync"), ("stale", "e2e_utils.StaleWeightSync")):
+        out = tmp_path / name
+        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+                        extra_data={"engine": {"class_path": "lit_ess.engines.VLLMConfig",
+                                               "init_args": {"max_lora_rank": 4}}})
+        cfg["trainer"]["callbacks"][0] = {"class_path": sync}
+        res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
+        assert res.returncode == 0, res.stderr[-4000:]
+        runs[name] = [v for _, v in scalars(out)["train/ess"]]
+    assert len(runs["adapter"]) == 3 and min(runs["adapter"]) >= 0.9999, runs
+    assert runs["stale"][0] >= 0.9999 and min(runs["stale"][1:]) < 0.999, runs
