@@ -1,9 +1,12 @@
-"""ExportHF: save the trained policy as a Hugging Face folder (weights + tokenizer) at the end of fit."""
+"""ExportHF: save the trained policy as a Hugging Face folder (weights + tokenizer) at the end of fit.
+With LoRA the folder holds the merged weights, and `adapter/` beside them the adapter (peft format)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning as L
+
+from lit_ess.lora import is_peft
 
 
 class ExportHF(L.Callback):
@@ -22,9 +25,12 @@ class ExportHF(L.Callback):
             return
         from transformers import AutoTokenizer
 
-        out = Path(self.dirpath)
-        pl_module.policy.save_pretrained(out, state_dict=state)
+        out, policy = Path(self.dirpath), pl_module.policy
+        if is_peft(policy):
+            policy.save_pretrained(out / "adapter")
+            policy = policy.get_base_model()
+        policy.save_pretrained(out, state_dict=state)
         AutoTokenizer.from_pretrained(pl_module.hparams.model_path).save_pretrained(out)
-        gen = getattr(pl_module.policy, "generation_config", None)
+        gen = getattr(policy, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(out)

@@ -29,6 +29,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from .logprobs import sequence_logprobs
+from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
@@ -67,6 +68,10 @@ class PolicyModule(L.LightningModule):
         disable_dropout: set every dropout probability of the policy to 0 (TRL's `disable_dropout`).
             With dropout on, the trainer scores tokens with a random sub-network: on-policy ESS is not 1
             and the ESS pre-pass and the gradient pass see different masks.
+        lora: low-rank adapters (lit_ess.lora.LoRA: rank, alpha, dropout, target_modules) trained on a
+            frozen base; None = full fine-tuning. The engine receives the merged weights; checkpoints
+            hold the adapters and their optimizer state only. With ref_kl_coef > 0 and no
+            ref_model_path, the reference is the base model (the adapters switched off): no second copy.
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class PolicyModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         model_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         disable_dropout: bool = True,
+        lora: LoRA | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -99,6 +105,10 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"lr_schedule={lr_schedule!r} is not one of ('constant', 'cosine', 'linear')")
         if not isinstance(objective, Objective):
             raise ValueError(f"objective must be an Objective (e.g. lit_ess.objectives.P3O()), got {objective!r}")
+        if lora is not None and not isinstance(lora, LoRA):
+            raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
+        self.lora = lora
+        self.strict_loading = lora is None         # a LoRA checkpoint holds the adapters, not the base
         self.objective = objective
         self.automatic_optimization = False
         self.policy = None
@@ -120,17 +130,27 @@ class PolicyModule(L.LightningModule):
             disable_dropout(self.policy)
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
-        if self.objective.ref_kl_coef:
+        if self.lora is not None:
+            if self.hparams.gradient_checkpointing:
+                self.policy.enable_input_require_grads()   # the frozen embeddings' output must carry grad
+            self.policy = self.lora.apply(self.policy)
+        if self.objective.ref_kl_coef and (self.lora is None or self.hparams.ref_model_path):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
             self.ref_policy = ref.eval().requires_grad_(False)
 
     def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights with Hugging Face names, gathered one tensor at a time (FSDP2:
-        every rank must consume the iterator, in the same order)."""
-        return full_weights(self.policy)
+        every rank must consume the iterator, in the same order); with LoRA, the merged weights, or the
+        adapters alone (`lora.sync: adapter`)."""
+        if self.lora is None:
+            return full_weights(self.policy)
+        return adapter_weights(self.policy) if self.lora.sync == "adapter" else merged_weights(self.policy)
 
     def sharded_models(self) -> list[torch.nn.Module]:
         """The models a sharding callback (lit_ess.callbacks.FSDP2) shards: the policy and the reference."""
+        if self.lora is not None:
+            raise ValueError("model.lora is not supported with FSDP2 (lit_ess.callbacks.FSDP2) yet: use strategy: "
+                             "ddp, whose replicas hold the frozen base and the small adapters")
         return [m for m in (self.policy, self.ref_policy) if m is not None]
 
     def configure_optimizers(self):
@@ -165,6 +185,16 @@ class PolicyModule(L.LightningModule):
         """(logprobs, entropy or None) of the policy on the micro-batch."""
         return self._score(self.policy, mb, sampling, with_grad,
                            with_entropy=with_grad and bool(self.objective.entropy_coef))
+
+    def _reference(self, mb: RolloutBatch, sampling: dict) -> Tensor | None:
+        """Reference logprobs for ref_kl_coef: the reference model's, or with LoRA (no reference model)
+        the base model's, scored with the adapters switched off; None without a reference penalty."""
+        if self.ref_policy is not None:
+            return self._score(self.ref_policy, mb, sampling, False)[0]
+        if not self.objective.ref_kl_coef:
+            return None
+        with self.policy.disable_adapter():
+            return self._score(self.policy, mb, sampling, False)[0]
 
     def _world(self) -> bool:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -259,7 +289,7 @@ class PolicyModule(L.LightningModule):
         scale = self._grad_scale()
         for mb, weight in passes:
             lp, ent = self._forward(mb, sampling, True)
-            ref = self._score(self.ref_policy, mb, sampling, False)[0] if self.ref_policy is not None else None
+            ref = self._reference(mb, sampling)
             valid = finite_mask(mb.completion_mask, mb.behavior_logprobs, lp)
             ess = step_ess
             if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
@@ -338,9 +368,24 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps}     # cumulative across resumes
+        if self.lora is not None:       # the adapters only, and which base they belong to
+            keep = {f"policy.{n}" for n in adapter_state(self.policy)}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+            checkpoint["lit_ess"]["lora_base"] = base_fingerprint(self.hparams.model_path)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.skipped_steps = checkpoint.get("lit_ess", {}).get("skipped_steps", 0)
+        saved = checkpoint.get("lit_ess", {})
+        self.skipped_steps = saved.get("skipped_steps", 0)
+        if self.lora is not None:
+            if "lora_base" not in saved:
+                raise ValueError("model.lora is set but this checkpoint holds full weights (trained without LoRA)")
+            if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
+                raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
+                                 f"{self.hparams.model_path!r} (fingerprints differ)")
+            missing = sorted({f"policy.{n}" for n in adapter_state(self.policy)} - set(checkpoint["state_dict"]))
+            if missing:
+                raise ValueError(f"this LoRA checkpoint lacks adapter tensors {missing[:3]} (another rank or "
+                                 f"target_modules?)")
 
     def _log_step(self, logs: dict[str, float]) -> None:
         """One `log_metrics` call per logger every `log_every_n_steps` (x-axis: global step).

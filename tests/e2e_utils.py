@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import yaml
 
+from lit_ess.callbacks import WeightSync
 from lit_ess.report import read_scalars
 
 
@@ -178,3 +179,17 @@ def kill_when_rewritten(cfg: Path, target: Path, env: dict | None = None, timeou
             pass
         proc.wait()
     assert first is not None and time.time() < deadline, f"{target} was not rewritten before the run ended"
+
+
+class StaleWeightSync(WeightSync):
+    """A broken weight sync for tests: every push hands the engine the weights of train start, labelled
+    with the current step (what a sync that silently fails looks like)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = None
+
+    def push(self, trainer, pl_module) -> None:
+        if self.first is None:
+            self.first = [(k, v.detach().clone()) for k, v in pl_module.policy_weights()]
+        self._receiver(trainer).push_weights(iter(self.first), version=trainer.global_step)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..logprobs import token_logprobs
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
+from ..lora import is_adapter_payload
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class HFEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         state = {k: v.detach() for k, v in named_tensors}
+        if is_adapter_payload(list(state)):
+            raise ValueError("the hf engine takes full weights: use model.lora.sync: merged (or the vllm engine)")
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         real_missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         if real_missing or unexpected:

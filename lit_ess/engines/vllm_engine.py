@@ -10,7 +10,10 @@ while several engines live in one process, destroy none of them until all are do
 """
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
@@ -18,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..console import harmless_stderr_dropped, verbose
+from ..lora import is_adapter_payload, write_adapter
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda
 
 
@@ -81,6 +85,8 @@ class VLLMConfig(EngineConfig):
             always loads in process (`reload_weights`).
         bucket_mb: transport nccl: MiB gathered and broadcast at once; a bucket closes with the tensor that
             crosses this size, so it exceeds it by at most one tensor (both sides cut buckets alike).
+        max_lora_rank: start the engine with LoRA support for adapters up to this rank (model.lora with
+            sync: adapter pushes the adapters alone, and the engine samples with them); None = off.
     """
 
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -94,6 +100,7 @@ class VLLMConfig(EngineConfig):
     worker_devices: list[int] | None = None
     transport: Literal["shared_memory", "nccl"] = "shared_memory"
     bucket_mb: float = 256.0
+    max_lora_rank: int | None = None
 
     def __post_init__(self):
         if self.behavior_logprobs not in ("processed", "raw"):
@@ -102,6 +109,8 @@ class VLLMConfig(EngineConfig):
             raise ValueError(f"transport={self.transport!r} is not one of ('shared_memory', 'nccl')")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1 or null, got {self.max_lora_rank}")
         d = self.worker_devices
         if d is not None and (not d or len(set(d)) != len(d) or any(not isinstance(i, int) or i < 0 for i in d)):
             raise ValueError(f"worker_devices must be distinct device indices >= 0 (or null = colocated), got {d}")
@@ -173,6 +182,11 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(_colocated_rank_kwargs(kwargs))
         if c.transport == "nccl":
             kwargs.setdefault("weight_transfer_config", {"backend": "nccl"})
+        if c.max_lora_rank is not None:
+            # vLLM 0.32 takes max_lora_rank from a fixed set: the smallest one that holds the adapter
+            rank = min((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= c.max_lora_rank), default=c.max_lora_rank)
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        self.max_lora_rank, self.lora_request, self.adapter_dir = c.max_lora_rank, None, None
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
             self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=c.enforce_eager, logprobs_mode=f"{c.behavior_logprobs}_logprobs", seed=c.seed,
@@ -195,7 +209,7 @@ class VLLMEngine(RolloutEngine):
                     n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                     max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, seed=seed,
                     logprobs=0, include_stop_str_in_output=True))
-        outs = self.llm.generate(reqs, params, use_tqdm=False)
+        outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
         flat = []
         for o in outs:
             c = o.outputs[0]
@@ -206,8 +220,30 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         # lazily: vLLM's load_weights consumes the iterator, so a sharded policy is gathered tensor by tensor
-        weights = ((k, v.detach()) for k, v in named_tensors)
+        it = iter(named_tensors)
+        first = next(it, None)
+        if first is not None and is_adapter_payload([first[0]]):
+            self._load_adapter(dict([first, *it]), version)
+            return
+        weights = ((k, v.detach()) for k, v in itertools.chain([first] if first else [], it))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self._updated(version)
+
+    def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
+        """LoRA adapters (lit_ess.lora.adapter_weights) instead of full weights: written as a peft folder
+        on a memory filesystem and served under one adapter id, reloaded in place at every version."""
+        if self.max_lora_rank is None:
+            raise ValueError("model.lora.sync: adapter pushes adapters, but the engine was started without LoRA: "
+                             "set data.engine.init_args.max_lora_rank to model.lora.rank or more")
+        from vllm.lora.request import LoRARequest
+
+        if self.adapter_dir is None:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self.adapter_dir = tempfile.mkdtemp(prefix="lit-ess-adapter-", dir=root)
+        folder = write_adapter(os.path.join(self.adapter_dir, f"v{version}"), tensors)
+        old, self.lora_request = self.lora_request, LoRARequest("lit-ess", 1, str(folder), load_inplace=True)
+        if old is not None and old.lora_path != str(folder):
+            shutil.rmtree(old.lora_path, ignore_errors=True)
         self._updated(version)
 
     def init_weight_transfer(self, init_info: dict) -> None:
@@ -232,6 +268,8 @@ class VLLMEngine(RolloutEngine):
         # groups, which breaks any other in-process engine (measured: "pipeline model parallel group
         # is not initialized").
         self.llm = None
+        if self.adapter_dir is not None:
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
         import gc
 
         gc.collect()

@@ -1,0 +1,151 @@
+"""LoRA on the policy: the typed config, its application with peft, and the merged weights the engine
+receives.
+
+With LoRA, a target linear layer computes y = x (W + s B A)^T, W frozen, A [r, in] and B [out, r]
+trained, s = alpha / r. Only A and B (and their optimizer state) change, so checkpoints hold them alone;
+the engine samples from the merged weights W + s B A, which `merged_weights` computes tensor by tensor
+under the base model's Hugging Face names (W itself is never modified: merging in place and unmerging
+later would leave W + sBA - sBA != W in floating point, a drift that grows with every sync).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal
+
+import torch
+from torch import Tensor
+
+ADAPTER = "default"          # peft's name of the one adapter
+
+
+@dataclass
+class LoRA:
+    """Low-rank adapters on the policy (peft); full fine-tuning when the module's `lora` is None.
+
+    Args:
+        rank: r, the rank of A and B.
+        alpha: scale numerator: the update is (alpha / r) B A.
+        dropout: dropout on the adapter's input. 0 by default: with dropout the trainer scores tokens
+            with a random sub-network, so on-policy data no longer has ESS 1.
+        target_modules: the layers that get adapters: "all-linear" (every linear layer but the output
+            head) or a list of module names (e.g. [q_proj, v_proj]).
+        sync: what the engine receives: "merged" (W + s B A under the base's names, through the same
+            transports as full weights) or "adapter" (A and s B only; vLLM serves them as a LoRA
+            adapter: start it with data.engine.init_args.max_lora_rank >= rank).
+    """
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = field(default="all-linear")
+    sync: Literal["merged", "adapter"] = "merged"
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.sync not in ("merged", "adapter"):
+            raise ValueError(f"lora.sync must be 'merged' or 'adapter', got {self.sync!r}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(f"lora.target_modules must be 'all-linear' or a list of module names, "
+                             f"got {self.target_modules!r}")
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model wrapped by peft with fresh adapters (B = 0: the adapted model starts as the base)."""
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                            target_modules=self.target_modules)
+        try:
+            return get_peft_model(model, config, adapter_name=ADAPTER)
+        except ValueError as e:                       # e.g. a target module name the model does not have
+            raise ValueError(f"lora.target_modules={self.target_modules!r}: {e}") from None
+
+
+def is_peft(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(Hugging Face name, tensor) of the base model with every adapter merged, W + s B A, in the base
+    model's state-dict order; adapter tensors themselves are not yielded."""
+    base = model.get_base_model()
+    for name, t in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." not in name:
+            yield name, t
+            continue
+        owner, leaf = name.split(".base_layer.")
+        if leaf == "weight":
+            t = t + base.get_submodule(owner).get_delta_weight(ADAPTER).to(t.dtype)
+        yield f"{owner}.{leaf}", t
+
+
+def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The adapters as a self-describing LoRA checkpoint: peft's saved names (`...q_proj.lora_A.weight`),
+    with the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1)
+    reproduces the update exactly (see `write_adapter`)."""
+    from peft.utils import get_peft_model_state_dict
+
+    base = model.get_base_model()
+    for name, t in get_peft_model_state_dict(model, adapter_name=ADAPTER).items():
+        if ".lora_B." in name:
+            owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
+            t = t * base.get_submodule(owner).scaling[ADAPTER]
+        yield name, t
+
+
+def is_adapter_payload(names: list[str]) -> bool:
+    """True when pushed weights are adapters (`adapter_weights`) rather than full weights."""
+    return bool(names) and all(".lora_A." in n or ".lora_B." in n for n in names)
+
+
+def write_adapter(folder: str | Path, tensors: dict[str, Tensor]) -> Path:
+    """A peft adapter folder (adapter_model.safetensors + adapter_config.json) for the tensors of
+    `adapter_weights`: rank from lora_A's shape, target modules from the names, lora_alpha = rank."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = next(t.shape[0] for n, t in tensors.items() if ".lora_A." in n)
+    targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": targets, "task_type": "CAUSAL_LM", "fan_in_fan_out": False}))
+    return folder
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The trainable adapter tensors under the module's state-dict names (`policy.` prefix added by
+    the caller)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def base_fingerprint(model_path: str) -> str:
+    """A short hash of the base model's weight files, so a LoRA checkpoint can tell whether it is resumed
+    on the base it was trained from."""
+    h = hashlib.sha256()
+    folder = Path(model_path)
+    files = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+    if not files:                                    # a hub name: the best we can do is the name
+        h.update(model_path.encode())
+    for f in files:
+        st = f.stat()
+        h.update(json.dumps([f.name, st.st_size]).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))                 # the header and first MiB: cheap, and tells bases apart
+    return h.hexdigest()[:16]
+
+
+# LoRA configs are saved in checkpoints' hyper-parameters: let torch.load(weights_only=True) rebuild them.
+torch.serialization.add_safe_globals([LoRA])
