@@ -128,10 +128,12 @@ class LitESSCLI(LightningCLI):
         hyper-parameters, where torch.load would raise a PytorchStreamReader traceback)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if path and path not in ("last", "best", "hpc") and Path(path).exists():
+        if path and path not in ("last", "best", "hpc"):
             try:
-                resolve_resume(path, [])
-            except ValueError as e:
+                if not Path(path).is_file():
+                    check_checkpoint(path, "--ckpt_path")   # a missing file, or a folder without meta.pt
+                resolve_resume(path, [])                   # a torn one, with the readable ones beside it
+            except (ValueError, FileNotFoundError) as e:
                 _fail(str(e))
         super()._parse_ckpt_path()
 
@@ -151,15 +153,6 @@ class LitESSCLI(LightningCLI):
             _fail(str(e))
         if notice and self.trainer.is_global_zero:
             print(f"lit-ess: {notice}", file=sys.stderr)
-
-    def parse_arguments(self, parser, args) -> None:
-        """A checkpoint file given as --ckpt_path that cannot be read fails naming it, before
-        LightningCLI reads its hyper-parameters (a torch.load traceback)."""
-        super().parse_arguments(parser, args)
-        sub = self.config.get("subcommand")
-        ckpt = self.config[sub].get("ckpt_path") if sub else None
-        if ckpt and os.path.isfile(ckpt):
-            check_checkpoint(ckpt, "ckpt_path")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -56,9 +56,10 @@ def test_async_bound_never_exceeded_nothing_lost_or_duplicated(tiny_model_dir, S
     lags = [int(step - v) for step, b in enumerate(batches) for v in b.versions]
     assert max(lags) <= S and dm.buffer.stale_dropped == 0          # admission alone kept the bound
     if S > k - 1:
-        # training is the bottleneck: finished phases wait in the buffer, as far ahead as the bound allows;
-        # generation is: one phase generating and one queued (never more), so data is at most one phase older
-        assert max(lags) == (S if train else min(S, 2 * k - 1))
+        # the worker ran ahead of the synchronous schedule (lag k - 1). How far depends on which side is
+        # slower on the machine at the time (training: as far as S allows; generation: about one phase),
+        # so only the bound itself is asserted exactly
+        assert k <= max(lags) <= S
     for b in batches:                                                  # each row came from the weights of
         m = b.completion_mask                                          # its version (shared-memory transport)
         assert torch.equal(b.behavior_logprobs[m], (-b.versions.float())[:, None].expand_as(m)[m])
