@@ -48,6 +48,10 @@ HARMLESS_LOGS: dict[str, tuple[str, ...]] = {
     # in a checkpoint, so vLLM finds "no weights" for it and puts the existing cache back. The logprobs
     # after a reload equal the trainer's (tests/test_engines.py::test_weight_refresh_*).
     "vllm.model_executor.model_loader.reload.layerwise": (r"RotaryEmbedding: Failed to load weights",),
+    # Once per engine at the first LoRA request (model.lora with sync: adapter): lit-ess never gives an
+    # adapter its own tokenizer, the base model's is the one it trains with.
+    "vllm.v1.engine.input_processor": (r"vLLM has deprecated support for supporting different tokenizers for "
+                                       r"different LoRAs",),
     # An advertisement, printed by every Trainer.
     "lightning.pytorch.utilities.rank_zero": ("\U0001f4a1 Tip: For seamless cloud logging",),
     "lightning.fabric.utilities.rank_zero": ("\U0001f4a1 Tip: For seamless cloud logging",),
