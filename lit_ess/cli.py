@@ -30,13 +30,13 @@ quiet_console()            # before Lightning, transformers and vLLM are importe
 
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
-from lightning.pytorch.callbacks import ProgressBar  # noqa: E402
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar  # noqa: E402
 
 import lit_ess.callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
 import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
-from lit_ess.callbacks.progress import StepProgressBar  # noqa: E402
+from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.objectives import OBJECTIVES, Objective  # noqa: E402
 
@@ -106,10 +106,14 @@ class LitESSCLI(LightningCLI):
                              "trainer.num_sanity_val_steps": 0})
 
     def _instantiate_trainer(self, config, callbacks):
-        """Add the step progress bar unless the config brings its own or turns the bar off."""
+        """Add the step progress bar and lit-ess's model summary unless the config brings its own or turns
+        them off."""
         given = list(config.get("callbacks") or []) + list(callbacks)
         if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
+        if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in given):
+            callbacks = [*callbacks, LitESSModelSummary()]
+            config["enable_model_summary"] = False     # Lightning's default summary stays out, and its notice
         return super()._instantiate_trainer(config, callbacks)
 
 

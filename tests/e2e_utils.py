@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,16 @@ def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, env: dict 
     env = dict(env or os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath())
     return subprocess.run([sys.executable, "-m", "lit_ess.cli", *args], cwd=cwd, env=env, timeout=timeout,
                           capture_output=True, text=True, **popen)
+
+
+# what a quiet console never shows: a warning or deprecation, or a Python warning whatever its wording
+# (warnings print as "path/file.py:LINE: message")
+NOISE = re.compile(r"warning|deprecat|\.py:\d+: ", re.I)
+
+
+def noisy_lines(console: str) -> list[str]:
+    """The lines of a console output that match NOISE (progress-bar redraws count as lines)."""
+    return [ln for ln in re.split(r"[\r\n]", console) if NOISE.search(ln)]
 
 
 def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
