@@ -15,7 +15,7 @@ def run_ok(cfg, tmp_path, *extra):
     return scalars(tmp_path)
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
+@pytest.mark.parametrize("engine", ["VLLMConfig", "HFConfig"])
 def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path):
     s = run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine, max_steps=4), tmp_path)
     ess = [v for _, v in s["train/ess"]]
