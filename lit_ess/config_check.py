@@ -78,7 +78,7 @@ def _check(key: str, value) -> str | None:
     if isinstance(value, dict):
         return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v) for k, v in value.items())), None)
     if isinstance(value, list):
-        return next(filter(None, (_check(key, v) for v in value)), None)
+        return next(filter(None, (_check(f"{key}.{i}", v) for i, v in enumerate(value))), None)
     if not isinstance(value, str):
         return None
     if MOVED.fullmatch(value):
