@@ -40,6 +40,8 @@ from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 
+# the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
+MOVED = {"callbacks": lit_ess.callbacks.__all__, "datamodules": lit_ess.datamodules.__all__}
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
 set_parsing_settings(subclasses_enabled=[Objective, EngineConfig])
 
@@ -99,7 +101,7 @@ class LitESSCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    legacy = check_inputs(sys.argv[1:] if args is None else args)
+    legacy = check_inputs(sys.argv[1:] if args is None else args, MOVED)
     if legacy:                  # found in the user's own text: there is no traceback to show
         _fail(legacy, traceback=False)
     try:

@@ -30,15 +30,19 @@ GONE = {
     "engine_kwargs": "give the engine as `engine: {class_path: lit_ess.engines.VLLMConfig, init_args: "
                      "{dtype: bfloat16, vllm_kwargs: {...}}}` (or HFConfig)",
 }
-# callbacks/ and datamodules/ are installed as lit_ess.callbacks and lit_ess.datamodules
-MOVED = re.compile(r"(callbacks|datamodules)\.[A-Za-z_][\w.]*")
+DOTTED = re.compile(r"[A-Za-z_][\w.]*")
 
 
-def check_inputs(args: list[str]) -> str | None:
+def check_inputs(args: list[str], moved: dict[str, list[str]]) -> str | None:
     """The first legacy form in the command line `args` or the config files they name, as one line that
-    says where it is and what to write instead; None when there is none."""
+    says where it is and what to write instead; None when there is none.
+
+    moved: the classes of callbacks/ and datamodules/ (installed as lit_ess.callbacks and
+        lit_ess.datamodules) by folder; `callbacks.WeightSync` is refused, a class of the user's own
+        module named callbacks is not.
+    """
     for where, key, value in _inputs(args):
-        problem = _check(key, value)
+        problem = _check(key, value, moved)
         if problem:
             return where + problem
     return None
@@ -71,17 +75,18 @@ def _yaml(text: str) -> object:
         return text
 
 
-def _check(key: str, value) -> str | None:
+def _check(key: str, value, moved: dict[str, list[str]]) -> str | None:
     leaf = key.rpartition(".")[2].rstrip("+")
     if leaf in GONE:
         return f"{key} is gone: {GONE[leaf]}"
     if isinstance(value, dict):
-        return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v) for k, v in value.items())), None)
+        return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v, moved) for k, v in value.items())), None)
     if isinstance(value, list):
-        return next(filter(None, (_check(f"{key}.{i}", v) for i, v in enumerate(value))), None)
+        return next(filter(None, (_check(f"{key}.{i}", v, moved) for i, v in enumerate(value))), None)
     if not isinstance(value, str):
         return None
-    if MOVED.fullmatch(value):
+    folder, _, rest = value.partition(".")
+    if DOTTED.fullmatch(value) and rest.rpartition(".")[2] in moved.get(folder, ()):
         return f"{key}: {value!r} moved; write 'lit_ess.{value}' (callbacks/ and datamodules/ are installed in lit_ess)"
     field = key.split(".")[-2] if leaf == "class_path" and "." in key else leaf
     if field not in FIELDS:
