@@ -139,10 +139,10 @@ def test_old_weight_sync_period_says_what_to_use(tiny_model_dir, tmp_path):
     assert "every_n_steps=4 is gone" in line and "max_staleness" in line, line
 
 
-def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO):
+def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO, *extra):
     env = dict(os.environ, LIT_ESS_VERBOSE="1" if verbose else "0")
     res = cli(["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--trainer.max_steps", "2",
-               "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4"],
+               "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4", *extra],
               cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     return res
@@ -150,11 +150,14 @@ def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO):
 
 @pytest.mark.e2e
 def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, tmp_path):
-    quiet = _run_demo_rl(tiny_model_dir, tmp_path / "quiet", verbose=False)
+    quiet = _run_demo_rl(tiny_model_dir, tmp_path / "quiet", False, DEMO, "--trainer.check_val_every_n_epoch", "1",
+                         "--data.init_args.val_prompts", "16")
     console = quiet.stderr + quiet.stdout
     assert noisy_lines(console) == []
     assert "Total params" in console and "FLOPs" not in console      # the model summary, without uncounted FLOPs
     assert "steps: 100%" in quiet.stderr and "ess=" in quiet.stderr        # the progress bar, with ESS
+    for step in (1, 2):                  # held-out numbers under the bar, also after the last step closed it
+        assert re.search(rf"^  step {step}: val/pass@1 [\d.]+, val/pass@2 ", quiet.stderr, re.M), quiet.stderr[-3000:]
     table = read_texts(tmp_path / "quiet" / "runs/demo/tb/rl")["completions/text_summary"]
     assert table[0][0] == 0 and "| prompt | completion | reward | advantage | log pi_b |" in table[0][1]
 
