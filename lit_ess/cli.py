@@ -9,11 +9,13 @@ The model and data classes are chosen in the config (`class_path`): lit_ess.modu
 lit_ess.datamodules.RolloutDataModule for RL, lit_ess.sft.SFTModule with lit_ess.datamodules.SFTDataModule for SFT.
 Objectives (lit_ess.objectives.P3O, GRPO, ...) and engines (lit_ess.engines.VLLMConfig, HFConfig) are
 typed configs too. `model_path` is linked from the model to the data module. The Trainer defaults to
-`max_epochs: -1` (stop on `max_steps`) and a one-line progress bar over optimizer steps
-(lit_ess.callbacks.StepProgressBar).
+`max_epochs: -1` (stop on `max_steps`), a one-line progress bar over optimizer steps
+(lit_ess.callbacks.StepProgressBar) and Lightning's model summary without its uncounted FLOPs
+(lit_ess.callbacks.ModelSummary).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
-traceback). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
+traceback). Forms of lit-ess 0.1 in the user's config files or command line are refused before
+parsing, with the form to write instead (lit_ess/config_check.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
 
 Note (upstream LightningCLI behaviour): with `--ckpt_path FILE`, hyper-parameters saved in the
 checkpoint override those given on the command line for the model.
