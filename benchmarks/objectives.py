@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from lit_ess.objectives import OBJECTIVES, build_objective
+from lit_ess.objectives import OBJECTIVE_CLASSES
 
 
 def make_inputs(B=64, T=1024, seed=0):
@@ -45,7 +45,7 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/objectives.json")
     a = p.parse_args(argv)
     lp, lb, adv, mask = make_inputs(a.B, a.T)
-    objs = {name: build_objective(name) for name in OBJECTIVES}
+    objs = {cls.name: cls() for cls in OBJECTIVE_CLASSES}
     times = {name: [] for name in objs}
     for _ in range(5):                                   # warm-up
         for name, obj in objs.items():

@@ -22,10 +22,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lit_ess.engines import SamplingConfig, build_engine
+from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig
 from lit_ess.logprobs import sequence_logprobs
 from lit_ess.module import PolicyModule
-from lit_ess.objectives import build_objective
+from lit_ess.objectives import P3O
 from lit_ess.rollout import RolloutBatch
 from lit_ess.tiny import build_tiny_model
 
@@ -80,7 +80,7 @@ def plain_steps(model_dir, batch, steps):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    objective = build_objective("p3o")
+    objective = P3O()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -98,8 +98,8 @@ def generation(model_dir, prompts=64, n=8, new_tokens=128):
     s = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, seed=0)
     ps = [[1] + list(range(20, 26)) for _ in range(prompts)]
     out = {}
-    for name in ("vllm", "hf"):
-        engine = build_engine(name, model_dir)
+    for name, config in (("vllm", VLLMConfig()), ("hf", HFConfig())):
+        engine = config.build(model_dir)
         engine.generate(ps[:4], 2, s)                        # warm-up (vLLM compiles on its first call)
         t0 = time.perf_counter()
         groups = engine.generate(ps, n, s)

@@ -4,6 +4,7 @@ from .export import ExportHF
 from .fsdp import FSDP2
 from .progress import StepProgressBar
 from .ratio_dashboard import RatioDashboard
+from .summary import ModelSummary
 from .weight_sync import WeightSync
 
-__all__ = ["ExportHF", "FSDP2", "LogCompletions", "RatioDashboard", "StepProgressBar", "WeightSync"]
+__all__ = ["ExportHF", "FSDP2", "LogCompletions", "ModelSummary", "RatioDashboard", "StepProgressBar", "WeightSync"]

@@ -11,6 +11,7 @@ import sys
 import time
 
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class StepProgressBar(ProgressBar):
@@ -73,11 +74,17 @@ class StepProgressBar(ProgressBar):
             self.on_train_end(trainer, pl_module)     # close before Lightning's "stopped" line
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        if self._bar is not None and trainer.training:
-            vals = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-            if vals:
-                self._bar.write("  step %d: %s" % (trainer.global_step,
-                                ", ".join(f"{k} {float(v):.4f}" for k, v in sorted(vals.items()))))
+        """The held-out numbers of a validation inside `fit`, one line under the bar. (Lightning's
+        `trainer.training` is False while it validates, and the last step's validation comes after the
+        bar has closed, so neither decides.)"""
+        if not self.is_enabled or not trainer.is_global_zero or trainer.state.fn != TrainerFn.FITTING:
+            return
+        vals = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if vals:
+            line = "  step %d: %s" % (trainer.global_step, ", ".join(f"{k} {float(v):.4f}" for k, v in sorted(vals.items())))
+            from tqdm.auto import tqdm
+
+            tqdm.write(line, file=sys.stderr)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._bar is not None:

@@ -9,11 +9,13 @@ The model and data classes are chosen in the config (`class_path`): lit_ess.modu
 lit_ess.datamodules.RolloutDataModule for RL, lit_ess.sft.SFTModule with lit_ess.datamodules.SFTDataModule for SFT.
 Objectives (lit_ess.objectives.P3O, GRPO, ...) and engines (lit_ess.engines.VLLMConfig, HFConfig) are
 typed configs too. `model_path` is linked from the model to the data module. The Trainer defaults to
-`max_epochs: -1` (stop on `max_steps`) and a one-line progress bar over optimizer steps
-(lit_ess.callbacks.StepProgressBar).
+`max_epochs: -1` (stop on `max_steps`), a one-line progress bar over optimizer steps
+(lit_ess.callbacks.StepProgressBar) and Lightning's model summary without its uncounted FLOPs
+(lit_ess.callbacks.ModelSummary).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
-traceback). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
+traceback). Forms of lit-ess 0.1 in the user's config files or command line are refused before
+parsing, with the form to write instead (lit_ess/config_check.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
 
 Checkpoints are written atomically and `--ckpt_path last` resumes from the newest readable one,
 saying so in one line when it passes over a torn one (lit_ess/checkpoint.py).
@@ -24,7 +26,6 @@ checkpoint override those given on the command line for the model.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -34,30 +35,24 @@ quiet_console()            # before Lightning, transformers and vLLM are importe
 
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 
 import lit_ess.callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
 import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
-from lit_ess.callbacks.progress import StepProgressBar  # noqa: E402
+from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
 from lit_ess.checkpoint import AtomicCheckpointIO, resolve_resume  # noqa: E402
+from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
-from lit_ess.objectives import OBJECTIVES, Objective  # noqa: E402
+from lit_ess.objectives import Objective  # noqa: E402
 
+# the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
+MOVED = {"callbacks": lit_ess.callbacks.__all__, "datamodules": lit_ess.datamodules.__all__}
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
 set_parsing_settings(subclasses_enabled=[Objective, EngineConfig])
-
-# the configs of lit-ess < 0.2 named objectives and engines by string; say how to write them now
-LEGACY = {
-    "objective_kwargs": "objective_kwargs is gone: give the objective as `objective: {class_path: "
-                        "lit_ess.objectives.GRPO, init_args: {clip_eps: 0.2}}` (or --model.init_args.objective GRPO)",
-    "engine_kwargs": "engine_kwargs is gone: give the engine as `engine: {class_path: lit_ess.engines.VLLMConfig, "
-                     "init_args: {dtype: bfloat16, vllm_kwargs: {...}}}` (or HFConfig)",
-}
-OBJECTIVE_CLASSES = {name: cls.__name__ for name, cls in OBJECTIVES.items()}
 
 
 class _Parser(LightningArgumentParser):
@@ -66,43 +61,32 @@ class _Parser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if os.environ.get("LIT_ESS_TRACEBACK"):
             return super().error(message, ex)
-        _fail(_explain(message))
+        _fail(_explain(ex, message))
 
 
-_NOISE = re.compile(r"^(Does not validate|Subtypes:|Errors:|Given value|Expected a <class 'NoneType'>|"
-                    r"Problem with given class_path|Subclass types expect|Parser key|Unable to load config|"
-                    r"Not a valid subclass|Import path)")
-_CHOICES = {"objective": ("lit_ess.objectives", [c.__name__ for c in OBJECTIVES.values()]),
-            "engine": ("lit_ess.engines", ["VLLMConfig", "HFConfig"])}
+def _explain(error: BaseException | None, message: str = "") -> str:
+    """One line for a failed parse or build: where it failed, in the first line of jsonargparse's message
+    (`Parser key "sampling.temperature":`), and why, in the words of the code that raised first.
+    jsonargparse chains each wrapper (nested keys, the alternatives of a union) to the error it wraps
+    with `raise ... from`, so the innermost cause is the check that failed: a dataclass's __post_init__
+    or a constructor, which names its own field, or jsonargparse's own type check."""
+    while error is not None and error.__cause__ is not None:
+        error = error.__cause__
+    where = _first_line(message)
+    why = "" if error is None else _first_line(error.args[0] if error.args and isinstance(error.args[0], str) else str(error))
+    if why and why not in where:
+        return f"{where} {why}".strip()
+    return where or "invalid arguments"
 
 
-def _explain(message: str) -> str:
-    """One line from a jsonargparse error: the culprit's own sentence first, no usage, no Namespace dump."""
-    for key, hint in LEGACY.items():
-        if re.search(rf"\b{key}\b", message):
-            return hint
-    keys = re.findall(r'(?:Parser key|Key) "([^"]+)"', message)
-    key = keys[-1] if keys else ""
-    for field, (module, names) in _CHOICES.items():
-        bad = re.search(r"(?:dot import path string|Unable to load config)[:\s'\"]+([\w.]+)", message)
-        missing = re.search(rf"module '{re.escape(module)}' has no attribute '(\w+)'", message)
-        if missing:
-            key, bad = key or field, missing
-        if key.split(".")[-1] == field and bad:
-            value = bad.group(1)
-            if value in OBJECTIVE_CLASSES or value in ("vllm", "hf"):
-                new = OBJECTIVE_CLASSES.get(value) or ("VLLMConfig" if value == "vllm" else "HFConfig")
-                return f"{key}: {value!r} is the old string form; write `{field}: {{class_path: {module}.{new}}}`"
-            return f"{key}: {value!r} is not a known {field}; choose one of {', '.join(names)} (class_path {module}.NAME)"
-    lines = [ln.strip().lstrip("-").strip() for ln in message.splitlines()]
-    lines = [ln for ln in lines if ln and not _NOISE.match(ln) and "Namespace(" not in ln]
-    ours = [ln for ln in lines if re.search(r"\bmust\b|is not one of|\(got |no such|is empty", ln)]
-    reason = re.sub(r"^(ValueError|TypeError):\s*", "", (ours or lines or [message.strip()])[0])
-    return f"{key}: {reason}" if key and key.split(".")[-1] not in reason else reason
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
-def _fail(message: str) -> None:
-    print(f"lit-ess: error: {message}\n(set LIT_ESS_TRACEBACK=1 for the traceback)", file=sys.stderr)
+def _fail(message: str, traceback: bool = True) -> None:
+    print(f"lit-ess: error: {message}", file=sys.stderr)
+    if traceback:
+        print("(set LIT_ESS_TRACEBACK=1 for the traceback)", file=sys.stderr)
     sys.exit(2)
 
 
@@ -113,11 +97,15 @@ class LitESSCLI(LightningCLI):
                              "trainer.num_sanity_val_steps": 0})
 
     def _instantiate_trainer(self, config, callbacks):
-        """Add the step progress bar unless the config brings its own or turns the bar off, and write
-        checkpoints atomically (lit_ess.checkpoint) unless the config brings its own CheckpointIO."""
+        """Add the step progress bar and lit-ess's model summary unless the config brings its own or turns
+        them off, and write checkpoints atomically (lit_ess.checkpoint) unless the config brings its own
+        CheckpointIO."""
         given = list(config.get("callbacks") or []) + list(callbacks)
         if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
+        if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in given):
+            callbacks = [*callbacks, LitESSModelSummary()]
+            config["enable_model_summary"] = False     # Lightning's default summary stays out, and its notice
         trainer = super()._instantiate_trainer(config, callbacks)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -157,13 +145,16 @@ class LitESSCLI(LightningCLI):
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    legacy = check_inputs(sys.argv[1:] if args is None else args, MOVED)
+    if legacy:                  # found in the user's own text: there is no traceback to show
+        _fail(legacy, traceback=False)
     try:
         LitESSCLI(None, None, subclass_mode_model=True, subclass_mode_data=True, parser_class=_Parser,
                   save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
     except (ValueError, FileNotFoundError, OSError) as e:   # bad config or input: one clear line, exit 2
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
-        _fail(_explain(str(e)) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+        _fail(_explain(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

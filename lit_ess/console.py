@@ -70,6 +70,10 @@ HARMLESS_WARNINGS: tuple[str, ...] = (
     # the run is distributed and asks for sync_dist; PolicyModule logs val/ with sync_dist=True, and
     # Lightning warns only when its world size is 1 (nothing to reduce).
     r"It is recommended to use `self\.log\('val/",
+    # The rollout loaders are iterable datasets with a length on purpose: Lightning then neither prefetches
+    # a batch nor wraps them in a DistributedSampler (datamodules/rollout.py). The warning is about worker
+    # processes (num_workers > 1) each yielding a copy of the data; these loaders read in the main process.
+    r"Your `IterableDataset` has `__len__` defined",
 )
 
 # lines written straight to file descriptor 2 by C++ code while vLLM starts

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -610,22 +610,8 @@ class REINFORCE(Objective):
         return agg(-lp * adv), ratio_metrics(lp - lb, mask)
 
 
-OBJECTIVES: dict[str, Callable[..., Objective]] = {
-    "p3o": P3O, "grpo": GRPO, "dapo": DAPO, "gspo": GSPO, "cispo": CISPO,
-    "decoupled": DecoupledPPO, "reinforce": REINFORCE,
-}
-
+# Every objective of this module, in the order the docs list them.
+OBJECTIVE_CLASSES: tuple[type[Objective], ...] = (P3O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE)
 
 # Objectives are saved in checkpoints' hyper-parameters: let torch.load(weights_only=True) rebuild them.
-torch.serialization.add_safe_globals([*OBJECTIVES.values(), ISCorrection])
-
-
-def build_objective(name: str, **hparams) -> Objective:
-    """Build an objective by name (p3o, grpo, dapo, gspo, cispo, decoupled, reinforce); the same as
-    `OBJECTIVES[name](**hparams)` with errors that name the culprit."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
-    try:
-        return OBJECTIVES[name](**hparams)
-    except TypeError as e:
-        raise ValueError(f"objective {name!r}: bad hyper-parameters {sorted(hparams)}: {e}") from None
+torch.serialization.add_safe_globals([*OBJECTIVE_CLASSES, ISCorrection])

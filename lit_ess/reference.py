@@ -30,9 +30,9 @@ import torch  # noqa: E402
 
 from lit_ess.advantages import group_advantages  # noqa: E402
 from lit_ess.datamodules.prompts import Arithmetic, PromptOrder, encode_prompt  # noqa: E402
-from lit_ess.engines import ENGINES, SamplingConfig  # noqa: E402
+from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig  # noqa: E402
 from lit_ess.logprobs import sequence_logprobs  # noqa: E402
-from lit_ess.objectives import batch_ess, build_objective  # noqa: E402
+from lit_ess.objectives import OBJECTIVE_CLASSES, batch_ess  # noqa: E402
 from lit_ess.rewards import RewardScorer  # noqa: E402
 from lit_ess.rollout import Row, collate  # noqa: E402
 from lit_ess.step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, lr_factor  # noqa: E402
@@ -49,10 +49,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--warmup_steps", type=int, default=0)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--objective", default="p3o", help="p3o, grpo, dapo, gspo, cispo, decoupled, reinforce")
+    p.add_argument("--objective", default="P3O", choices=[c.__name__ for c in OBJECTIVE_CLASSES],
+                   help="a class of lit_ess.objectives, with its default hyper-parameters")
     p.add_argument("--reward", default="exact_match", help="exact_match, gsm8k, math_verify or module:function")
     p.add_argument("--size", type=int, default=10_000, help="examples of the Arithmetic prompt source (2 digits, +)")
-    p.add_argument("--engine", default="vllm", choices=list(ENGINES))
+    p.add_argument("--engine", default="VLLMConfig", choices=["VLLMConfig", "HFConfig"], help="the engine's config class")
     p.add_argument("--seed", type=int, default=0, help="prompt order, sampling seeds, torch")
     args = p.parse_args(argv)
 
@@ -64,8 +65,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     policy = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=torch.float32).train()
     disable_dropout(policy)                     # else on-policy tokens score rho != 1
     optimizer = build_optimizer(policy, args.lr)
-    objective = build_objective(args.objective)
-    engine = ENGINES[args.engine]().build(args.model_path)
+    objective = next(c for c in OBJECTIVE_CLASSES if c.__name__ == args.objective)()
+    engine = {"VLLMConfig": VLLMConfig, "HFConfig": HFConfig}[args.engine]().build(args.model_path)
     scorer = RewardScorer(args.reward)
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     source = Arithmetic(size=args.size)

@@ -25,13 +25,13 @@ def tiny_model_dir(tmp_path_factory):
 def vllm_engines(tiny_model_dir):
     """vLLM engines by key, all kept alive until the module ends: destroying an in-process vLLM engine
     tears down process-wide state that the other live engines still use."""
-    from lit_ess.engines import build_engine
+    from lit_ess.engines import VLLMConfig
 
     cache = {}
 
     def get(key="default", **kwargs):
         if key not in cache:
-            cache[key] = build_engine("vllm", tiny_model_dir, **kwargs)
+            cache[key] = VLLMConfig(**kwargs).build(tiny_model_dir)
         return cache[key]
 
     yield get

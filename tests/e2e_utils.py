@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +19,10 @@ def digit_fraction(completion: str, answer: str) -> float:
     return sum(c.isdigit() for c in completion) / max(1, len(completion))
 
 
-ENGINE_CLASSES = {"vllm": "lit_ess.engines.VLLMConfig", "hf": "lit_ess.engines.HFConfig"}
-OBJECTIVE_CLASSES = {"p3o": "P3O", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "cispo": "CISPO",
-                     "decoupled": "DecoupledPPO", "reinforce": "REINFORCE"}
-
-
-def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_per_rollout=1, lr=1e-3,
-              prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="p3o", extra_data=None,
+def rl_config(model_path: str, out: Path, *, engine="VLLMConfig", max_steps=4, steps_per_rollout=1, lr=1e-3,
+              prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="P3O", extra_data=None,
               extra_model=None):
+    """A small RL config; `engine` and `objective` are class names of lit_ess.engines / lit_ess.objectives."""
     callbacks = [
         {"class_path": "lit_ess.callbacks.WeightSync"},
         {"class_path": "lit_ess.callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
@@ -35,7 +32,7 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
                           "init_args": {"dirpath": str(out / "ckpt"), "save_last": True,
                                         "every_n_train_steps": ckpt_every, "save_top_k": -1}})
     data = {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
-            "engine": {"class_path": ENGINE_CLASSES[engine]}, "sampling": {"temperature": 1.0, "max_new_tokens": 6, "seed": 0},
+            "engine": {"class_path": f"lit_ess.engines.{engine}"}, "sampling": {"temperature": 1.0, "max_new_tokens": 6, "seed": 0},
             "prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout,
             "reward": "e2e_utils:digit_fraction"}
     data.update(extra_data or {})
@@ -43,7 +40,7 @@ def rl_config(model_path: str, out: Path, *, engine="vllm", max_steps=4, steps_p
         "seed_everything": 0,
         "model": {"class_path": "lit_ess.module.PolicyModule",
                   "init_args": {"model_path": model_path, "lr": lr,
-                                "objective": {"class_path": f"lit_ess.objectives.{OBJECTIVE_CLASSES.get(objective, objective)}"},
+                                "objective": {"class_path": f"lit_ess.objectives.{objective}"},
                                 "micro_batch_size": micro_batch_size, **(extra_model or {})}},
         "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": data},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "log_every_n_steps": 1,
@@ -74,6 +71,16 @@ def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, env: dict 
     env = dict(env or os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath())
     return subprocess.run([sys.executable, "-m", "lit_ess.cli", *args], cwd=cwd, env=env, timeout=timeout,
                           capture_output=True, text=True, **popen)
+
+
+# what a quiet console never shows: a warning or deprecation, or a Python warning whatever its wording
+# (warnings print as "path/file.py:LINE: message")
+NOISE = re.compile(r"warning|deprecat|\.py:\d+: ", re.I)
+
+
+def noisy_lines(console: str) -> list[str]:
+    """The lines of a console output that match NOISE (progress-bar redraws count as lines)."""
+    return [ln for ln in re.split(r"[\r\n]", console) if NOISE.search(ln)]
 
 
 def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:

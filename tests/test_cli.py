@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e_utils import cli
-from lit_ess.objectives import OBJECTIVES
+from e2e_utils import cli, noisy_lines
+from lit_ess.objectives import OBJECTIVE_CLASSES
 from lit_ess.report import read_texts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -22,9 +22,8 @@ def print_config(model_dir, *extra):
     return yaml.safe_load(res.stdout)
 
 
-@pytest.mark.parametrize("name", list(OBJECTIVES))
-def test_print_config_lists_every_objective_hyper_parameter(tiny_model_dir, name):
-    cls = OBJECTIVES[name]
+@pytest.mark.parametrize("cls", OBJECTIVE_CLASSES, ids=lambda c: c.__name__)
+def test_print_config_lists_every_objective_hyper_parameter(tiny_model_dir, cls):
     cfg = print_config(tiny_model_dir, "--model.init_args.objective", cls.__name__)
     objective = cfg["model"]["init_args"]["objective"]
     assert objective["class_path"] == f"lit_ess.objectives.{cls.__name__}"
@@ -81,6 +80,55 @@ def test_old_configs_say_how_to_update(tiny_model_dir, args, says):
     assert says in _one_error_line(res)
 
 
+def _demo_config(tmp_path, model_dir, **edits) -> str:
+    """configs/demo.yaml with the tiny model and `edits` (dotted key: value) applied, written to tmp_path."""
+    cfg = yaml.safe_load(open(DEMO))
+    cfg["model"]["init_args"]["model_path"] = model_dir
+    for dotted, value in edits.items():
+        *parents, last = dotted.split(".")
+        node = cfg
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        node[last] = value
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("model.init_args.objective", "grpo", "model.init_args.objective: 'grpo' is the old string form; "
+                                          "write `objective: {class_path: lit_ess.objectives.GRPO}`"),
+    ("model.init_args.objective_kwargs", {"clip_eps": 0.3}, "model.init_args.objective_kwargs is gone: give the "
+                                                            "objective as `objective: {class_path: lit_ess.objectives"),
+    ("data.init_args.engine", "vllm", "data.init_args.engine: 'vllm' is the old string form; "
+                                      "write `engine: {class_path: lit_ess.engines.VLLMConfig}`"),
+    ("data.init_args.engine_kwargs", {"dtype": "bfloat16"}, "data.init_args.engine_kwargs is gone: give the engine as "
+                                                           "`engine: {class_path: lit_ess.engines.VLLMConfig"),
+])
+def test_old_config_files_say_how_to_update(tiny_model_dir, tmp_path, key, value, says):
+    path = _demo_config(tmp_path, tiny_model_dir, **{key: value})
+    line = _one_error_line(cli(["fit", "--config", path], cwd=tmp_path))
+    assert line.startswith(f"lit-ess: error: {path}: {says}"), line
+
+
+@pytest.mark.parametrize("cwd", ["elsewhere", "repo root"])
+@pytest.mark.parametrize("key, old", [("trainer.callbacks.0.class_path", "callbacks.WeightSync"),
+                                      ("data.class_path", "datamodules.RolloutDataModule")])
+def test_moved_class_paths_say_the_new_one(tiny_model_dir, tmp_path, cwd, key, old):
+    """From a checkout's root `import callbacks` would succeed: the old path must still be refused."""
+    path = _demo_config(tmp_path, tiny_model_dir, **{key: old})
+    res = cli(["fit", "--config", path], cwd=tmp_path if cwd == "elsewhere" else CONFIGS.parent, timeout=120)
+    line = _one_error_line(res)
+    assert line == f"lit-ess: error: {path}: {key}: {old!r} moved; write 'lit_ess.{old}' (callbacks/ and " \
+                   "datamodules/ are installed in lit_ess)", line
+
+
+def test_moved_class_path_on_the_command_line(tiny_model_dir):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir,
+               "--trainer.callbacks+=callbacks.LogCompletions"], cwd=CONFIGS.parent, timeout=120)
+    assert "'callbacks.LogCompletions' moved; write 'lit_ess.callbacks.LogCompletions'" in _one_error_line(res)
+
+
 def test_old_weight_sync_period_says_what_to_use(tiny_model_dir, tmp_path):
     cfg = yaml.safe_load(open(DEMO))
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
@@ -91,10 +139,10 @@ def test_old_weight_sync_period_says_what_to_use(tiny_model_dir, tmp_path):
     assert "every_n_steps=4 is gone" in line and "max_staleness" in line, line
 
 
-def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO):
+def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO, *extra):
     env = dict(os.environ, LIT_ESS_VERBOSE="1" if verbose else "0")
     res = cli(["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--trainer.max_steps", "2",
-               "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4"],
+               "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4", *extra],
               cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     return res
@@ -102,10 +150,14 @@ def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO):
 
 @pytest.mark.e2e
 def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, tmp_path):
-    quiet = _run_demo_rl(tiny_model_dir, tmp_path / "quiet", verbose=False)
-    noisy = [ln for ln in (quiet.stderr + quiet.stdout).splitlines() if re.search("warning", ln, re.I)]
-    assert noisy == [], noisy
+    quiet = _run_demo_rl(tiny_model_dir, tmp_path / "quiet", False, DEMO, "--trainer.check_val_every_n_epoch", "1",
+                         "--data.init_args.val_prompts", "16")
+    console = quiet.stderr + quiet.stdout
+    assert noisy_lines(console) == []
+    assert "Total params" in console and "FLOPs" not in console      # the model summary, without uncounted FLOPs
     assert "steps: 100%" in quiet.stderr and "ess=" in quiet.stderr        # the progress bar, with ESS
+    for step in (1, 2):                  # held-out numbers under the bar, also after the last step closed it
+        assert re.search(rf"^  step {step}: val/pass@1 [\d.]+, val/pass@2 ", quiet.stderr, re.M), quiet.stderr[-3000:]
     table = read_texts(tmp_path / "quiet" / "runs/demo/tb/rl")["completions/text_summary"]
     assert table[0][0] == 0 and "| prompt | completion | reward | advantage | log pi_b |" in table[0][1]
 
@@ -117,6 +169,5 @@ def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, 
 def test_async_demo_console_is_quiet(tiny_model_dir, tmp_path):
     """The worker process (vLLM in a child) follows the same console rules as the trainer."""
     res = _run_demo_rl(tiny_model_dir, tmp_path, verbose=False, config=str(CONFIGS / "demo_async.yaml"))
-    noisy = [ln for ln in (res.stderr + res.stdout).splitlines() if re.search("warning", ln, re.I)]
-    assert noisy == [], noisy
+    assert noisy_lines(res.stderr + res.stdout) == []
     assert "steps: 100%" in res.stderr

@@ -174,5 +174,5 @@ def test_a_broken_config_fails_the_dry_run(dotted, value, says, tiny_model_dir, 
     with pytest.raises((SystemExit, ValueError)) as err:
         _build(cfg, tmp_path)
     # the line `lit-ess fit` prints: the parser's own (exit 2), or lit_ess.cli.main's for a constructor's ValueError
-    line = capsys.readouterr().err if err.type is SystemExit else _explain(str(err.value))
+    line = capsys.readouterr().err if err.type is SystemExit else _explain(err.value)
     assert says in line, line

@@ -1,4 +1,5 @@
-"""The CPU demo learns: the same commands as scripts/demo.sh, in a temporary folder."""
+"""The CPU demo learns, quietly: the same commands as scripts/demo.sh, in a temporary folder."""
+import os
 import subprocess
 import sys
 import time
@@ -6,21 +7,31 @@ from pathlib import Path
 
 import pytest
 
-from e2e_utils import cli
+from e2e_utils import cli, noisy_lines, pythonpath
 from lit_ess.report import first_last, read_histogram_tags, read_scalars
 
 pytestmark = pytest.mark.e2e
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+def python_m(module: str, *args: str, cwd: Path) -> str:
+    """`python -m module args` with this checkout's code, as scripts/demo.sh runs it: its console output."""
+    res = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=pythonpath()))
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res.stdout + res.stderr
+
+
 def test_demo_learns(tmp_path):
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "lit_ess.tiny", "runs/demo/init"], cwd=tmp_path, check=True,
-                   capture_output=True)
+    console = python_m("lit_ess.tiny", "runs/demo/init", cwd=tmp_path)
     for cfg in ["demo_sft.yaml", "demo.yaml"]:
         res = cli(["fit", "--config", str(CONFIGS / cfg), "--trainer.enable_progress_bar", "false"], cwd=tmp_path,
                   timeout=1800)
         assert res.returncode == 0, res.stderr[-4000:]
+        console += res.stdout + res.stderr
+    console += python_m("lit_ess.report", "runs/demo/tb/rl", cwd=tmp_path)
+    assert noisy_lines(console) == []                       # a newcomer's first run prints no warning
     minutes = (time.time() - t0) / 60
     s = read_scalars(tmp_path / "runs/demo/tb/rl")
     reward = [v for _, v in s["rollout/reward_mean"]]

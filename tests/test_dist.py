@@ -119,7 +119,7 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
 # ---------------------------------------------------------------------------------- the CLI, end to end
 
 def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dict | None = None, **kw):
-    cfg = rl_config(model_dir, out, engine="vllm", prompts=8, samples=4, **kw)
+    cfg = rl_config(model_dir, out, prompts=8, samples=4, **kw)
     cfg["trainer"]["devices"] = world
     cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                         "init_args": {"path": str(out / "prompts.jsonl")}})

@@ -35,9 +35,9 @@ def sync_run(tiny_model_dir, tmp_path_factory):
     return run_ok(cfg, out), out, cfg
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
+@pytest.mark.parametrize("engine", ["VLLMConfig", "HFConfig"])
 def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path, sync_run):
-    s = sync_run[0] if engine == "vllm" else run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine), tmp_path)
+    s = sync_run[0] if engine == "VLLMConfig" else run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine), tmp_path)
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 4 and min(ess) >= 0.9999, ess
     assert [v for _, v in s["train/policy_lag"]] == [0.0] * 4

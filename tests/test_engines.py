@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ess.engines import SamplingConfig, build_engine
+from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.logprobs import sequence_logprobs
 
 PROMPTS = [[1, 20, 21, 14], [1, 22], [1, 20, 21, 14]]   # a repeated prompt on purpose
@@ -39,7 +39,7 @@ def test_vllm_logprobs_equal_transformers(vllm_engine, hf_model, s):
 
 @pytest.mark.parametrize("s", SETTINGS[1:2] + SETTINGS[3:], ids=["T1", "topk-topp"])
 def test_hf_engine_logprobs_equal_trainer(tiny_model_dir, hf_model, s):
-    engine = build_engine("hf", tiny_model_dir)
+    engine = HFConfig().build(tiny_model_dir)
     groups = engine.generate(PROMPTS, 3, s)
     assert max_logprob_gap(hf_model, PROMPTS, groups, s) < 1e-5
     for g in groups:
@@ -50,7 +50,7 @@ def test_hf_engine_logprobs_equal_trainer(tiny_model_dir, hf_model, s):
 
 @pytest.mark.parametrize("name", ["vllm", "hf"])
 def test_seeded_groups_are_not_copies(name, vllm_engine, tiny_model_dir):
-    engine = vllm_engine if name == "vllm" else build_engine("hf", tiny_model_dir)
+    engine = vllm_engine if name == "vllm" else HFConfig().build(tiny_model_dir)
     s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=1234)
     groups = engine.generate(PROMPTS, 8, s, call_seed=3)
     for g in groups:
@@ -64,7 +64,7 @@ def test_seeded_groups_are_not_copies(name, vllm_engine, tiny_model_dir):
 
 @pytest.mark.parametrize("name", ["vllm", "hf"])
 def test_weight_refresh_sets_version_and_logprobs(name, tiny_model_dir, vllm_engines):
-    engine = vllm_engines("refresh") if name == "vllm" else build_engine(name, tiny_model_dir)
+    engine = vllm_engines("refresh") if name == "vllm" else HFConfig().build(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     torch.manual_seed(0)
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_weight_refresh_sets_version_and_logprobs(name, tiny_model_dir, vllm_eng
 def test_eos_and_stop_strings(tiny_model_dir, vllm_engine):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     s = SamplingConfig(temperature=1.0, max_new_tokens=24, stop=["a", "b", "c", "1"], seed=5)
-    for engine in (vllm_engine, build_engine("hf", tiny_model_dir)):
+    for engine in (vllm_engine, HFConfig().build(tiny_model_dir)):
         for g in engine.generate(PROMPTS, 6, s):
             for c in g:
                 text = tok.decode(c.token_ids, skip_special_tokens=True)
@@ -106,8 +106,6 @@ def test_bad_sampling_settings_are_named():
         SamplingConfig(top_p=0)
     with pytest.raises(ValueError, match="top_k"):
         SamplingConfig(top_k=0)
-    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
-        build_engine("sglang", "x")
 
 
 def test_seeded_long_prompts_do_not_crash_the_cpu_engine(vllm_engines):
@@ -130,7 +128,7 @@ def test_hf_engine_ignores_generation_config_processors(tmp_path):
     cfg = json.loads((folder / "generation_config.json").read_text())
     cfg.update(repetition_penalty=1.5, no_repeat_ngram_size=2)
     (folder / "generation_config.json").write_text(json.dumps(cfg))
-    engine = build_engine("hf", str(folder))
+    engine = HFConfig().build(str(folder))
     assert engine.ignored_generation_config == {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
     s = SamplingConfig(temperature=1.0, max_new_tokens=16, seed=3)
     groups = engine.generate(PROMPTS, 4, s)

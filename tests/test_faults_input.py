@@ -122,7 +122,7 @@ def test_async_worker_stops_on_a_failing_reward_with_the_same_error(tiny_model_d
 @pytest.mark.e2e
 def test_fit_with_an_infinite_reward_stops_naming_it(tiny_model_dir, tmp_path):
     """It used to train to the end with exit 0: reward_mean inf, reward_errors 0, loss 0 every step."""
-    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf", max_steps=2, prompts=4, samples=2,
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, prompts=4, samples=2,
                     extra_data={"reward": "test_faults_input:returns_inf", "sampling": {"max_new_tokens": 4, "seed": 0}})
     line = one_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path))
     assert "reward 'test_faults_input:returns_inf' failed on 8 of 8" in line and "returned inf" in line, line
@@ -140,7 +140,7 @@ def test_validate_without_val_source_is_an_error(tiny_model_dir):
 def test_validate_with_a_truncated_checkpoint_names_it(tiny_model_dir, tmp_path):
     ckpt = _checkpoint(tiny_model_dir, tmp_path / "last.ckpt")
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
-    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf",
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig",
                     extra_data={"val_source": {"class_path": "lit_ess.datamodules.Arithmetic"}})
     line = one_line(cli(["validate", "--config", str(write_config(cfg, tmp_path / "c.yaml")), "--ckpt_path", str(ckpt)],
                         cwd=tmp_path))

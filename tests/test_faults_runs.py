@@ -26,7 +26,7 @@ def test_kill_during_checkpoint_write_and_torn_last_ckpt_resume(tiny_model_dir, 
     """kill -9 while last.ckpt is rewritten, the temp folder on another filesystem: last.ckpt stays
     whole. A torn last.ckpt (as a copy across filesystems left it) is named in one line and the run
     resumes from the newest whole checkpoint instead, training each step once."""
-    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf", max_steps=3, ckpt_every=1)
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3, ckpt_every=1)
     cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                         "init_args": {"path": str(tmp_path / "prompts.jsonl")}})
     path = write_config(cfg, tmp_path / "config.yaml")
@@ -51,7 +51,7 @@ def test_kill_during_checkpoint_write_and_torn_last_ckpt_resume(tiny_model_dir, 
 
 
 def test_an_explicit_torn_checkpoint_is_one_line(tiny_model_dir, tmp_path):
-    cfg = rl_config(tiny_model_dir, tmp_path, engine="hf")
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig")
     torn = tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
     torn.parent.mkdir()
     torn.write_bytes(b"PK\x03\x04" + b"\0" * 1000)

@@ -8,7 +8,7 @@ import torch
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.module import PolicyModule
-from lit_ess.objectives import build_objective
+from lit_ess.objectives import GRPO, GSPO, P3O
 
 
 @pytest.fixture(scope="module")
@@ -25,20 +25,20 @@ def stale_batch(tiny_model_dir):
     return batch
 
 
-def grads(tiny_model_dir, batch, objective="p3o", objective_kwargs=None, **kw):
-    module = PolicyModule(tiny_model_dir, objective=build_objective(objective, **(objective_kwargs or {})), **kw)
+def grads(tiny_model_dir, batch, objective=P3O, objective_kwargs=None, **kw):
+    module = PolicyModule(tiny_model_dir, objective=objective(**(objective_kwargs or {})), **kw)
     module.configure_model()
     metrics, ess = module.accumulate_gradients(batch)
     return torch.cat([p.grad.flatten() for p in module.policy.parameters()]), metrics, ess
 
 
-@pytest.mark.parametrize("objective", ["p3o", "grpo", "gspo"])
+@pytest.mark.parametrize("objective", [P3O, GRPO, GSPO], ids=lambda c: c.__name__)
 def test_micro_batching_does_not_change_the_update(tiny_model_dir, stale_batch, objective):
     g_full, m_full, e_full = grads(tiny_model_dir, stale_batch, objective=objective)
     g_micro, m_micro, e_micro = grads(tiny_model_dir, stale_batch, objective=objective, micro_batch_size=3)
     assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
     assert m_micro["loss"] == pytest.approx(m_full["loss"], abs=1e-5)
-    if objective == "p3o":
+    if objective is P3O:
         assert 0 < float(e_full) < 0.99 and float(e_micro) == pytest.approx(float(e_full), rel=1e-6)
 
 
@@ -82,7 +82,7 @@ def test_reference_kl_is_zero_when_reference_is_policy(tiny_model_dir, stale_bat
     assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)
 
 
-@pytest.mark.parametrize("objective", ["p3o", "grpo"])
+@pytest.mark.parametrize("objective", [P3O, GRPO], ids=lambda c: c.__name__)
 def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, objective):
     """seq-mean-token-sum-norm divides by max_new_tokens, not by a micro-batch's padded width."""
     kw = {"objective": objective, "objective_kwargs": {"aggregation": "seq-mean-token-sum-norm"}}
@@ -97,7 +97,7 @@ def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, object
     g_micro, m_micro, _ = grads(tiny_model_dir, stale_batch, micro_batch_size=2, **kw)
     assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-8)
     assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
-    if objective == "grpo":     # hand-computed: sum of clipped surrogates / (N_seqs * max_new_tokens)
+    if objective is GRPO:     # hand-computed: sum of clipped surrogates / (N_seqs * max_new_tokens)
         from transformers import AutoModelForCausalLM
 
         from lit_ess.logprobs import sequence_logprobs

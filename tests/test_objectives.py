@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lit_ess.objectives import OBJECTIVES, aggregate, build_objective, k3
+from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, aggregate,
+                                k3)
 
 LN2, LN4 = math.log(2), math.log(4)
 
@@ -24,7 +25,7 @@ def test_p3o_hand_computed():
     # pg = -(0.9 * ln .5 * 1 + 0.9 * ln .25 * -1) / 2 = -0.45 ln 2
     # k3 = [0.5 - 1 + ln 2, 0]; kl = (ln 2 - 0.5) / 2; loss = pg + 0.1 kl
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("p3o")(lp, lb, adv, mask)
+    out = P3O()(lp, lb, adv, mask)
     expected = -0.45 * LN2 + 0.1 * (LN2 - 0.5) / 2
     assert out.loss.item() == pytest.approx(expected, abs=1e-12)
     assert out.metrics["ess"].item() == pytest.approx(0.9, abs=1e-7)
@@ -36,7 +37,7 @@ def test_p3o_hand_computed():
 
 def test_p3o_uses_passed_ess():
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("p3o")(lp, lb, adv, mask, ess=torch.tensor(0.5, dtype=torch.float64))
+    out = P3O()(lp, lb, adv, mask, ess=torch.tensor(0.5, dtype=torch.float64))
     # weight = [0.5, 0.5]: pg = -0.25 ln 2; kl term weighted 0.5
     assert out.loss.item() == pytest.approx(-0.25 * LN2 + 0.5 * (LN2 - 0.5) / 2, abs=1e-12)
 
@@ -45,14 +46,14 @@ def test_p3o_ablations_hand_computed():
     # rho = [2, 1], e_B = 0.9 (see above)
     # no cap: weight = rho = [2, 1]: pg = -(2 ln .5 - 1 ln .25) / 2 = -(-2 ln 2 + 2 ln 2) / 2 = 0; loss = 0.1 kl
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("p3o", ess_cap=False)(lp, lb, adv, mask)
+    out = P3O(ess_cap=False)(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(0.1 * (LN2 - 0.5) / 2, abs=1e-12)
     out.loss.backward()
     # d/dlp_t = (-rho_t A_t + 0.1 (1 - exp(-lr_t))) / 2 = [(-2 + 0.05) / 2, 1 / 2]
     assert lp.grad.tolist()[0] == pytest.approx([-0.975, 0.5], abs=1e-12)
     # no adaptive KL: the capped policy-gradient term alone, -0.45 ln 2
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("p3o", adaptive_kl=False)(lp, lb, adv, mask)
+    out = P3O(adaptive_kl=False)(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(-0.45 * LN2, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([-0.45, 0.45], abs=1e-12)
@@ -61,7 +62,7 @@ def test_p3o_ablations_hand_computed():
 def test_grpo_hand_computed():
     # rho = [2, 1], A = [1, -1]: t1 clipped to 1.2 (no grad), t2 = -1; loss = -(1.2 - 1) / 2
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("grpo", clip_eps=0.2)(lp, lb, adv, mask)
+    out = GRPO(clip_eps=0.2)(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(-0.1, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.5], abs=1e-12)
@@ -71,7 +72,7 @@ def test_grpo_hand_computed():
 def test_grpo_negative_advantage_is_not_clipped_above():
     # rho = 2, A = -1: min(-2, -1.2) = -2, the unclipped branch; d/dlp = -(rho A) / n = 2 / 2
     lp, lb, adv, mask = two_tokens(adv=(-1.0, 0.0))
-    out = build_objective("grpo")(lp, lb, adv, mask)
+    out = GRPO()(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(1.0, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([1.0, 0.0], abs=1e-12)
@@ -79,19 +80,19 @@ def test_grpo_negative_advantage_is_not_clipped_above():
 
 def test_dapo_clip_higher():
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("dapo")(lp, lb, adv, mask)            # clip_high 0.28: t1 -> 1.28
+    out = DAPO()(lp, lb, adv, mask)            # clip_high 0.28: t1 -> 1.28
     assert out.loss.item() == pytest.approx(-(1.28 - 1.0) / 2, abs=1e-12)
 
 
 def test_gspo_sequence_ratio():
     # s = exp(mean(ln 2, 0)) = sqrt 2, far outside [1 - 3e-4, 1 + 4e-4]
     lp, lb, adv, mask = two_tokens(adv=(1.0, 1.0))
-    out = build_objective("gspo")(lp, lb, adv, mask)
+    out = GSPO()(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(-(1 + 4e-4), abs=1e-12)   # clipped, A > 0
     out.loss.backward()
     assert lp.grad.abs().sum().item() == 0.0
     lp, lb, adv, mask = two_tokens(adv=(-1.0, -1.0))
-    out = build_objective("gspo")(lp, lb, adv, mask)
+    out = GSPO()(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(math.sqrt(2), abs=1e-12)    # unclipped branch -s * A
     out.loss.backward()
     # d/dlp_t of mean_t(-s_bt A) = -A s / T
@@ -101,7 +102,7 @@ def test_gspo_sequence_ratio():
 def test_cispo_hand_computed():
     # weight = clip(rho, max 1.5) = [1.5, 1]; loss = -(1.5 ln .5 - ln .25) / 2
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("cispo", clip_high=0.5)(lp, lb, adv, mask)
+    out = CISPO(clip_high=0.5)(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(-(-1.5 * LN2 + LN4) / 2, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([-0.75, 0.5], abs=1e-12)
@@ -112,18 +113,18 @@ def test_decoupled_hand_computed():
     # t1: min(1.25, 1.2) = 1.2 (clipped); t2: 1. loss = -(1.6 * 1.2 + 1) / 2
     lp, lb, adv, mask = two_tokens(adv=(1.0, 1.0))
     prox = torch.log(torch.tensor([[0.4, 0.25]], dtype=torch.float64))
-    out = build_objective("decoupled")(lp, lb, adv, mask, proximal_logprobs=prox)
+    out = DecoupledPPO()(lp, lb, adv, mask, proximal_logprobs=prox)
     assert out.loss.item() == pytest.approx(-1.46, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([0.0, -0.5], abs=1e-12)
     # behaviour weight cap: prox/lb = 1.6 > cap 1.5
-    out = build_objective("decoupled", behavior_cap=1.5)(lp.detach(), lb, adv, mask, proximal_logprobs=prox)
+    out = DecoupledPPO(behavior_cap=1.5)(lp.detach(), lb, adv, mask, proximal_logprobs=prox)
     assert out.loss.item() == pytest.approx(-(1.5 * 1.2 + 1) / 2, abs=1e-12)
 
 
 def test_reinforce_hand_computed():
     lp, lb, adv, mask = two_tokens()
-    out = build_objective("reinforce")(lp, lb, adv, mask)
+    out = REINFORCE()(lp, lb, adv, mask)
     assert out.loss.item() == pytest.approx(-(-LN2 + LN4) / 2, abs=1e-12)
 
 
@@ -131,13 +132,13 @@ def test_entropy_and_ref_kl_terms():
     lp, lb, adv, mask = two_tokens()
     ent = torch.tensor([[1.0, 3.0]], dtype=torch.float64)
     ref = torch.tensor([[math.log(0.25), math.log(0.25)]], dtype=torch.float64)
-    base = build_objective("reinforce")(lp, lb, adv, mask).loss.item()
-    out = build_objective("reinforce", entropy_coef=0.1, ref_kl_coef=0.5)(
+    base = REINFORCE()(lp, lb, adv, mask).loss.item()
+    out = REINFORCE(entropy_coef=0.1, ref_kl_coef=0.5)(
         lp, lb, adv, mask, entropy=ent, ref_logprobs=ref)
     # entropy mean 2 -> -0.2; k3 to ref = [ln 2 - 0.5, 0] mean -> 0.5 * (ln 2 - 0.5) / 2
     assert out.loss.item() == pytest.approx(base - 0.2 + 0.25 * (LN2 - 0.5), abs=1e-12)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        build_objective("p3o", ref_kl_coef=0.1)(lp, lb, adv, mask)
+        P3O(ref_kl_coef=0.1)(lp, lb, adv, mask)
 
 
 def test_aggregations_hand_computed():
@@ -169,20 +170,20 @@ def test_nonfinite_tokens_are_masked_and_counted():
     lp, lb, adv, mask = two_tokens()
     lp_bad = torch.tensor([[float("nan"), math.log(0.25)]], dtype=torch.float64, requires_grad=True)
     lb_bad = torch.tensor([[math.log(0.25), float("-inf")]], dtype=torch.float64)
-    for name in OBJECTIVES:
-        out = build_objective(name)(lp_bad, lb, adv, mask)
-        assert torch.isfinite(out.loss), name
-        assert out.metrics["nonfinite_tokens"].item() == 1, name
+    for cls in OBJECTIVE_CLASSES:
+        out = cls()(lp_bad, lb, adv, mask)
+        assert torch.isfinite(out.loss), cls
+        assert out.metrics["nonfinite_tokens"].item() == 1, cls
         out.loss.backward()
-        assert torch.isfinite(lp_bad.grad).all(), name
+        assert torch.isfinite(lp_bad.grad).all(), cls
         lp_bad.grad = None
-        out = build_objective(name)(lp.detach(), lb_bad, adv, mask)
-        assert torch.isfinite(out.loss) and out.metrics["tokens"].item() == 1, name
+        out = cls()(lp.detach(), lb_bad, adv, mask)
+        assert torch.isfinite(out.loss) and out.metrics["tokens"].item() == 1, cls
 
 
 def test_bad_shapes_and_dtypes_name_the_argument():
     lp, lb, adv, mask = two_tokens()
-    obj = build_objective("p3o")
+    obj = P3O()
     with pytest.raises(ValueError, match="behavior_logprobs"):
         obj(lp, lb[:, :1], adv, mask)
     with pytest.raises(ValueError, match="advantages"):
@@ -195,17 +196,10 @@ def test_bad_shapes_and_dtypes_name_the_argument():
         obj(lp[0], lb[0], adv[0], mask[0])
 
 
-def test_unknown_objective_lists_valid_names():
-    with pytest.raises(ValueError, match="p3o, grpo, dapo, gspo, cispo, decoupled, reinforce"):
-        build_objective("ppo2")
-    with pytest.raises(ValueError, match="clip_eps"):
-        build_objective("p3o", clip_eps=0.2)
-
-
 def test_sequence_advantages_broadcast():
     lp, lb, _, mask = two_tokens()
-    a = build_objective("p3o")(lp, lb, torch.tensor([[0.7, 0.7]], dtype=torch.float64), mask).loss
-    b = build_objective("p3o")(lp, lb, torch.tensor([0.7], dtype=torch.float64), mask).loss
+    a = P3O()(lp, lb, torch.tensor([[0.7, 0.7]], dtype=torch.float64), mask).loss
+    b = P3O()(lp, lb, torch.tensor([0.7], dtype=torch.float64), mask).loss
     assert a.item() == pytest.approx(b.item())
 
 
@@ -216,10 +210,10 @@ def test_on_policy_p3o_equals_reinforce(B, T, seed):
     lp = (-torch.rand(B, T, generator=g, dtype=torch.float64) * 5).requires_grad_()
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
     mask = torch.rand(B, T, generator=g) > 0.3
-    p3o = build_objective("p3o")(lp, lp.detach().clone(), adv, mask)
+    p3o = P3O()(lp, lp.detach().clone(), adv, mask)
     p3o.loss.backward()
     g1, lp.grad = lp.grad.clone(), None
-    rf = build_objective("reinforce")(lp, lp.detach().clone(), adv, mask)
+    rf = REINFORCE()(lp, lp.detach().clone(), adv, mask)
     rf.loss.backward()
     assert p3o.loss.item() == pytest.approx(rf.loss.item(), abs=1e-12)
     assert torch.allclose(g1, lp.grad, atol=1e-12)

@@ -1,0 +1,103 @@
+"""The user's own inputs, read before jsonargparse parses them: forms lit-ess no longer reads.
+
+`lit-ess` looks through the config files given with `--config` and the values given on the command line
+for what configs of lit-ess 0.1 said, and for class names of lit-ess that do not exist, and stops with
+one line that names the value and gives the form to write instead. jsonargparse would report these in
+its own terms ("Option 'objective_kwargs' is not accepted", "Expected a dot import path string: grpo"),
+or worse, run from a checkout's root, import the folders callbacks/ and datamodules/ under their old
+top-level names and go on with a second copy of every class.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import yaml
+
+from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.objectives import OBJECTIVE_CLASSES
+
+# the fields that take a class of ours: their module and the classes it has
+FIELDS = {"objective": ("lit_ess.objectives", OBJECTIVE_CLASSES), "engine": ("lit_ess.engines", (VLLMConfig, HFConfig))}
+# lit-ess 0.1 named objectives and engines by string: the class each name became
+OLD_NAMES = {"objective": {"p3o": "P3O", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "cispo": "CISPO",
+                           "decoupled": "DecoupledPPO", "reinforce": "REINFORCE"},
+             "engine": {"vllm": "VLLMConfig", "hf": "HFConfig"}}
+GONE = {
+    "objective_kwargs": "give the objective as `objective: {class_path: lit_ess.objectives.GRPO, init_args: "
+                        "{clip_eps: 0.2}}` (or --model.init_args.objective GRPO)",
+    "engine_kwargs": "give the engine as `engine: {class_path: lit_ess.engines.VLLMConfig, init_args: "
+                     "{dtype: bfloat16, vllm_kwargs: {...}}}` (or HFConfig)",
+}
+DOTTED = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def check_inputs(args: list[str], moved: dict[str, list[str]]) -> str | None:
+    """The first legacy form in the command line `args` or the config files they name, as one line that
+    says where it is and what to write instead; None when there is none.
+
+    moved: the classes of callbacks/ and datamodules/ (installed as lit_ess.callbacks and
+        lit_ess.datamodules) by folder; `callbacks.WeightSync` is refused, a class of the user's own
+        module named callbacks is not.
+    """
+    for where, key, value in _inputs(args):
+        problem = _check(key, value, moved)
+        if problem:
+            return where + problem
+    return None
+
+
+def _inputs(args: list[str]) -> Iterator[tuple[str, str, object]]:
+    """(where, dotted key, value) for each --config file's content ("FILE: ", "", content) and each
+    command-line option ("--", key, value), values read as YAML as jsonargparse reads them. What cannot
+    be read is left for jsonargparse to report."""
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if not arg.startswith("-"):
+            continue                                  # the subcommand
+        key, eq, value = arg.lstrip("-").partition("=")
+        if not eq and i < len(args) and not args[i].startswith("--"):
+            value, i = args[i], i + 1
+        if key in ("c", "config"):
+            if os.path.isfile(value):
+                with open(value) as f:
+                    yield f"{value}: ", "", _yaml(f.read())
+        else:
+            yield "--", key, _yaml(value)
+
+
+def _yaml(text: str) -> object:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _check(key: str, value, moved: dict[str, list[str]]) -> str | None:
+    leaf = key.rpartition(".")[2].rstrip("+")
+    if leaf in GONE:
+        return f"{key} is gone: {GONE[leaf]}"
+    if isinstance(value, dict):
+        return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v, moved) for k, v in value.items())), None)
+    if isinstance(value, list):
+        return next(filter(None, (_check(f"{key}.{i}", v, moved) for i, v in enumerate(value))), None)
+    if not isinstance(value, str):
+        return None
+    folder, _, rest = value.partition(".")
+    if DOTTED.fullmatch(value) and rest.rpartition(".")[2] in moved.get(folder, ()):
+        return f"{key}: {value!r} moved; write 'lit_ess.{value}' (callbacks/ and datamodules/ are installed in lit_ess)"
+    field = key.split(".")[-2] if leaf == "class_path" and "." in key else leaf
+    if field not in FIELDS:
+        return None
+    module, classes = FIELDS[field]
+    names = [c.__name__ for c in classes]
+    if value in OLD_NAMES[field]:
+        return (f"{key}: {value!r} is the old string form; write "
+                f"`{field}: {{class_path: {module}.{OLD_NAMES[field][value]}}}`")
+    mod, _, name = value.rpartition(".")
+    if mod in ("", module) and name not in names and not os.path.exists(value):
+        return (f"{key}: {value!r} is not a known {field}; choose one of {', '.join(names)} "
+                f"(class_path {module}.NAME, or a class of your own by its import path)")
+    return None
