@@ -1,6 +1,7 @@
 """Properties of the batch ESS: range, equality case, invariances, huge log-ratios, merging, ranks."""
 import math
 import os
+import socket
 
 import pytest
 import torch
@@ -112,7 +113,9 @@ def test_two_gloo_ranks_equal_single_process():
     ctx = mp.get_context("spawn")
     with ctx.Manager() as mgr:
         results = mgr.dict()
-        port = 29500 + os.getpid() % 1000
+        with socket.socket() as s:                     # a free port (other tests may run beside this one)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
         mp.start_processes(_worker, args=(2, port, parts, results), nprocs=2, start_method="spawn")
         got = dict(results)
     want = batch_ess(lr, mask).item()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,18 @@ SOURCES = {"lit_ess": ROOT / "lit_ess", "lit_ess.callbacks": ROOT / "callbacks",
 
 
 def test_the_wheel_installs_one_top_level_package(tmp_path):
+    """Built from a copy of the tracked files (a build in the checkout would reuse a stale build/ folder,
+    and write into the tree other tests read)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    src = tmp_path / "src"
+    for f in files:
+        (src / f).parent.mkdir(parents=True, exist_ok=True)
+        if (ROOT / f).is_symlink():
+            (src / f).symlink_to((ROOT / f).readlink())
+        elif (ROOT / f).is_file():
+            shutil.copy2(ROOT / f, src / f)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path),
-                    str(ROOT)], check=True, capture_output=True)
+                    str(src)], check=True, capture_output=True)
     wheel = next(tmp_path.glob("lit_ess-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"lit_ess"}
