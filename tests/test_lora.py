@@ -150,3 +150,28 @@ def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_mod
         runs[name] = [v for _, v in scalars(out)["train/ess"]]
     assert len(runs["adapter"]) == 3 and min(runs["adapter"]) >= 0.9999, runs
     assert runs["stale"][0] >= 0.9999 and min(runs["stale"][1:]) < 0.999, runs
+
+
+def test_demo_lora_config_builds_as_written(tiny_model_dir, tmp_path):
+    """configs/demo_lora.yaml through the CLI's parser (no run): the LoRA settings reach the module."""
+    import sys
+    from pathlib import Path
+    from unittest import mock
+
+    import yaml
+
+    from lit_ess.cli import LitESSCLI, _Parser
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo_lora.yaml").read_text())
+    cfg["model"]["init_args"]["model_path"] = tiny_model_dir
+    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
+    for c in cfg["trainer"]["callbacks"]:
+        if "dirpath" in c.get("init_args", {}):
+            c["init_args"]["dirpath"] = str(tmp_path / Path(c["init_args"]["dirpath"]).name)
+    path = write_config(cfg, tmp_path / "demo_lora.yaml")
+    with mock.patch.object(sys, "argv", ["lit-ess"]):
+        cli_ = LitESSCLI(None, None, subclass_mode_model=True, subclass_mode_data=True, parser_class=_Parser,
+                         args=["--config", str(path)], auto_configure_optimizers=False, run=False)
+    assert cli_.model.lora == LoRA(rank=16, alpha=32.0, dropout=0.0, target_modules="all-linear")
+    cli_.model.configure_model()
+    assert all("lora_" in n for n, p in cli_.model.policy.named_parameters() if p.requires_grad)
