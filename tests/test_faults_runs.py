@@ -163,3 +163,28 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
     assert os.listdir(tmp_path) == ["last.ckpt"] and torch.load(path)["step"] == 1
+
+
+def test_a_long_training_step_is_not_a_stalled_worker(tiny_model_dir):
+    """S = 1: the worker finishes phase 2 while step 1 trains for longer than worker_timeout; the next
+    request is judged from its own submission, not from the old result read late."""
+    import time
+
+    from fake_engine import FakeConfig
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import SamplingConfig
+    from test_async import weights
+
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.05), mode="async", max_staleness=1,
+                           prompts_per_rollout=2, samples_per_prompt=2, source=Arithmetic(size=40),
+                           sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="e2e_utils:digit_fraction",
+                           worker_timeout=2.0)
+    dm.setup("fit")
+    try:
+        dm.push_weights(weights(0), 0)
+        for step in range(3):
+            dm.next_batch(step)
+            time.sleep(4.0 if step == 0 else 0.0)      # a training step twice as long as worker_timeout
+            dm.push_weights(weights(step + 1), step + 1)
+    finally:
+        dm.teardown("fit")

@@ -75,6 +75,7 @@ class WorkerProcess:
         atexit.register(self.close)                           # before multiprocessing joins its children
         self.start_timeout, self.t_created = start_timeout, time.monotonic()
         self.progress_timeout, self.last_heard, self.stage = progress_timeout, time.monotonic(), "starting its engine"
+        self.submitted_at: dict[int, float] = {}             # request id -> when it was queued
         self.started = False
         self._pending: list[tuple[int, object]] = []           # results read while waiting for the start
         self.current: Ticket | None = None                    # the newest weights pushed
@@ -100,8 +101,7 @@ class WorkerProcess:
         """Queue a request ("phase": a RolloutRequest, "evaluate": an EvalRequest); it runs with
         the newest weights pushed before it."""
         rid, self.next_id = self.next_id, self.next_id + 1
-        if not self.in_flight:
-            self.last_heard = time.monotonic()                 # an idle worker's silence is not a stall
+        self.submitted_at[rid] = time.monotonic()            # silence before a request is not a stall
         self.in_flight[rid] = self.current
         self.requested[rid] = _what(kind, payload)
         self.requests.put((kind, rid, payload, self.current))
@@ -138,13 +138,18 @@ class WorkerProcess:
                 continue
             self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info[:3]
             self.in_flight.pop(rid, None)
+            self.submitted_at.pop(rid, None)
             self.stage = f"between requests (last finished: {self.requested.pop(rid, '?')})"
             out.append((rid, pickle.loads(payload)))
 
     def _check_progress(self) -> None:
         """The watchdog: stop a worker that has sent nothing for progress_timeout s with work in flight."""
-        silent = time.monotonic() - self.last_heard
-        if not self.started or not self.in_flight or silent <= self.progress_timeout:
+        if not self.started or not self.in_flight:
+            return
+        # silent since the later of its last message and the oldest request it has not answered (a result
+        # read late, after a long training step, was sent long ago but says nothing about the new request)
+        silent = time.monotonic() - max(self.last_heard, min(self.submitted_at[r] for r in self.in_flight))
+        if silent <= self.progress_timeout:
             return
         self.proc.kill()
         waiting = ", ".join(self.requested[r] for r in sorted(self.in_flight))
