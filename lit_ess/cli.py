@@ -116,7 +116,7 @@ class LitESSCLI(LightningCLI):
         hyper-parameters, where torch.load would raise a PytorchStreamReader traceback)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if path and path not in ("last", "best", "hpc"):
+        if path and path not in ("last", "best", "hpc") and "://" not in path and not path.startswith("registry"):
             try:
                 if not Path(path).is_file():
                     check_checkpoint(path, "--ckpt_path")   # a missing file, or a folder without meta.pt

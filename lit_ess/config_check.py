@@ -75,9 +75,37 @@ def _yaml(text: str) -> object:
         return text
 
 
+# where lit-ess's own fields live (a key's parts without "init_args"): other keys of the same name (a
+# user's source with an `engine` argument, a logger's `objective`) are not ours to judge
+OURS = {("model", "objective"), ("model", "objective_kwargs"), ("data", "engine"), ("data", "engine_kwargs")}
+
+
+def _ours(key: str) -> bool:
+    parts = [p for p in key.rstrip("+").split(".") if p and p != "init_args"]
+    if parts and parts[-1] == "class_path":
+        parts = parts[:-1]
+    return tuple(parts) in OURS
+
+
+def _our_folder(folder: str) -> bool:
+    """True when the top-level name `folder` is not importable, or is this checkout's own folder (run
+    from the repository root): then `callbacks.X` means lit-ess's class under its old name. A user's
+    own module named callbacks is left alone."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec(folder)
+    except (ImportError, ValueError):
+        return True
+    if spec is None or not spec.origin:
+        return True
+    return Path(spec.origin).resolve().parent == (Path(__file__).resolve().parents[1] / folder).resolve()
+
+
 def _check(key: str, value, moved: dict[str, list[str]]) -> str | None:
     leaf = key.rpartition(".")[2].rstrip("+")
-    if leaf in GONE:
+    if leaf in GONE and _ours(key):
         return f"{key} is gone: {GONE[leaf]}"
     if isinstance(value, dict):
         return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v, moved) for k, v in value.items())), None)
@@ -86,10 +114,10 @@ def _check(key: str, value, moved: dict[str, list[str]]) -> str | None:
     if not isinstance(value, str):
         return None
     folder, _, rest = value.partition(".")
-    if DOTTED.fullmatch(value) and rest.rpartition(".")[2] in moved.get(folder, ()):
+    if DOTTED.fullmatch(value) and rest.rpartition(".")[2] in moved.get(folder, ()) and _our_folder(folder):
         return f"{key}: {value!r} moved; write 'lit_ess.{value}' (callbacks/ and datamodules/ are installed in lit_ess)"
     field = key.split(".")[-2] if leaf == "class_path" and "." in key else leaf
-    if field not in FIELDS:
+    if field not in FIELDS or not _ours(key):
         return None
     module, classes = FIELDS[field]
     names = [c.__name__ for c in classes]

@@ -38,7 +38,7 @@ def test_print_config_lists_engine_settings(tiny_model_dir):
                                                                 "behavior_logprobs": "processed"}}
     vllm = print_config(tiny_model_dir)["data"]["init_args"]["engine"]["init_args"]
     assert {"dtype", "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "enforce_eager", "seed",
-            "behavior_logprobs", "vllm_kwargs", "worker_devices", "transport", "bucket_mb"} == set(vllm)
+            "behavior_logprobs", "vllm_kwargs", "worker_devices", "transport", "bucket_mb", "max_lora_rank"} == set(vllm)
     assert (vllm["worker_devices"], vllm["transport"]) == (None, "shared_memory")   # colocated by default
 
 
@@ -121,6 +121,23 @@ def test_moved_class_paths_say_the_new_one(tiny_model_dir, tmp_path, cwd, key, o
     line = _one_error_line(res)
     assert line == f"lit-ess: error: {path}: {key}: {old!r} moved; write 'lit_ess.{old}' (callbacks/ and " \
                    "datamodules/ are installed in lit_ess)", line
+
+
+def test_the_old_form_check_judges_only_lit_ess_fields(tmp_path, monkeypatch):
+    """Keys named engine/objective elsewhere, and a user's own module named callbacks, are not legacy
+    forms; lit-ess's own fields still are."""
+    from lit_ess.callbacks import __all__ as ours
+    from lit_ess.config_check import check_inputs
+
+    moved = {"callbacks": list(ours)}
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  init_args:\n    source:\n      init_args: {engine: sqlite}\n")
+    assert check_inputs(["--config", str(cfg), "--trainer.logger.init_args.objective=maximize"], moved) is None
+    assert "old string form" in check_inputs(["--model.init_args.objective=grpo"], moved)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "callbacks.py").write_text("class ExportHF:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mine"))
+    assert check_inputs(["--trainer.callbacks+=callbacks.ExportHF"], moved) is None
 
 
 def test_moved_class_path_on_the_command_line(tiny_model_dir):
