@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_ess.lora import is_peft
+from lit_ess.lora import is_peft, merged_weights
 
 
 class ExportHF(L.Callback):
@@ -20,7 +20,8 @@ class ExportHF(L.Callback):
         self.dirpath = dirpath
 
     def on_train_end(self, trainer, pl_module) -> None:
-        state = {k: v.detach().cpu() for k, v in pl_module.policy_weights()}   # every rank gathers (FSDP2)
+        weights = merged_weights(pl_module.policy) if is_peft(pl_module.policy) else pl_module.policy_weights()
+        state = {k: v.detach().cpu() for k, v in weights}   # every rank gathers (FSDP2)
         if not trainer.is_global_zero:
             return
         from transformers import AutoTokenizer

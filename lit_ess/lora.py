@@ -56,16 +56,34 @@ class LoRA:
             raise ValueError(f"lora.target_modules must be 'all-linear' or a list of module names, "
                              f"got {self.target_modules!r}")
 
+    def shape(self) -> dict:
+        """The settings that fix the adapters' tensors and their update (not how they are synced)."""
+        targets = self.target_modules if isinstance(self.target_modules, str) else sorted(self.target_modules)
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "target_modules": targets}
+
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model wrapped by peft with fresh adapters (B = 0: the adapted model starts as the base)."""
         from peft import LoraConfig, get_peft_model
 
         config = LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                             target_modules=self.target_modules)
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        ends = {id(model.get_input_embeddings()): "the input embeddings", id(model.get_output_embeddings()): "the output head"}
         try:
-            return get_peft_model(model, config, adapter_name=ADAPTER)
+            peft_model = get_peft_model(model, config, adapter_name=ADAPTER)
         except ValueError as e:                       # e.g. a target module name the model does not have
             raise ValueError(f"lora.target_modules={self.target_modules!r}: {e}") from None
+        for name, module in peft_model.get_base_model().named_modules():
+            base = getattr(module, "base_layer", None)
+            if base is None:
+                continue
+            if tied and id(base) in ends:             # the adapted model would no longer be tied; engines are
+                raise ValueError(f"lora.target_modules: {name} is {ends[id(base)]}, tied to the other end of "
+                                 f"this model (tie_word_embeddings): leave it out of target_modules")
+            if self.sync == "adapter" and isinstance(base, torch.nn.Embedding):
+                raise ValueError(f"lora.target_modules: {name} is an embedding; lora.sync: adapter pushes linear "
+                                 f"adapters only: leave it out, or use sync: merged")
+        return peft_model
 
 
 def is_peft(model: torch.nn.Module) -> bool:

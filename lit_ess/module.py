@@ -372,6 +372,7 @@ class PolicyModule(L.LightningModule):
             keep = {f"policy.{n}" for n in adapter_state(self.policy)}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
             checkpoint["lit_ess"]["lora_base"] = base_fingerprint(self.hparams.model_path)
+            checkpoint["lit_ess"]["lora"] = self.lora.shape()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("lit_ess", {})
@@ -382,10 +383,19 @@ class PolicyModule(L.LightningModule):
             if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
                 raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
                                  f"{self.hparams.model_path!r} (fingerprints differ)")
-            missing = sorted({f"policy.{n}" for n in adapter_state(self.policy)} - set(checkpoint["state_dict"]))
+            saved_shape = saved.get("lora", self.lora.shape())
+            changed = sorted(k for k in saved_shape if saved_shape[k] != self.lora.shape().get(k))
+            if changed:
+                raise ValueError(f"this LoRA checkpoint was trained with model.lora " +
+                                 ", ".join(f"{k}={saved_shape[k]!r}" for k in changed) + f" (now " +
+                                 ", ".join(f"{k}={self.lora.shape()[k]!r}" for k in changed) + "): resume with the same "
+                                 "adapter settings")
+            ours = {f"policy.{n}" for n in adapter_state(self.policy)}
+            missing = sorted(ours - set(checkpoint["state_dict"]))
+            missing += sorted(k for k in checkpoint["state_dict"] if k not in ours)
             if missing:
-                raise ValueError(f"this LoRA checkpoint lacks adapter tensors {missing[:3]} (another rank or "
-                                 f"target_modules?)")
+                raise ValueError(f"this LoRA checkpoint's adapter tensors differ from the model's: {missing[:3]} "
+                                 f"(another rank or target_modules?)")
 
     def _log_step(self, logs: dict[str, float]) -> None:
         """One `log_metrics` call per logger every `log_every_n_steps` (x-axis: global step).

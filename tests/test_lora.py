@@ -175,3 +175,52 @@ def test_demo_lora_config_builds_as_written(tiny_model_dir, tmp_path):
     assert cli_.model.lora == LoRA(rank=16, alpha=32.0, dropout=0.0, target_modules="all-linear")
     cli_.model.configure_model()
     assert all("lora_" in n for n, p in cli_.model.policy.named_parameters() if p.requires_grad)
+
+
+def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
+    ckpt = {"state_dict": {}}
+    saver = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0))
+    saver.configure_model()
+    ckpt["state_dict"] = {f"policy.{k}": v for k, v in saver.policy.state_dict().items()}
+    saver.on_save_checkpoint(ckpt)
+    other = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=4.0))
+    other.configure_model()
+    with pytest.raises(ValueError, match=r"trained with model.lora alpha=32.0 \(now alpha=4.0\)"):
+        other.on_load_checkpoint(ckpt)
+    same = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0, sync="adapter"))   # the sync mode may change
+    same.configure_model()
+    same.on_load_checkpoint(ckpt)
+
+
+def test_tied_ends_and_adapter_synced_embeddings_are_refused(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.tie_word_embeddings                    # the tiny model ties its ends, as Qwen2 small models do
+    with pytest.raises(ValueError, match="model.embed_tokens is the input embeddings, tied to the other end"):
+        LoRA(rank=4, target_modules=["embed_tokens", "q_proj"]).apply(model)
+    untied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False)
+    LoRA(rank=4, target_modules=["embed_tokens", "q_proj"]).apply(untied)          # merged sync: fine untied
+    with pytest.raises(ValueError, match="is an embedding; lora.sync: adapter pushes linear adapters only"):
+        LoRA(rank=4, target_modules=["embed_tokens", "q_proj"], sync="adapter").apply(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False))
+
+
+def test_export_writes_merged_weights_in_adapter_sync_mode(tiny_model_dir, tmp_path):
+    """ExportHF's folder is a whole model whatever the sync mode (the adapter sits beside it)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from lit_ess.callbacks import ExportHF
+
+    m = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, sync="adapter", target_modules=["q_proj"]))
+    m.configure_model()
+    for n, p in m.policy.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.2)
+    ExportHF(str(tmp_path / "out")).on_train_end(SimpleNamespace(is_global_zero=True), m)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    merged = dict(merged_weights(m.policy))
+    assert all(torch.allclose(exported[k], merged[k]) for k in merged)
+    assert (tmp_path / "out" / "adapter" / "adapter_config.json").exists()
