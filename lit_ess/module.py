@@ -21,6 +21,7 @@ ranks' quantiles.
 from __future__ import annotations
 
 import math
+import time
 from typing import Iterator, Literal
 
 import lightning as L
@@ -277,6 +278,7 @@ class PolicyModule(L.LightningModule):
             raise RuntimeError(f"step {step_before} got rows sampled at step {int(batch.versions.min())}, older than "
                                f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
                                f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
+        t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
         sums, _ = self.accumulate_gradients(batch)
 
         grad_norm = self._clip_and_norm()
@@ -287,12 +289,14 @@ class PolicyModule(L.LightningModule):
         else:
             self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
+        train_seconds = time.perf_counter() - t0
 
         logs = {f"train/{k}": v for k, v in sums.items()}
         logs.update({
             "train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
             "train/lr": lr, "train/batch_rows": float(batch.rows),
             "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
+            "perf/train_seconds": train_seconds,
         })
         logs.update(batch.stats)
         if self._world():                    # the step's rows, lag and rollout statistics over all ranks
@@ -410,7 +414,8 @@ def _reduce_over_ranks(sums: dict[str, Tensor], device) -> dict[str, Tensor]:
 RANK_KEYS = ("train/batch_rows", "train/policy_lag", "train/policy_lag_max")   # per rank in training_step
 STAT_SUM = {"train/batch_rows", "rollout/rows", "rollout/reward_errors", "rollout/reward_timeouts", "rollout/dropped_groups", "rollout/gen_tokens_per_s",
             "rollout/stale_dropped", "rollout/buffer_size"}
-STAT_MAX = {"train/policy_lag_max", "rollout/response_len_max", "rollout/gen_seconds", "perf/trainer_wait_frac"}
+STAT_MAX = {"train/policy_lag_max", "rollout/response_len_max", "rollout/gen_seconds", "rollout/reward_seconds",
+            "perf/trainer_wait_frac"}
 
 
 def reduce_stats(stats: dict[str, float], device) -> dict[str, float]:
