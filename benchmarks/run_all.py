@@ -140,7 +140,8 @@ def _vs_trl(j):
                            f"{split}", r["s_per_step_median"], None, None, "{:.3f} s"))
             continue
         vllm = name == "lit-ess GRPO, vLLM"
-        out.append(row(f"s/step, {name} / TRL GRPOTrainer, {where}; {curve}{split}", r["time_vs_trl"],
+        cpu = f"; CPU s/step {r['cpu_time_vs_trl']:.2f}x TRL's" if "cpu_time_vs_trl" in r else ""
+        out.append(row(f"s/step, {name} / TRL GRPOTrainer, {where}; {curve}{cpu}{split}", r["time_vs_trl"],
                        f"<= {goal}" if vllm else None, r["time_vs_trl"] <= goal if vllm else None))
         if "phases_vs_trl" in r and r["phases_vs_trl"].get("generation") is not None:
             out.append(row(f"generation time, {name} / TRL (transformers generate), {where}",
@@ -148,6 +149,17 @@ def _vs_trl(j):
         if vllm and goal_floor is not None:
             out.append(row(f"s/step / floor (training + generation), {name}, {where}", r["step_over_floor"],
                            f"<= {goal_floor}", r["step_over_floor"] <= goal_floor))
+    return out
+
+
+def _gen_settings(j):
+    out = []
+    for shape, r in j["shapes"].items():
+        b = " x ".join(map(str, r["batch"]))
+        for name, v in r["settings"].items():
+            if name != "hf":
+                out.append(row(f"generation CPU s, {name} / transformers generate ({shape} shape, {b})",
+                               v["cpu_vs_hf"], None, None))
     return out
 
 
@@ -163,6 +175,7 @@ BENCHMARKS = [
           needs=["vllm"]),
     Bench("ess_floor", ["--phases", "4"], ["--phases", "1"], _ess_floor, needs_model=True, needs=["vllm"]),
     Bench("vs_trl", ["--steps", "30", "--rounds", "2"], ["--steps", "10", "--rounds", "1"], _vs_trl, needs_model=True, needs=["trl", "vllm"]),
+    Bench("gen_settings", ["--rounds", "3"], ["--rounds", "1"], _gen_settings, needs=["vllm"]),
     Bench("vs_trl_long", ["--shape", "long", "--steps", "8", "--rounds", "2"],
           ["--shape", "long", "--steps", "6", "--rounds", "1"], _vs_trl, needs=["trl", "vllm"], script="vs_trl"),
 ]
