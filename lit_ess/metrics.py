@@ -129,6 +129,7 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/degenerate_frac": RANK_MEAN,
     "rollout/dropped_groups": SUM,
     "rollout/gen_seconds": MAX,
+    "rollout/reward_seconds": MAX,             # the slowest rank's scorer
     "rollout/gen_tokens_per_s": SUM,
     "rollout/reward_errors": SUM,              # cumulative, each rank's own scorer
     "rollout/reward_timeouts": SUM,
@@ -141,6 +142,7 @@ RULES: dict[str, str | PooledStd] = {
     "perf/trainer_wait_frac": MAX,
     "perf/worker_idle_frac": RANK_MEAN,
     "rollout/phases_in_flight": RANK_MEAN,
+    "perf/train_seconds": MAX,                 # lit_ess/module.py: forward, backward, clip, optimizer step
     # callbacks/weight_sync.py
     "perf/weight_sync_seconds": RANK0,
     # lit_ess/module.py: validation (torchmetrics); val/pass@k stands for k = 1..n

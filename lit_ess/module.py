@@ -20,6 +20,7 @@ mean over ranks, min, max, pooled std).
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator, Literal, NamedTuple
 
 import lightning as L
@@ -346,6 +347,7 @@ class PolicyModule(L.LightningModule):
             raise RuntimeError(f"step {step_before} got rows sampled at step {int(batch.versions.min())}, older than "
                                f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
                                f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
+        t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
         metrics, _ = self.accumulate_gradients(batch)
 
         grad_norm = self._clip_and_norm()
@@ -356,11 +358,12 @@ class PolicyModule(L.LightningModule):
         else:
             self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
+        train_seconds = time.perf_counter() - t0
 
         per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
                     "train/lr": lr, "train/batch_rows": float(batch.rows),
                     "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
-                    **batch.stats}
+                    "perf/train_seconds": train_seconds, **batch.stats}
         logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
         self.last_step["policy_lag"] = lag.cpu()

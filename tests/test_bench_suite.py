@@ -13,9 +13,10 @@ from benchmarks import run_all, vs_trl  # noqa: E402
 
 def test_every_listed_benchmark_exists_or_is_optional():
     names = {b.name for b in run_all.BENCHMARKS}
-    assert {"objectives", "step", "overhead", "async", "staleness", "ess_floor", "memory", "vs_trl"} <= names
+    assert {"objectives", "step", "overhead", "async", "staleness", "ess_floor", "memory", "vs_trl",
+            "vs_trl_long", "gen_settings"} <= names
     for b in run_all.BENCHMARKS:
-        assert (ROOT / "benchmarks" / f"{b.name}.py").is_file() or b.name == "memory", b.name
+        assert (ROOT / "benchmarks" / b.file).is_file() or b.name == "memory", b.name
 
 
 @pytest.mark.parametrize("folder", ["", "quick"])
@@ -68,3 +69,35 @@ def test_trl_config_is_the_lit_ess_run():
 
     cfg = GRPOConfig(**{**c, "output_dir": str(Path("/tmp") / "vs_trl_cfg")})
     assert cfg.generation_batch_size == 256 and cfg.steps_per_generation == 1 and not cfg.use_vllm
+
+
+def test_trl_config_of_the_long_shape():
+    sh = vs_trl.SHAPES["long"]
+    c = vs_trl.trl_config_kwargs(5, 2e-4, 0, "x", sh["prompts"], sh["samples"], sh["new_tokens"])
+    assert (c["per_device_train_batch_size"], c["num_generations"], c["max_completion_length"]) == (128, 8, 64)
+
+
+def test_phase_split_adds_up_to_the_step():
+    """Each interval between step ends is split into the logged phases and the rest; the first WARMUP
+    steps are dropped; the floor is training + generation."""
+    n = vs_trl.WARMUP + 3
+    ends = [float(i) * 2.0 for i in range(n)]                     # 2 s per step
+    ph = {"generation": 0.5, "scoring": 0.1, "training": 1.0, "weight_sync": 0.2}
+    r = vs_trl.summarise([{"step_ends": ends, "cpu_ends": [e / 2 for e in ends], "rewards": [0.0] * n,
+                           "phases": [dict(ph)] * n}])
+    assert r["steps_timed"] == n - vs_trl.WARMUP - 1
+    assert r["phases_mean_s"]["rest"] == pytest.approx(0.2) and r["floor_s"] == pytest.approx(1.5)
+    assert sum(r["phases_mean_s"].values()) == pytest.approx(r["s_per_step_mean"]) == pytest.approx(2.0)
+    assert r["cpu_s_per_step_median"] == pytest.approx(1.0)
+
+
+def test_summary_rows_of_a_phase_split():
+    base = {"reward_first": 0.1, "reward_last": 0.2, "s_per_step_median": 2.0, "step_over_floor": 1.05,
+            "phases_mean_s": {"generation": 1.0, "training": 0.9}}
+    j = {"available": True, "shape": "long", "batch": {"prompts": 16, "samples": 8, "new_tokens": 64},
+         "goal_vs_trl": 0.8, "goal_vs_floor": 1.1, "trl_version": "1.16.0",
+         "runs": {"TRL GRPOTrainer, transformers generate": base,
+                  "lit-ess GRPO, vLLM": {**base, "time_vs_trl": 0.75, "phases_vs_trl": {"generation": 0.6}}}}
+    rows = run_all._vs_trl(j)
+    assert [r["met"] for r in rows] == [None, True, None, True]
+    assert "16 x 8 x 64" in rows[1]["measurement"] and rows[1]["goal"] == "<= 0.8"

@@ -73,7 +73,8 @@ class VLLMConfig(EngineConfig):
             authors' reference code records as pi_b; a mismatch whenever T != 1 or top-k/top-p are on).
         vllm_kwargs: passed to `vllm.LLM` as they are, e.g. {max_num_seqs: 256, quantization: fp8}.
             On CPU, enable_chunked_prefill defaults to False (vLLM 0.32's CPU backend crashes on
-            seeded requests whose prefill is split).
+            seeded requests whose prefill is split) and block_size to 32 (the backend's 128 makes its
+            attention read mostly empty cache for short sequences).
         worker_devices: async mode only: where the worker process's engine runs. None (default) =
             colocated: the worker sees the trainer's devices and shares its GPU (leave room with
             gpu_memory_utilization). A list of device indices (as the trainer's process numbers them,
@@ -178,6 +179,9 @@ class VLLMEngine(RolloutEngine):
             # vLLM 0.32 on CPU: a seeded request whose prefill is split over steps crashes the engine
             # ("CPU Generator does not use offset" in _bookkeeping_sync), so prefills stay whole.
             kwargs.setdefault("enable_chunked_prefill", False)
+            # KV blocks of 32 tokens, not the CPU backend's 128: its fp32 attention reads whole blocks, so
+            # short RL sequences (a prompt plus tens of tokens) read mostly padding (the smallest it takes).
+            kwargs.setdefault("block_size", 32)
         kwargs.setdefault("use_tqdm_on_load", verbose())
         kwargs.update(_colocated_rank_kwargs(kwargs))
         if c.transport == "nccl":
@@ -199,6 +203,9 @@ class VLLMEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         # One request per sample: vLLM expands n>1 into children that share one seed (copies).
+        # No detokenization unless stop strings need the text: the worker decodes the token ids itself,
+        # and vLLM's incremental detokenizer and per-logprob token decoding run on every decode step.
+        detokenize = bool(sampling.stop)
         reqs, params = [], []
         keys = range(len(prompts)) if prompt_keys is None else prompt_keys
         for key, p in zip(keys, prompts):
@@ -208,7 +215,7 @@ class VLLMEngine(RolloutEngine):
                 params.append(SamplingParams(
                     n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                     max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, seed=seed,
-                    logprobs=0, include_stop_str_in_output=True))
+                    logprobs=0, include_stop_str_in_output=True, detokenize=detokenize))
         outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
         flat = []
         for o in outs:

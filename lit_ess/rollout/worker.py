@@ -131,7 +131,9 @@ class RolloutWorker:
         (The worker process runs it in a thread, beside the next phase's sampling.)"""
         c, n = self.config, self.config.samples_per_prompt
         answers = [a for a in req.answers for _ in range(n)]
+        t0 = time.perf_counter()
         rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+        t_reward = time.perf_counter() - t0
         adv, degenerate = group_advantages(rewards, c.advantage)
 
         keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
@@ -155,6 +157,7 @@ class RolloutWorker:
             "rollout/degenerate_frac": float(degenerate.float().mean()),
             "rollout/dropped_groups": float(len(groups) - len(keep)),
             "rollout/gen_seconds": t_gen,
+            "rollout/reward_seconds": t_reward,
             "rollout/gen_tokens_per_s": float(lengths.sum()) / max(t_gen, 1e-9),
             "rollout/reward_errors": float(self.scorer.errors),
             "rollout/reward_timeouts": float(self.scorer.timeouts),
