@@ -64,11 +64,14 @@ def atomic_save(obj: Any, path: Path) -> None:
             raise OSError(cause.errno, f"checkpoint {path} not written ({cause.strerror}); the previous one "
                                        f"is kept") from e
         raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)                   # the rename itself survives a power loss
-    finally:
-        os.close(fd)
+    try:                               # the rename itself survives a power loss; some filesystems (network,
+        fd = os.open(path.parent, os.O_RDONLY)     # FUSE) and systems (Windows) cannot sync a folder: the
+        try:                                       # checkpoint is written either way
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def unreadable(path: str | Path) -> str | None:

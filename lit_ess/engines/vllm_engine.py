@@ -244,6 +244,11 @@ class VLLMEngine(RolloutEngine):
                              "set data.engine.init_args.max_lora_rank to model.lora.rank or more")
         from vllm.lora.request import LoRARequest
 
+        rank = max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n)
+        if rank > self.max_lora_rank:
+            raise ValueError(f"the pushed adapters have rank {rank}, above data.engine.init_args.max_lora_rank="
+                             f"{self.max_lora_rank}: raise it to model.lora.rank")
+
         if self.adapter_dir is None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.adapter_dir = tempfile.mkdtemp(prefix="lit-ess-adapter-", dir=root)
