@@ -6,4 +6,4 @@ bash scripts/setup.sh
 # Two workers (pytest-xdist), one per core of the 2-core machines CI runs on, a test file each at a time
 # (so a file's module fixtures, e.g. the shared runs of test_e2e.py, are made once); LIT_ESS_TEST_WORKERS=0
 # runs everything in this process (or pass -n 0).
-exec .venv/bin/python -m pytest -n "${LIT_ESS_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${LIT_ESS_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

@@ -13,6 +13,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# The longest files first: xdist hands each worker a whole file at a time in collection order, and a long
+# file handed out last leaves the other worker idle until it ends (the demo alone takes most of a run).
+LONGEST_FIRST = ("test_demo.py", "test_experiments.py", "test_dist.py", "test_lora.py", "test_e2e.py",
+                 "test_async_e2e.py", "test_faults_runs.py", "test_cli.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A randomly initialised tiny Qwen2 (2M parameters, byte tokenizer), built offline once."""
