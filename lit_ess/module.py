@@ -386,13 +386,12 @@ class PolicyModule(L.LightningModule):
             if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
                 raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
                                  f"{self.hparams.model_path!r} (fingerprints differ)")
-            saved_shape = saved.get("lora", self.lora.shape())
-            changed = sorted(k for k in saved_shape if saved_shape[k] != self.lora.shape().get(k))
+            was, now = saved.get("lora", self.lora.shape()), self.lora.shape()
+            changed = sorted(k for k in was if was[k] != now.get(k))
             if changed:
-                raise ValueError(f"this LoRA checkpoint was trained with model.lora " +
-                                 ", ".join(f"{k}={saved_shape[k]!r}" for k in changed) + f" (now " +
-                                 ", ".join(f"{k}={self.lora.shape()[k]!r}" for k in changed) + "): resume with the same "
-                                 "adapter settings")
+                then_, now_ = (", ".join(f"{k}={d[k]!r}" for k in changed) for d in (was, now))
+                raise ValueError(f"this LoRA checkpoint was trained with model.lora {then_} (now {now_}): resume "
+                                 f"with the same adapter settings")
             ours = {f"policy.{n}" for n in adapter_state(self.policy)}
             missing = sorted(ours - set(checkpoint["state_dict"]))
             missing += sorted(k for k in checkpoint["state_dict"] if k not in ours)
