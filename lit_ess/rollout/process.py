@@ -134,7 +134,8 @@ class WorkerProcess:
                 kind, rid, payload, info = self.results.get(timeout=max(wait, 0.0)) if wait > 0 else self.results.get_nowait()
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise WorkerError(f"the rollout worker process died (exit code {self.proc.exitcode})") from None
+                    raise WorkerError(f"the rollout worker process (pid {self.proc.pid}) died: "
+                                      f"{_exit_cause(self.proc.exitcode)}") from None
                 if not self.started and time.monotonic() - self.t_created > self.start_timeout:
                     raise WorkerError(f"the rollout worker did not start its engine within {self.start_timeout:.0f} s") from None
                 self._check_progress()
@@ -298,6 +299,17 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             deliveries.close()
         if stop.is_set():
             results.cancel_join_thread()         # exit even if unread results fill the pipe
+
+
+def _exit_cause(code: int | None) -> str:
+    """A process's exit code in words: -9 is SIGKILL (kill -9, or the kernel's out-of-memory killer)."""
+    import signal
+
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        why = " (kill -9, or the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+        return f"exit code {code}, killed by {name}{why}"
+    return f"exit code {code}"
 
 
 def _what(kind: str, payload) -> str:
