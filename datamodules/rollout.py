@@ -298,6 +298,9 @@ class RolloutDataModule(L.LightningDataModule):
         dedicated: rank 0's worker process generates for all, the other ranks receive their shares."""
         if self.mode == "sync":
             return InlineExecutor(self._worker_config())
+        if self.placement == "colocated" and self.world > 1 and "CUDA_VISIBLE_DEVICES" in self.engine_config.worker_env():
+            raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every rank's "
+                             "worker on the same devices: use placement: dedicated (one worker on those devices)")
         if self.placement == "colocated" or self.world == 1:
             return WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout)
         hosts = self.ranks.all_gather(socket.gethostname())

@@ -239,7 +239,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 if kind == "phase" and isinstance(payload, list):      # dedicated: every rank's share
                     shares = worker.score_shares(payload, *sampled)
                     for r in range(1, len(shares)):                   # the others first: when rank 0 has a
-                        deliveries.send(r, shares[r])                 # phase, every rank's share was sent
+                        deliveries.send(r, shares[r], (clock["idle"], clock["busy"]))   # phase, every rank's share was sent
                     out = shares[0]
                 else:
                     out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)

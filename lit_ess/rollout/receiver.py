@@ -5,7 +5,7 @@ sends each rank its own share directly, so rows never pass through rank 0's trai
     ----------------------------                     ---------------------------------------
     Listener(host, port, authkey) in setup()   <-    Deliveries.send(r, result): connects once, then
     a reader thread: connection -> queue              pickled PhaseResults, phase by phase, in order
-    poll(timeout) -> [(-1, PhaseResult)]
+    poll(timeout) -> [(-1, PhaseResult)]             (each with the engine's idle/busy clock)
 
 Rank 0 learns every rank's address (one all-gather in setup) and puts them in the WorkerConfig. A
 rank > 0 has no engine: it loads no weights (it still consumes the policy's weight iterator, so FSDP2's
@@ -51,7 +51,7 @@ class ShareReceiver:
             return                                            # closed before the worker connected
         try:
             while True:
-                self.inbox.put(("result", pickle.loads(conn.recv_bytes())))
+                self.inbox.put(("result", pickle.loads(conn.recv_bytes())))      # (PhaseResult, engine clock)
         except (EOFError, OSError):
             if not self.closed:
                 self.inbox.put(("gone", None))
@@ -78,6 +78,7 @@ class ShareReceiver:
                 if kind == "gone":
                     raise WorkerError("the dedicated rollout worker (run by rank 0) closed its connection to this "
                                       "rank: it exited")
+                result, (self.idle_seconds, self.busy_seconds) = result     # the one engine's clock
                 out.append((-1, result))
                 item = self.inbox.get_nowait()
         except queue.Empty:
@@ -94,12 +95,13 @@ class Deliveries:
     def __init__(self, addresses: list[Address | None]):
         self.addresses, self.conns = addresses, {}
 
-    def send(self, rank: int, result) -> None:
+    def send(self, rank: int, result, clock: tuple[float, float]) -> None:
+        """`result` for `rank`, with the engine's (idle, busy) seconds so far."""
         if rank not in self.conns:
             host, port, key = self.addresses[rank]
             self.conns[rank] = Client((host, port), authkey=key)
         conn: Connection = self.conns[rank]
-        conn.send_bytes(pickle.dumps(result))
+        conn.send_bytes(pickle.dumps((result, clock)))
 
     def close(self) -> None:
         for c in self.conns.values():
