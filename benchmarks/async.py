@@ -2,14 +2,17 @@
 
 (a) the demo config (configs/demo.yaml: 32 prompts x 8 samples, P3O, 2-digit addition);
 (b) the same with a latency-bound reward: a verifier that waits 2 ms per completion (0.5 s per rollout
-    of 256 completions, about one training step here), as remote sandboxes and judges do.
+    of 256 completions), as remote sandboxes and judges do.
 Goal for (b): async <= 0.6x sync. In (a) generation and training both compute on the same 2 CPU
 cores, so overlapping them cannot make both faster; the number is reported as measured.
 
-Runs alternate sync / async for `--rounds` rounds, each a `lit-ess fit` of `--steps` steps; the
-first 3 steps of each run are dropped (vLLM warm-up) and the median step time is kept.
+On `--devices` data-parallel ranks (DDP, default 2) async runs in both placements: colocated (a worker
+process per rank, each generating its half) and dedicated (one worker process for the whole phase,
+each rank receiving its share). Runs alternate sync / async for `--rounds` rounds, each a `lit-ess
+fit` of `--steps` steps; the first 3 steps of each run are dropped (vLLM warm-up) and the median
+step time is kept.
 
-    .venv/bin/python benchmarks/async.py [--model runs/demo/sft] [--steps 25 --rounds 2]
+    .venv/bin/python benchmarks/async.py [--model runs/demo/sft] [--steps 25 --rounds 2 --devices 2]
 """
 from __future__ import annotations
 
@@ -27,17 +30,23 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(model: str, out: Path, mode: str, steps: int, reward: str) -> list[float]:
+MODES = {"sync": {"mode": "sync"}, "async colocated": {"mode": "async", "placement": "colocated", "max_staleness": 1},
+         "async dedicated": {"mode": "async", "placement": "dedicated", "max_staleness": 1}}
+
+
+def run(model: str, out: Path, mode: str, steps: int, reward: str, devices: int) -> list[float]:
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = model
     data = cfg["data"]["init_args"]
-    data.update({"mode": mode, "max_staleness": 1 if mode == "async" else None, "reward": reward, "val_source": None})
-    times = out / f"{mode}.json"
-    cfg["trainer"].update({"max_steps": steps, "logger": False, "enable_checkpointing": False,
+    data.update({**MODES[mode], "reward": reward, "val_source": None})
+    times = out / f"{mode.replace(' ', '_')}.json"
+    if devices > 1:
+        cfg["trainer"]["strategy"] = "ddp"
+    cfg["trainer"].update({"max_steps": steps, "logger": False, "enable_checkpointing": False, "devices": devices,
                            "default_root_dir": str(out), "enable_progress_bar": False, "check_val_every_n_epoch": 1,
                            "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
                                          {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}]})
-    path = out / f"{mode}.yaml"
+    path = out / f"{mode.replace(' ', '_')}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # in the run's temporary folder: with logger: false LightningCLI saves its config.yaml in the cwd
@@ -54,6 +63,7 @@ def main(argv=None):
     p.add_argument("--model", default="runs/demo/sft", help="policy folder (default: the demo's SFT model)")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--devices", type=int, default=2, help="data-parallel ranks (DDP); 1: no placement to compare")
     p.add_argument("--out", default="benchmarks/results/async.json")
     a = p.parse_args(argv)
     if not Path(a.model).is_dir():
@@ -63,18 +73,25 @@ def main(argv=None):
     cases = {"(a) demo config": "exact_match", "(b) latency-bound reward": "benchmarks.timing:waiting_exact_match"}
     with tempfile.TemporaryDirectory() as d:
         for case, reward in cases.items():
-            times = {"sync": [], "async": []}
+            modes = list(MODES) if a.devices > 1 else ["sync", "async colocated"]
+            times = {m: [] for m in modes}
             for r in range(a.rounds):
-                for mode in ("sync", "async"):
-                    out = Path(d) / f"{len(results)}-{r}"
+                for mode in modes:
+                    out = Path(d) / f"{len(results)}-{r}-{mode.replace(' ', '_')}"
                     out.mkdir(parents=True, exist_ok=True)
-                    times[mode] += run(model, out, mode, a.steps, reward)
-            s, y = statistics.median(times["sync"]), statistics.median(times["async"])
-            results[case] = {"sync_s_per_step": s, "async_s_per_step": y, "ratio": y / s, "steps_timed": len(times["sync"])}
+                    times[mode] += run(model, out, mode, a.steps, reward, a.devices)
+            s = statistics.median(times["sync"])
+            results[case] = {"sync_s_per_step": s, "steps_timed": len(times["sync"])}
             goal = "  (goal <= 0.6)" if case.startswith("(b)") else ""
-            print(f"{case}: sync {s:.3f} s/step, async S=1 {y:.3f} s/step, ratio {y / s:.2f}{goal}", flush=True)
+            for mode in modes[1:]:
+                y = statistics.median(times[mode])
+                key = mode.replace(" ", "_")
+                results[case].update({f"{key}_s_per_step": y, f"{key}_ratio": y / s})
+                print(f"{case}, {a.devices} ranks: sync {s:.3f} s/step, {mode} S=1 {y:.3f} s/step, ratio {y / s:.2f}{goal}",
+                      flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "rounds": a.rounds, "results": results}, indent=1))
+    Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "rounds": a.rounds, "devices": a.devices,
+                                       "results": results}, indent=1))
     print(f"written: {a.out}")
 
 

@@ -20,6 +20,8 @@ class StepTimes(L.Callback):
         self.cpu.append(time.process_time())
 
     def on_fit_end(self, trainer, pl_module):
+        if trainer.global_rank:                     # several ranks: rank 0's clock
+            return
         with open(self.path, "w") as f:
             json.dump(self.times, f)
         if self.cpu_path:

@@ -4,7 +4,9 @@ The data side declares what it needs through two methods (`WeightReceiver`, impl
 `lit_ess.datamodules.RolloutDataModule`): `wants_weights(version)` says whether the engine generates before the
 trainer's next step, `push_weights(named_tensors, version)` takes the weights of optimizer step
 `version`. So with k optimizer steps per rollout the full weights are gathered once per phase, not
-after every step. The callback pushes at train start (which covers a resume: Lightning has restored
+after every step. Both are called on every rank at the same point, and `wants_weights` gives the same
+answer on every rank (the data module agrees on it over ranks), so under FSDP2 every rank enters the
+weight gather at the same steps. The callback pushes at train start (which covers a resume: Lightning has restored
 the checkpoint's weights by then, while the engine was built from the initial folder), after every
 step whose successor needs new weights, and before every validation.
 """

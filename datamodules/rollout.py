@@ -1,12 +1,18 @@
 """RolloutDataModule: a stream of optimizer-step batches read from a versioned rollout buffer.
 
-    prompts (this module: cursor, order)  ->  RolloutWorker (engine, rewards, advantages)  ->  RolloutBuffer
+    prompts (this module: cursor, order)  ->  executor (engine, rewards, advantages)  ->  RolloutBuffer
         -> one RolloutBatch per optimizer step  ->  PolicyModule.training_step
 
-`mode: sync` (default): when the trainer asks for a batch and the buffer is empty, the worker generates
-the next phase in this process with the weights of the current step: exactly on-policy for one step
-per rollout. `mode: async`: the worker runs in its own process and generates ahead, as far as
-`max_staleness` allows (see lit_ess/rollout/buffer.py for the bound and its two checks).
+One schedule, whatever runs the engine: a phase is submitted as soon as the newest weights may
+generate it (the buffer's admission rule, lit_ess/rollout/buffer.py: no row is ever trained more
+than `max_staleness` steps after the weights that sampled it), and the trainer takes one batch per
+step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll) decides
+where the work runs:
+* `mode: sync`: in the trainer's process, at submission (generation blocks training). With the
+  default S = steps_per_rollout - 1 a phase is admitted when the trainer needs it, with the weights of
+  the step that trains its first batch: exactly on-policy for one step per rollout. A larger S
+  generates ahead with older weights: staleness that is exactly reproducible.
+* `mode: async`: in a worker process that generates while the trainer trains, as far ahead as S allows.
 
 The train loader has a known length (`steps_per_epoch` batches), so Lightning never prefetches: the
 batch of step s is assembled after step s-1's update and weight push. Each item pulls the next batch
@@ -17,10 +23,21 @@ Data parallel (W ranks): every rank draws the same `prompts_per_rollout` prompts
 order, same cursor) and keeps positions `rank, rank + W, ...`; request seeds use a prompt's position
 in the whole phase. So W ranks sample, between them, exactly the rows one rank would (vllm engine: a
 seed per request; hf seeds per chunk), each group stays whole on one rank (its advantages need it),
-and the ranks' batches never overlap. Weights arrive through the
-two methods `lit_ess.callbacks.WeightSync` calls, `wants_weights(version)` and `push_weights(tensors, version)`:
-only when the engine will generate next (with k steps per rollout, once per phase). Without them the
-first rollout that would need newer weights fails with an error that names the callback.
+and the ranks' batches never overlap. Async on W ranks has two placements:
+* `colocated` (default): every rank runs its own worker process for its own share (the engines share
+  the trainer's GPUs, or CPU cores);
+* `dedicated`: rank 0 runs one worker process (on its own GPUs, `engine.worker_devices`) that samples
+  the whole phase in one engine call and sends each rank its share directly
+  (lit_ess/rollout/receiver.py); rank 0 plans and submits every phase, the other ranks receive.
+The ranks wait for their data together (lit_ess/rollout/ranks.py `in_step`): a worker that fails stops
+every rank in the same round, with its error. Whether new weights are needed is decided together too
+(`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
+(FSDP2) at the same steps, whatever the timing of each rank's worker.
+
+Weights arrive through the two methods `lit_ess.callbacks.WeightSync` calls on every rank,
+`wants_weights(version)` and `push_weights(tensors, version)`: only when the engine will generate next
+(with k steps per rollout, once per phase). Without them the first rollout that would need newer
+weights fails with an error that names the callback.
 
 `state_dict` holds the prompt cursor and order, the buffer (batches not yet trained, with the
 version of each row), and the requests in flight, which are regenerated after a resume.
@@ -28,6 +45,7 @@ version of each row), and the requests in flight, which are regenerated after a 
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import asdict, replace
 from typing import Literal
@@ -39,8 +57,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rewards import resolve_reward
-from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutRequest, RolloutWorker, WorkerConfig,
-                             WorkerProcess)
+from lit_ess.rollout import (EvalRequest, InlineExecutor, PhaseResult, RolloutBatch, RolloutBuffer, RolloutExecutor,
+                             RolloutRequest, Ranks, ShareReceiver, TorchRanks, WorkerConfig, WorkerProcess, in_step)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -118,12 +136,17 @@ class RolloutDataModule(L.LightningDataModule):
         samples_per_prompt: completions per prompt (the group size), at least 2: a group of one has
             advantage 0 under both estimators, so nothing would be learned.
         steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
-        mode: "sync" (generate when the trainer needs data, in this process) or "async" (a worker
-            process generates ahead while the trainer trains, within max_staleness).
+        mode: "sync" (generate in this process when the schedule admits a phase; training waits) or
+            "async" (a worker process generates ahead while the trainer trains, within max_staleness).
+        placement: async on several ranks: "colocated" (each rank runs a worker process for its own
+            prompts; pick it when the engine shares the trainer's GPUs) or "dedicated" (rank 0 runs one
+            worker process, on `engine.worker_devices` GPUs, that generates the whole phase and sends
+            each rank its share; pick it when generation has GPUs of its own). One rank: the same.
         max_staleness: S, the largest policy lag (optimizer steps between the weights that sampled a
             row and the step that trains on it) ever trained on. None = steps_per_rollout - 1, the
             synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
-            above it lets the worker start a phase one optimizer step earlier.
+            above it lets a phase start one optimizer step earlier (sync: generated ahead with older
+            weights, a reproducible staleness; async: as far as the worker gets).
         worker_timeout: async: seconds the worker process may go without a word (a stage of a request
             begun, a result sent) while it has work; then the run stops with an error that names the
             worker's pid and the stage it was in (a hung engine or reward, a stopped process). Generous
@@ -162,6 +185,7 @@ class RolloutDataModule(L.LightningDataModule):
         samples_per_prompt: int = 8,
         steps_per_rollout: int = 1,
         mode: Literal["sync", "async"] = "sync",
+        placement: Literal["colocated", "dedicated"] = "colocated",
         max_staleness: int | None = None,
         worker_timeout: float = 1800.0,
         steps_per_epoch: int | None = None,
@@ -188,6 +212,11 @@ class RolloutDataModule(L.LightningDataModule):
                              f"{samples_per_prompt} rows of a rollout")
         if mode not in ("sync", "async"):
             raise ValueError(f"mode={mode!r} is not one of ('sync', 'async')")
+        if placement not in ("colocated", "dedicated"):
+            raise ValueError(f"placement={placement!r} is not one of ('colocated', 'dedicated')")
+        if placement == "dedicated" and mode != "async":
+            raise ValueError("placement: dedicated runs one rollout worker process beside the trainers: it needs "
+                             "mode: async (mode: sync generates in each trainer's process)")
         if val_samples < 1:
             raise ValueError(f"val_samples must be >= 1, got {val_samples}")
         if worker_timeout <= 0:
@@ -202,7 +231,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
         self.reward_in_worker = reward_in_worker
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
-        self.steps_per_rollout, self.mode = steps_per_rollout, mode
+        self.steps_per_rollout, self.mode, self.placement = steps_per_rollout, mode, placement
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
         self.worker_timeout = worker_timeout
         self.steps_per_epoch = steps_per_epoch or steps_per_rollout
@@ -214,27 +243,33 @@ class RolloutDataModule(L.LightningDataModule):
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
         self.save_hyperparameters({
-            "engine": engine.hparams(), "sampling": asdict(sampling), "mode": mode, "max_staleness": self.max_staleness,
+            "engine": engine.hparams(), "sampling": asdict(sampling), "mode": mode, "placement": placement,
+            "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
             "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__,
             "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None})
-        self.worker: RolloutWorker | WorkerProcess | None = None
+        self.executor: RolloutExecutor | None = None
+        self.ranks: Ranks | None = None                    # set in setup() from the trainer (a test may set it)
         self.tokenizer = None
         # resumable state
         self.prompt_order = PromptOrder(len(self.source), seed)
         self.next_plan = 0                                  # next phase whose prompts are drawn
         self.requests: dict[int, RolloutRequest] = {}      # planned and not yet in the buffer, by phase
-        self.submitted: dict[int, int] = {}                # async: request id -> phase
+        self.submitted: dict[int, int] = {}                # request id -> phase, not yet in the buffer
+        self.evaluated: dict[int, dict] = {}               # request id -> held-out results not yet read
         self.skipped_long_prompts = 0
         self.reward_counters: dict = {}
         self.resume_offset = 0
         self.wait_seconds, self.t_start = 0.0, None
         self.rank, self.world = 0, 1                       # data-parallel position, set in setup()
+        self.plans = True                                  # this rank plans and submits phases (not: a
+                                                           # dedicated placement's rank > 0, which receives)
+        self.dedicated = False                             # async, placement dedicated, W > 1
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
-        if self.worker is not None:
+        if self.executor is not None:
             return
         if not self.model_path:
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
@@ -243,10 +278,9 @@ class RolloutDataModule(L.LightningDataModule):
                              "lit_ess.datamodules.Arithmetic with split: test, or HFPrompts)")
         from transformers import AutoTokenizer
 
-        self.rank, self.world = self._rank_and_world()
-        if self.mode == "async" and self.world > 1:
-            raise ValueError("mode: async runs one worker process per trainer process and does not shard prompts "
-                             "across ranks yet: use one device, or mode: sync")
+        if self.ranks is None:
+            self.ranks = TorchRanks(*self._rank_and_world())
+        self.rank, self.world = self.ranks.rank, self.ranks.world
         if stage == "fit" and self.prompts_per_rollout % self.world:
             raise ValueError(f"prompts_per_rollout={self.prompts_per_rollout} is not a multiple of the {self.world} "
                              f"data-parallel ranks: each rank generates whole groups of an equal share")
@@ -256,10 +290,29 @@ class RolloutDataModule(L.LightningDataModule):
                              f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
                              f"{self.steps_per_rollout}: every step needs a row on every rank")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.executor = self._build_executor()
+        self.executor.start()
+
+    def _build_executor(self) -> RolloutExecutor:
+        """sync: the worker in this process; async colocated: a worker process per rank; async
+        dedicated: rank 0's worker process generates for all, the other ranks receive their shares."""
         if self.mode == "sync":
-            self.worker = RolloutWorker(self._worker_config())
-        else:
-            self.worker = _LazyProcess(self._worker_config, self.worker_timeout)   # started at first use, after a checkpoint's restore
+            return InlineExecutor(self._worker_config())
+        if self.placement == "colocated" and self.world > 1 and "CUDA_VISIBLE_DEVICES" in self.engine_config.worker_env():
+            raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every rank's "
+                             "worker on the same devices: use placement: dedicated (one worker on those devices)")
+        if self.placement == "colocated" or self.world == 1:
+            return WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout)
+        hosts = self.ranks.all_gather(socket.gethostname())
+        one_node = len(set(hosts)) == 1
+        receiver = None
+        if self.rank > 0:
+            receiver = ShareReceiver(bind="127.0.0.1" if one_node else "0.0.0.0",
+                                     host="127.0.0.1" if one_node else hosts[self.rank])
+        addresses = self.ranks.all_gather(receiver.address if receiver is not None else None)
+        self.plans, self.dedicated = self.rank == 0, True
+        return receiver or WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout,
+                                         deliver_to=addresses)
 
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
@@ -273,9 +326,9 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_rank, self.trainer.world_size
 
     def teardown(self, stage: str) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
         self.submitted = {}          # their requests stay in self.requests and are generated again
 
     def train_dataloader(self) -> DataLoader:
@@ -290,24 +343,24 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ weights (lit_ess.callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
-        """True when the engine will generate before the trainer's next step, so new weights are needed."""
-        if self.mode == "sync":
-            return not self.buffer.has_next() and self.worker.version != version
-        self._collect(timeout=0.0)
-        if self.worker.version == version:             # e.g. after a skipped step: it has these weights
-            return False
-        return self._admissible(version, step=version) is not None
+        """True when the engine will generate before the trainer's next step, so new weights are needed.
+        Called on every rank at the same point; true on every rank when it is true on one."""
+        def mine() -> tuple[bool]:
+            self._collect(timeout=0.0)
+            return (self.plans and self.executor.version != version          # (e.g. after a skipped step: it
+                    and self._admissible(version, step=version) is not None,)  # has these weights already)
+        return any(w for (w,) in in_step(self.ranks, mine, share=True))
 
     def push_weights(self, named_tensors, version: int) -> None:
         """Hand the policy's weights (Hugging Face names) of optimizer step `version` to the engine.
-        (Async: the phases they make admissible start at the trainer's next request for data, so a
-        stand-alone `lit-ess validate` starts none.)"""
-        self.worker.load_weights(named_tensors, version)
+        (The phases they make admissible start at the trainer's next request for data, so a stand-alone
+        `lit-ess validate` starts none.)"""
+        self.executor.load_weights(named_tensors, version)
 
     def _start_admissible(self, step: int) -> None:
-        """Async: start every phase the newest pushed weights may generate (up to the in-flight cap)."""
-        while (p := self._admissible(self.worker.version, step)) is not None:
-            self.submitted[self.worker.submit("phase", self._request(p))] = p
+        """Submit every phase the newest pushed weights may generate (up to the in-flight cap)."""
+        while self.plans and (p := self._admissible(self.executor.version, step)) is not None:
+            self.submitted[self.executor.submit("phase", self._request(p))] = p
 
     def _admissible(self, version: int, step: int) -> int | None:
         """The next phase to start, if weights of `version` may generate it while the trainer's next
@@ -319,56 +372,52 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ the stream
     def next_batch(self, step: int) -> RolloutBatch:
-        """The batch of optimizer step `step` (blocks until it is there)."""
+        """The batch of optimizer step `step` (blocks until every rank has its batch)."""
         if self.t_start is None:
             self.t_start = time.perf_counter()
         t0 = time.perf_counter()
-        if self.mode == "async":
+
+        def attempt() -> RolloutBatch | None:
             self._start_admissible(step)
-        batch = self.buffer.take(step)
-        while batch is None:
-            self._fill(step)
-            batch = self.buffer.take(step)
+            if (batch := self.buffer.take(step)) is None:
+                self._wait(step)
+                batch = self.buffer.take(step)
+            return batch
+        batch = in_step(self.ranks, attempt)
         self.wait_seconds += time.perf_counter() - t0
         elapsed = max(time.perf_counter() - self.t_start, 1e-9)
-        stats = {**batch.stats, "rollout/skipped_long_prompts": float(self.skipped_long_prompts),
-                 "data/skipped_rows": float(self.source.skipped), "rollout/stale_dropped": float(self.buffer.stale_dropped),
-                 "rollout/buffer_size": float(self.buffer.rows()), "perf/trainer_wait_frac": self.wait_seconds / elapsed}
-        if self.mode == "async":
-            w = self.worker
-            stats["perf/worker_idle_frac"] = w.idle_seconds / max(w.idle_seconds + w.busy_seconds, 1e-9)
-            stats["rollout/phases_in_flight"] = float(len(self.submitted))
-        batch.stats = stats
+        ex = self.executor
+        batch.stats = {
+            **batch.stats, "rollout/skipped_long_prompts": float(self.skipped_long_prompts),
+            "data/skipped_rows": float(self.source.skipped), "rollout/stale_dropped": float(self.buffer.stale_dropped),
+            "rollout/buffer_size": float(self.buffer.rows()), "perf/trainer_wait_frac": self.wait_seconds / elapsed,
+            "perf/worker_idle_frac": ex.idle_seconds / max(ex.idle_seconds + ex.busy_seconds, 1e-9),
+            "rollout/phases_in_flight": float(len(self.submitted))}
         return batch
 
-    def _fill(self, step: int) -> None:
-        """Bring the next phase into the buffer: generate it (sync) or wait for it (async)."""
+    def _wait(self, step: int) -> None:
+        """Wait (about a second at most) for the phase being served to reach the buffer."""
         p = self.buffer.next_phase
-        need = self.buffer.need(p, step)
-        if self.mode == "sync":
-            if self.worker.version < need:
-                raise RuntimeError(
-                    f"rollout phase {p} needs the weights of step {need} or later, but the engine holds step "
-                    f"{self.worker.version}'s: add lit_ess.callbacks.WeightSync to the Trainer's callbacks (it pushes "
-                    f"weights before each rollout)")
-            self._add(self.worker.run(self._request(p)))
-            return
-        self._start_admissible(step)         # e.g. after the filter dropped batches
-        if p not in self.submitted.values():
+        if self.plans and p not in self.submitted.values():
             raise RuntimeError(
-                f"no rollout is in flight for phase {p} at step {step}: it needs weights of step >= {need}, the "
-                f"worker holds step {self.worker.version}'s. Add lit_ess.callbacks.WeightSync to the Trainer's callbacks")
+                f"no rollout is in flight for phase {p} at step {step}: it needs weights of step >= "
+                f"{self.buffer.need(p, step)}, the engine holds step {self.executor.version}'s. Add "
+                f"lit_ess.callbacks.WeightSync to the Trainer's callbacks (it pushes weights before each rollout)")
         self._collect(timeout=1.0)
 
     def _collect(self, timeout: float) -> None:
-        """Move finished phases from the worker process into the buffer (waits up to `timeout` s)."""
-        for rid, result in self.worker.poll(timeout=timeout):
-            del self.submitted[rid]
-            self._add(result)
+        """Move finished requests from the executor: phases into the buffer, held-out results aside."""
+        for rid, result in self.executor.poll(timeout=timeout):
+            self.submitted.pop(rid, None)
+            if isinstance(result, PhaseResult):
+                self._add(result)
+            else:
+                self.evaluated[rid] = result
 
     def _add(self, result: PhaseResult) -> None:
         self.requests.pop(result.phase, None)
-        self.reward_counters = result.reward_counters
+        if result.reward_counters:
+            self.reward_counters = result.reward_counters
         self.buffer.put(result.phase, result.batches)
 
     def trainer_step(self) -> int:
@@ -379,17 +428,21 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_step
 
     # ------------------------------------------------------------------ prompts
-    def _request(self, phase: int) -> RolloutRequest:
+    def _request(self, phase: int) -> RolloutRequest | list[RolloutRequest]:
         """This rank's prompts of `phase`: the phase's prompts are drawn once (cursor order, the same on
-        every rank), this rank keeps positions rank, rank + W, ...; kept until the phase is in the buffer."""
+        every rank), rank r keeps positions r, r + W, ...; kept until the phase is in the buffer. The
+        dedicated placement's rank 0 asks for every rank's share (a list, one per rank)."""
         if phase not in self.requests:
             if phase != self.next_plan:
                 raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
             idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
-            mine = range(self.rank, len(idx), self.world)
-            self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
-                                                  [examples[i].prompt for i in mine], [examples[i].answer for i in mine],
-                                                  prompt_keys=list(mine))
+
+            def share(rank: int) -> RolloutRequest:
+                mine = range(rank, len(idx), self.world)
+                return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
+                                      [examples[i].prompt for i in mine], [examples[i].answer for i in mine],
+                                      prompt_keys=list(mine))
+            self.requests[phase] = [share(r) for r in range(self.world)] if self.dedicated else share(self.rank)
             self.next_plan += 1
         return self.requests[phase]
 
@@ -422,36 +475,65 @@ class RolloutDataModule(L.LightningDataModule):
 
     def generate_phase(self) -> list[RolloutBatch]:
         """Generate the next phase with the engine's current weights and return all its batches, as if
-        they were trained (sync mode; for inspection and tests)."""
-        if self.mode != "sync":
-            raise RuntimeError("generate_phase is for sync mode; async phases are read with next_batch()")
+        they were trained (for inspection and tests; one rank)."""
         p = self.buffer.next_phase
-        self._add(self.worker.run(self._request(p)))
+        self.submitted[self.executor.submit("phase", self._request(p))] = p
+        while p not in self.buffer.ready:
+            self._collect(timeout=1.0)
         return self.buffer.pop_phase(p)
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def evaluate(self, examples: list[tuple[int, str, str]]) -> dict[str, torch.Tensor]:
         """`val_samples` samples per held-out (index, prompt, answer) with `val_sampling` (default: the
-        training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`."""
-        if not examples:                      # an empty batch keeps this rank in step with the others
+        training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`.
+        Every rank calls it equally often (an empty batch keeps a rank in step with the others); under
+        the dedicated placement rank 0's worker evaluates every rank's prompts in one request."""
+        if self.dedicated:
+            everyone = self.ranks.all_gather(examples)
+            if self.plans:
+                merged = [e for ex in everyone for e in ex]
+                rid = self._submit_eval(merged)
+                sizes = [len(ex) for ex in everyone]
+
+                def attempt():
+                    self._collect(timeout=1.0)
+                    if (out := self.evaluated.pop(rid, None)) is None:
+                        return None
+                    return [{k: v.split(sizes) for k, v in out.items()}]
+            else:
+                def attempt():
+                    self._collect(timeout=0.2)               # phases that arrive meanwhile: to the buffer
+                    return [None]
+            split = in_step(self.ranks, attempt, share=True)[0][0]
+            return {k: parts[self.rank] for k, parts in split.items()}
+        rid = self._submit_eval(examples)
+
+        def attempt():
+            self._collect(timeout=1.0)
+            return self.evaluated.pop(rid, None)
+        return in_step(self.ranks, attempt)
+
+    def _submit_eval(self, examples: list[tuple[int, str, str]]) -> int:
+        """Queue the evaluation of `examples` (an empty list is answered at once, without the engine)."""
+        if not examples:
+            rid = -1 - len(self.evaluated)
             empty = torch.zeros(0, self.val_samples)
-            return {"reward": empty, "length": empty.clone()}
+            self.evaluated[rid] = {"reward": empty, "length": empty.clone()}
+            return rid
         req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
                           [i for i, _, _ in examples], self.val_samples, self.val_sampling)
-        if self.mode == "sync":
-            return self.worker.evaluate(req)
-        rid = self.worker.submit("evaluate", req)
-        while True:
-            for r, result in self.worker.poll(timeout=1.0):
-                if r == rid:
-                    return result
-                del self.submitted[r]
-                self._add(result)
+        return self.executor.submit("evaluate", req)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
-        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts)."""
+        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts).
+        Dedicated placement: first every rank reads the shares already sent to it, up to the newest
+        phase any rank has, so that the phases in flight (rank 0's requests, regenerated for every rank
+        after a resume) are the same for all ranks."""
+        if self.dedicated:
+            newest = max(self.ranks.all_gather(self._received()))
+            in_step(self.ranks, lambda: True if self._received() >= newest else self._collect(timeout=1.0))
         state = self._local_state()
         if self.world == 1:
             return state
@@ -472,10 +554,15 @@ class RolloutDataModule(L.LightningDataModule):
             state = state["ranks"][self.rank]
         self._load_local_state(state)
 
+    def _received(self) -> int:
+        """Phases that reached this rank's buffer (they arrive in order)."""
+        return max([self.buffer.next_phase - 1, *self.buffer.ready]) + 1
+
     def _local_state(self) -> dict:
         return {
             **self.prompt_order.state_dict(), "next_plan": self.next_plan,
-            "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
+            "requests": [{"phase": p, "shares": [asdict(x) for x in r]} if isinstance(r, list) else asdict(r)
+                         for p, r in self.requests.items()],             # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
             "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
         }
@@ -486,37 +573,15 @@ class RolloutDataModule(L.LightningDataModule):
                              "(lit-ess 0.1); resume it with that version or start a new run from its weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
-        self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
+        self.requests = {r["phase"]: [RolloutRequest(**x) for x in r["shares"]] if "shares" in r else RolloutRequest(**r)
+                         for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
         self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
         self.reward_counters = state.get("reward_counters") or {}
-        if self.worker is not None and self.reward_counters and self.mode == "sync":
-            self.worker.scorer.load_state_dict(self.reward_counters)
+        if self.executor is not None:
+            self.executor.restore(self.reward_counters)
         self.resume_offset = state.get("epoch_offset", 0)
-
-
-class _LazyProcess:
-    """A WorkerProcess started at its first use: after `load_state_dict`, so a resumed run's worker
-    starts with the checkpoint's reward counters."""
-
-    def __init__(self, make_config, progress_timeout: float):
-        self._make_config, self._timeout, self._proc = make_config, progress_timeout, None
-
-    @property
-    def version(self) -> int:
-        return self._proc.version if self._proc is not None else -1
-
-    def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if self._proc is None:
-            self._proc = WorkerProcess(self._make_config(), progress_timeout=self._timeout)
-        return getattr(self._proc, name)
-
-    def close(self) -> None:
-        if self._proc is not None:
-            self._proc.close()
 
 
 def _with_changes(sampling: SamplingConfig, changes: dict, knob: str) -> SamplingConfig:

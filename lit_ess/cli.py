@@ -48,6 +48,7 @@ from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
+from lit_ess.rollout import RankFailed, WorkerError  # noqa: E402
 
 # the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
 MOVED = {"callbacks": lit_ess.callbacks.__all__, "datamodules": lit_ess.datamodules.__all__}
@@ -83,11 +84,11 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
-def _fail(message: str, traceback: bool = True) -> None:
+def _fail(message: str, traceback: bool = True, code: int = 2) -> None:
     print(f"lit-ess: error: {message}", file=sys.stderr)
     if traceback:
         print("(set LIT_ESS_TRACEBACK=1 for the traceback)", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 class LitESSCLI(LightningCLI):
@@ -155,6 +156,10 @@ def main(args: list[str] | None = None) -> None:
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(_explain(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+    except (WorkerError, RankFailed) as e:     # the rollout side failed mid-run: what and where, exit 1
+        if os.environ.get("LIT_ESS_TRACEBACK"):
+            raise
+        _fail(str(e), code=1)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ def weights(version: int):
     return {"w": torch.tensor([float(version)])}.items()
 
 
-def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, samples=2, **kw):
+def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, samples=2, setup=True, **kw):
     dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=latency), mode=mode, max_staleness=S,
                            steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples,
                            source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
                            reward="e2e_utils:digit_fraction", **kw)
-    dm.setup("fit")
+    if setup:
+        dm.setup("fit")
     return dm
 
 
@@ -163,8 +164,8 @@ import sys, os
 sys.path.insert(0, {tests!r})
 from test_async import make_dm
 dm = make_dm({model!r})
-print(dm.worker.proc.pid, flush=True)
-dm.worker.wait_ready(timeout=60)
+print(dm.executor.proc.pid, flush=True)
+dm.executor.wait_ready(timeout=60)
 os._exit(0)                         # as after kill -9: no teardown
 """
 

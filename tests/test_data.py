@@ -247,12 +247,12 @@ def test_reward_counters_survive_a_checkpoint(tiny_model_dir):
                            sampling=SamplingConfig(max_new_tokens=2, seed=0))
     dm.setup("fit")
     dm.generate_phase()
-    assert dm.worker.scorer.errors == 4
+    assert dm.executor.worker.scorer.errors == 4
     fresh = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
                               reward="test_data:_boom")
     fresh.load_state_dict(torch.load(_save(dm.state_dict()), weights_only=False))
     fresh.setup("fit")
-    assert fresh.worker.scorer.errors == 4
+    assert fresh.executor.worker.scorer.errors == 4
 
 
 def test_arithmetic_splits_are_disjoint_whatever_the_digits_and_ops():

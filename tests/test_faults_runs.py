@@ -99,7 +99,7 @@ def test_a_stalled_async_worker_stops_the_run_with_its_pid_and_stage(tiny_model_
     try:
         dm.push_weights(weights(0), 0)
         dm.next_batch(0)                            # S = 0: phase 1 starts only after the next push
-        pid = dm.worker.proc.pid
+        pid = dm.executor.proc.pid
         if fault == "SIGSTOP":
             os.kill(pid, signal.SIGSTOP)
         dm.push_weights(weights(1), 1)
@@ -110,8 +110,8 @@ def test_a_stalled_async_worker_stops_the_run_with_its_pid_and_stage(tiny_model_
         assert time.monotonic() - t0 < 10
         if fault == "engine hangs":
             assert "while sampling phase 1" in str(e.value)
-        dm.worker.proc.join(timeout=5)
-        assert not dm.worker.proc.is_alive()
+        dm.executor.proc.join(timeout=5)
+        assert not dm.executor.proc.is_alive()
     finally:
         dm.teardown("fit")
 

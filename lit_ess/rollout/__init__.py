@@ -2,8 +2,12 @@
 the trainer reads from, and the worker's process for asynchronous training."""
 from .batch import RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
-from .process import WorkerError, WorkerProcess
+from .executor import InlineExecutor, RolloutExecutor, WorkerError
+from .process import WorkerProcess
+from .ranks import RankFailed, Ranks, TorchRanks, in_step
+from .receiver import ShareReceiver
 from .worker import EvalRequest, PhaseResult, RolloutRequest, RolloutWorker, WorkerConfig
 
-__all__ = ["EvalRequest", "PhaseResult", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
+__all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor", "ShareReceiver", "TorchRanks",
+           "in_step", "PhaseResult", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
            "WorkerError", "WorkerProcess", "collate"]

@@ -39,8 +39,10 @@ import torch
 
 from lit_ess.rewards import RewardError
 
+from .executor import WorkerError
+from .receiver import Deliveries
 from .transport import Ticket, build_transport
-from .worker import RolloutWorker, WorkerConfig
+from .worker import RolloutWorker, WorkerConfig, merge_shares
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -52,29 +54,17 @@ def cpu_sharing_env() -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-class WorkerError(RuntimeError):
-    pass
-
-
 class WorkerProcess:
     def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None,
-                 progress_timeout: float = 1800.0):
+                 progress_timeout: float = 1800.0, deliver_to: list | None = None):
+        """`deliver_to` (dedicated placement): every rank's receiver address (None for rank 0, which
+        reads the result queue); phase requests are then lists of every rank's share."""
+        self.config, self.deliver_to = config, deliver_to
         self.transport = build_transport(config.engine.weight_transfer(in_process=False))   # errors before the spawn
-        env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(), **(env or {})}
-        ctx = torch.multiprocessing.get_context("spawn")
-        self.requests, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-        self.proc = ctx.Process(target=_child_main, args=(config, self.requests, self.results, self.stop, os.getpid()),
-                                name="lit-ess-rollout-worker")
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)                   # read by the child's OpenMP and vLLM when they load
-        try:
-            self.proc.start()
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-        atexit.register(self.close)                           # before multiprocessing joins its children
-        self.start_timeout, self.t_created = start_timeout, time.monotonic()
-        self.progress_timeout, self.last_heard, self.stage = progress_timeout, time.monotonic(), "starting its engine"
+        self.env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(),
+                    **(env or {})}
+        self.proc = None
+        self.start_timeout, self.progress_timeout = start_timeout, progress_timeout
         self.submitted_at: dict[int, float] = {}             # request id -> when it was queued
         self.started = False
         self._pending: list[tuple[int, object]] = []           # results read while waiting for the start
@@ -85,10 +75,34 @@ class WorkerProcess:
         self.version = -1
         self.idle_seconds = self.busy_seconds = self.weight_load_seconds = 0.0
 
+    def start(self) -> None:
+        """Spawn the worker process; it builds its engine while the trainer sets up."""
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.requests, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.proc = ctx.Process(target=_child_main, args=(self.config, self.requests, self.results, self.stop, os.getpid(),
+                                                          self.deliver_to), name="lit-ess-rollout-worker")
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)              # read by the child's OpenMP and vLLM when they load
+        try:
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        atexit.register(self.close)                           # before multiprocessing joins its children
+        self.t_created = self.last_heard = time.monotonic()
+        self.stage = "starting its engine"
+
+    def restore(self, reward_counters: dict) -> None:
+        """A resumed run's reward counters, applied before any request queued after them."""
+        if reward_counters:
+            self.requests.put(("restore", -1, reward_counters, None))
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors, version: int) -> None:
         if version == self.version and self.current is not None:
-            return                                             # the worker already has these weights
+            for _ in named_tensors:                            # it has them; FSDP2's gathers still run on every rank
+                pass
+            return
         in_use = [t for t in self.in_flight.values() if t is not None]
         self.current = self.transport.push(named_tensors, version, self._send, in_use)
         self.version = version
@@ -120,7 +134,8 @@ class WorkerProcess:
                 kind, rid, payload, info = self.results.get(timeout=max(wait, 0.0)) if wait > 0 else self.results.get_nowait()
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise WorkerError(f"the rollout worker process died (exit code {self.proc.exitcode})") from None
+                    raise WorkerError(f"the rollout worker process (pid {self.proc.pid}) died: "
+                                      f"{_exit_cause(self.proc.exitcode)}") from None
                 if not self.started and time.monotonic() - self.t_created > self.start_timeout:
                     raise WorkerError(f"the rollout worker did not start its engine within {self.start_timeout:.0f} s") from None
                 self._check_progress()
@@ -169,6 +184,8 @@ class WorkerProcess:
         """Stop the worker: it finishes the request it is on, skips the queued ones, and exits; unread
         results are drained meanwhile (a child cannot exit while its queue's pipe is full)."""
         atexit.unregister(self.close)
+        if self.proc is None:
+            return
         self.stop.set()
         self.requests.put(("stop", -1, None, None))               # wakes a worker waiting for requests
         deadline = time.monotonic() + 60
@@ -190,7 +207,7 @@ def _parent_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) -> None:
+def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, deliver_to: list | None = None) -> None:
     """The worker process: the main thread samples (engine), a second thread scores (rewards,
     batching) and sends results, so phase p is scored while phase p + 1 is sampled. Results leave in
     request order (one scoring thread, FIFO)."""
@@ -205,6 +222,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
         results.put(("error", -1, traceback.format_exc(), None))
         return
     results.put(("ready", -1, None, (time.monotonic(),)))
+    deliveries = Deliveries(deliver_to) if deliver_to else None
 
     def report(stage: str) -> None:
         results.put(("stage", -1, stage, (time.monotonic(),)))
@@ -218,7 +236,13 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
             kind, rid, payload, sampled = item
             try:
                 report(f"scoring {_what(kind, payload)} (rewards)")
-                out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
+                if kind == "phase" and isinstance(payload, list):      # dedicated: every rank's share
+                    shares = worker.score_shares(payload, *sampled)
+                    for r in range(1, len(shares)):                   # the others first: when rank 0 has a
+                        deliveries.send(r, shares[r], (clock["idle"], clock["busy"]))   # phase, every rank's share was sent
+                    out = shares[0]
+                else:
+                    out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
                 results.put(("result", rid, pickle.dumps(out),
                              (clock["idle"], clock["busy"], clock["weights"], time.monotonic())))
             except RewardError as e:
@@ -245,6 +269,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
             if kind == "stop" or stop.is_set() or not _parent_alive(parent_pid):
                 return                           # (a killed trainer: skip what it had queued)
             t1 = time.perf_counter()
+            if kind == "restore":
+                worker.scorer.load_state_dict(payload)
+                continue
             if kind == "transport":
                 report("receiving weights")
                 worker.receive(payload)
@@ -256,7 +283,10 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
                 loaded = weights
                 clock["weights"] += time.perf_counter() - t1
             report(f"sampling {_what(kind, payload)}")
-            sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload)
+            if kind == "phase":
+                sampled = worker.sample(merge_shares(payload) if isinstance(payload, list) else payload)
+            else:
+                sampled = worker.sample_eval(payload)
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
     except BaseException:
@@ -265,9 +295,24 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int) 
         to_score.put(None)
         scorer.join(timeout=60)
         worker.close()
+        if deliveries is not None:
+            deliveries.close()
         if stop.is_set():
             results.cancel_join_thread()         # exit even if unread results fill the pipe
 
 
+def _exit_cause(code: int | None) -> str:
+    """A process's exit code in words: -9 is SIGKILL (kill -9, or the kernel's out-of-memory killer)."""
+    import signal
+
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name
+        why = " (kill -9, or the kernel's out-of-memory killer)" if name == "SIGKILL" else ""
+        return f"exit code {code}, killed by {name}{why}"
+    return f"exit code {code}"
+
+
 def _what(kind: str, payload) -> str:
+    if kind == "phase" and isinstance(payload, list):
+        return f"phase {payload[0].phase} (all {len(payload)} ranks' shares)"
     return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"

@@ -80,6 +80,14 @@ class WorkerConfig:
     reward_in_worker: bool | None = None
 
 
+def merge_shares(shares: list[RolloutRequest]) -> RolloutRequest:
+    """Every rank's share of one phase as one request (the dedicated worker samples it in one call;
+    the prompt keys, positions in the whole phase, keep each request's seed what it is on its rank)."""
+    keys = [k for s in shares for k in (s.prompt_keys if s.prompt_keys is not None else range(len(s.prompts)))]
+    return RolloutRequest(shares[0].phase, [i for s in shares for i in s.prompt_ids], [p for s in shares for p in s.prompts],
+                          [t for s in shares for t in s.prompt_texts], [a for s in shares for a in s.answers], keys)
+
+
 class RolloutWorker:
     """`in_process`: the worker lives in the trainer's process (sync) or in its own (async); it picks
     the engine side of the weight transport (`EngineConfig.weight_transfer`)."""
@@ -170,6 +178,24 @@ class RolloutWorker:
         batches = [collate(chunk, self.pad_id, sampling=sampling, stats=dict(stats), phase=req.phase, index=i,
                            max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
+
+    def score_shares(self, shares: list[RolloutRequest], groups: list[list[Completion]], texts: list[str],
+                     t_gen: float) -> list[PhaseResult]:
+        """Dedicated placement: a phase sampled whole (`merge_shares`), scored share by share as each rank
+        would score its own. The scorer is one, so its counters travel once: with share 0 (rank 0's),
+        scored last so that they include every share; the others report none."""
+        n, starts = self.config.samples_per_prompt, [0]
+        for s in shares:
+            starts.append(starts[-1] + len(s.prompts))
+        out = [None] * len(shares)
+        for r in reversed(range(len(shares))):
+            a, b = starts[r], starts[r + 1]
+            out[r] = self.score(shares[r], groups[a:b], texts[a * n:b * n], t_gen)
+            if r > 0:
+                out[r].reward_counters = {}
+                for batch in out[r].batches:
+                    batch.stats.update({"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0})
+        return out
 
     def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:
         """`req.n` samples per held-out prompt with `req.sampling` (or the training settings): the reward and the
