@@ -92,6 +92,13 @@ def is_peft(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def full(t: Tensor) -> Tensor:
+    """The whole tensor: an FSDP2 shard (DTensor) is all-gathered, a collective every rank must enter."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, tensor) of the base model with every adapter merged, W + s B A, in the base
     model's state-dict order; adapter tensors themselves are not yielded."""
@@ -120,6 +127,12 @@ def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
             owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
             t = t * base.get_submodule(owner).scaling[ADAPTER]
         yield name, t
+
+
+def peft_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The adapter tensors under the peft model's state-dict names, whole (gathered under FSDP2: every
+    rank must call it), for `model.save_pretrained(folder, state_dict=...)`: peft's own adapter folder."""
+    return {k: full(v) for k, v in model.state_dict().items() if "lora_" in k}
 
 
 def is_adapter_payload(names: list[str]) -> bool:

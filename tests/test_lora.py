@@ -2,11 +2,16 @@
 and an end-to-end run with vLLM stays on-policy (the engine samples from the merged weights) and resumes
 exactly from an adapter-only checkpoint."""
 import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from e2e_utils import cli, rl_config, scalars, write_config
+from e2e_utils import cli, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
 from lit_ess.module import PolicyModule
 
@@ -57,19 +62,40 @@ def test_bad_lora_settings_name_the_field(bad, says):
         LoRA(**bad)
 
 
+LORA_RUN = {"rank": 4, "alpha": 16.0}
+
+
+def lora_config(model_dir, out):
+    """The LoRA run of this file: 4 steps, checkpoints at steps 2 and 4 (and last.ckpt)."""
+    return rl_config(model_dir, out, max_steps=4, ckpt_every=2, lr=1e-2, extra_model={"lora": LORA_RUN})
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, tmp_path_factory):
+    """(run folder, scalars) of the uninterrupted LoRA run, shared by the tests that read its logs or
+    its checkpoints."""
+    out = tmp_path_factory.mktemp("lora_run")
+    res = cli(["fit", "--config", str(write_config(lora_config(tiny_model_dir, out), out / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out, scalars(out)
+
+
+def adapted_policy(model_dir, ckpt):
+    """The LoRA policy of a checkpoint file, as the trainer held it."""
+    m = PolicyModule(model_dir, lora=LoRA(**LORA_RUN))
+    m.configure_model()
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    missing, unexpected = m.policy.load_state_dict({k.removeprefix("policy."): v for k, v in state.items()}, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing)
+    return m.policy.eval()
+
+
 @pytest.mark.e2e
-def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(tiny_model_dir, tmp_path):
+def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(lora_run, tiny_model_dir, tmp_path):
     """vLLM samples from the merged weights (ESS 1 on every step, and the weights do move); the
     checkpoint holds the adapters only; resuming from the step-2 checkpoint reproduces steps 2-3."""
-    lora = {"rank": 4, "alpha": 16.0}
-
-    def config(out):
-        return rl_config(tiny_model_dir, out, max_steps=4, ckpt_every=2, lr=1e-2, extra_model={"lora": lora})
-
-    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    res = cli(["fit", "--config", str(write_config(config(full_dir), full_dir / "config.yaml"))])
-    assert res.returncode == 0, res.stderr[-4000:]
-    full = scalars(full_dir)
+    full_dir, full = lora_run
+    resumed_dir = tmp_path / "resumed"
     assert min(v for _, v in full["train/ess"]) >= 0.9999
     assert min(v for _, v in full["train/grad_norm"]) > 0
     ckpt = torch.load(next((full_dir / "ckpt").glob("*step=2.ckpt")), map_location="cpu", weights_only=True)
@@ -81,13 +107,74 @@ def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(tiny_mode
     assert n_adapter < 0.2 * n_base, (n_adapter, n_base)
 
     step2 = next((full_dir / "ckpt").glob("*step=2.ckpt"))
-    res = cli(["fit", "--config", str(write_config(config(resumed_dir), resumed_dir / "config.yaml")),
+    res = cli(["fit", "--config", str(write_config(lora_config(tiny_model_dir, resumed_dir), resumed_dir / "config.yaml")),
                "--ckpt_path", str(step2)])
     assert res.returncode == 0, res.stderr[-4000:]
     got = scalars(resumed_dir)
     assert [s for s, _ in got["train/loss"]] == [s for s, _ in full["train/loss"]][2:]       # the last 2 steps
     assert [v for _, v in got["train/loss"]] == pytest.approx([v for _, v in full["train/loss"]][2:], abs=1e-6)
     assert min(v for _, v in got["train/ess"]) >= 0.9999             # the engine got the resumed adapters
+
+
+def _export(*args) -> subprocess.CompletedProcess:
+    """`lit-ess-export ARGS` in a subprocess (the console script's module)."""
+    return subprocess.run([sys.executable, "-m", "lit_ess.export", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=pythonpath()))
+
+
+def _export_error(capsys, *args) -> str:
+    """The one error line of `lit-ess-export ARGS` (run in this process: its exit status 2 and stderr)."""
+    from lit_ess.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lit-ess-export: error:")]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.e2e
+def test_export_cli_writes_the_adapter_and_on_request_the_merged_model(lora_run, tiny_model_dir, tmp_path, capsys):
+    """`lit-ess-export` of the run's LoRA checkpoint: peft's adapter folder (PeftModel.from_pretrained on
+    the base) and, with --merged, a plain Hugging Face model; both give the trained policy's logits. A
+    changed or missing base stops with one line saying so."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = lora_run[0] / "ckpt" / "last.ckpt"
+    policy = adapted_policy(tiny_model_dir, ckpt)
+    x = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = policy(x).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        assert (want - base(x).logits).abs().max() > 1e-3                  # the adapters trained
+
+        res = _export(ckpt, tmp_path / "adapter")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not (tmp_path / "adapter" / "config.json").exists()          # an adapter folder, not a model
+        got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(x).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+        res = _export(ckpt, tmp_path / "merged", "--merged")
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(x).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        assert (tmp_path / "merged" / "adapter" / "adapter_config.json").exists()
+
+    changed = shutil.copytree(tiny_model_dir, tmp_path / "changed_base")      # the base folder, retrained since
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        other.model.embed_tokens.weight.mul_(1.5)
+    other.save_pretrained(changed)
+    assert f"--model_path='{changed}' is not the base this LoRA checkpoint was trained on" in \
+        _export_error(capsys, ckpt, tmp_path / "x", "--model_path", changed)
+
+    moved = torch.load(ckpt, map_location="cpu", weights_only=False)   # its base folder since removed
+    moved["hyper_parameters"]["model_path"] = str(tmp_path / "gone")
+    torch.save(moved, tmp_path / "moved.ckpt")
+    assert f"the checkpoint's model_path='{tmp_path / 'gone'}' is missing: a LoRA checkpoint holds the adapters " \
+        f"only" in _export_error(capsys, tmp_path / "moved.ckpt", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.e2e
