@@ -1,7 +1,8 @@
 """LoRA on the policy: merged weights equal peft's own merge, only the adapters train and are saved,
-and an end-to-end run with vLLM stays on-policy (the engine samples from the merged weights) and resumes
-exactly from an adapter-only checkpoint."""
+and an end-to-end run with vLLM stays on-policy (the engine samples from the merged weights), resumes
+exactly after a kill -9 from an adapter-only checkpoint, and exports through `lit-ess-export`."""
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from e2e_utils import cli, pythonpath, rl_config, scalars, write_config
+from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
 from lit_ess.module import PolicyModule
 
@@ -91,11 +92,10 @@ def adapted_policy(model_dir, ckpt):
 
 
 @pytest.mark.e2e
-def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(lora_run, tiny_model_dir, tmp_path):
+def test_lora_run_is_on_policy_and_saves_adapters_only(lora_run, tiny_model_dir):
     """vLLM samples from the merged weights (ESS 1 on every step, and the weights do move); the
-    checkpoint holds the adapters only; resuming from the step-2 checkpoint reproduces steps 2-3."""
+    checkpoint holds the adapters only."""
     full_dir, full = lora_run
-    resumed_dir = tmp_path / "resumed"
     assert min(v for _, v in full["train/ess"]) >= 0.9999
     assert min(v for _, v in full["train/grad_norm"]) > 0
     ckpt = torch.load(next((full_dir / "ckpt").glob("*step=2.ckpt")), map_location="cpu", weights_only=True)
@@ -106,14 +106,29 @@ def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(lora_run,
     n_base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     assert n_adapter < 0.2 * n_base, (n_adapter, n_base)
 
-    step2 = next((full_dir / "ckpt").glob("*step=2.ckpt"))
-    res = cli(["fit", "--config", str(write_config(lora_config(tiny_model_dir, resumed_dir), resumed_dir / "config.yaml")),
-               "--ckpt_path", str(step2)])
+
+@pytest.mark.e2e
+def test_kill_9_and_resume_last_equals_the_uninterrupted_run(lora_run, tiny_model_dir, tmp_path):
+    """SIGKILL of the whole run right after its step-2 checkpoint (adapters only), then `--ckpt_path
+    last`: every step's loss, ESS and gradient norm equal the uninterrupted run's, the resumed engine
+    samples from the resumed adapters (ESS 1), and steps 0-1 are not trained again."""
+    full = lora_run[1]
+    run_dir = tmp_path / "killed"
+    cfg = lora_config(tiny_model_dir, run_dir)
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                        "init_args": {"path": str(run_dir / "prompts.jsonl")}})
+    path = write_config(cfg, run_dir / "config.yaml")
+    kill_after_checkpoint(path, run_dir / "ckpt", 2)
+    assert not list((run_dir / "ckpt").glob("*step=4.ckpt")), "the run ended before the kill"
+    res = cli(["fit", "--config", str(path), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
-    got = scalars(resumed_dir)
-    assert [s for s, _ in got["train/loss"]] == [s for s, _ in full["train/loss"]][2:]       # the last 2 steps
-    assert [v for _, v in got["train/loss"]] == pytest.approx([v for _, v in full["train/loss"]][2:], abs=1e-6)
-    assert min(v for _, v in got["train/ess"]) >= 0.9999             # the engine got the resumed adapters
+    steps = [json.loads(ln)["step"] for ln in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    assert steps.count(0) == steps.count(1) == 1 and steps[-2:] == [2, 3], steps      # resumed, not restarted
+    got = scalars(run_dir)
+    for tag in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
+        assert [s for s, _ in got[tag]] == [s for s, _ in full[tag]] and len(got[tag]) == 4, tag
+        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in full[tag]], abs=1e-6), tag
+    assert min(v for _, v in got["train/ess"]) >= 0.9999
 
 
 def _export(*args) -> subprocess.CompletedProcess:
