@@ -101,24 +101,27 @@ def full(t: Tensor) -> Tensor:
 
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, tensor) of the base model with every adapter merged, W + s B A, in the base
-    model's state-dict order; adapter tensors themselves are not yielded."""
+    model's state-dict order; adapter tensors themselves are not yielded. Under FSDP2 W, A and B are
+    shards: s B A and the sum are DTensor ops on them, and each merged tensor is gathered when its turn
+    comes; every rank must consume the iterator in step."""
     base = model.get_base_model()
     for name, t in base.state_dict().items():
         if ".lora_" in name:
             continue
         if ".base_layer." not in name:
-            yield name, t
+            yield name, full(t)
             continue
         owner, leaf = name.split(".base_layer.")
         if leaf == "weight":
             t = t + base.get_submodule(owner).get_delta_weight(ADAPTER).to(t.dtype)
-        yield f"{owner}.{leaf}", t
+        yield f"{owner}.{leaf}", full(t)
 
 
 def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The adapters as a self-describing LoRA checkpoint: peft's saved names (`...q_proj.lora_A.weight`),
     with the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1)
-    reproduces the update exactly (see `write_adapter`)."""
+    reproduces the update exactly (see `write_adapter`). Gathered one tensor at a time under FSDP2, as
+    `merged_weights`."""
     from peft.utils import get_peft_model_state_dict
 
     base = model.get_base_model()
@@ -126,7 +129,7 @@ def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         if ".lora_B." in name:
             owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
             t = t * base.get_submodule(owner).scaling[ADAPTER]
-        yield name, t
+        yield name, full(t)
 
 
 def peft_state(model: torch.nn.Module) -> dict[str, Tensor]:

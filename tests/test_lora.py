@@ -194,29 +194,54 @@ def test_export_cli_writes_the_adapter_and_on_request_the_merged_model(lora_run,
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_lora_on_two_ddp_ranks_equals_one_rank(tiny_model_dir, tmp_path):
-    """The same global batch on 2 DDP ranks (adapters replicated, gradients averaged and rescaled) and on
-    1 rank: losses, ESS and gradient norms agree; FSDP2 with LoRA stops with one line."""
+def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path):
+    """The same global batch on 1 rank, on 2 DDP ranks (adapters replicated) and on 2 FSDP2 ranks (the
+    peft model sharded per decoder layer: frozen base and adapters alike; gradients averaged and
+    rescaled): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
+    weights gathered from the shards (ESS 1); both sync payloads (merged, adapter), gathered on every
+    rank, equal 1 rank's in value and order; the checkpoint is a folder of adapter shards only (and
+    their optimizer state), and ExportHF and `lit-ess-export --merged` of it give 1 rank's model."""
+    from transformers import AutoModelForCausalLM
+
     runs = {}
-    for world in (1, 2):
-        out = tmp_path / f"w{world}"
-        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=1e-2, extra_model={"lora": {"rank": 4}})
+    for name, world in (("one", 1), ("ddp", 2), ("fsdp2", 2)):
+        out = tmp_path / name
+        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=1e-2, ckpt_every=3, extra_model={"lora": {"rank": 4}})
         cfg["trainer"]["devices"] = world
-        if world == 2:
+        cfg["trainer"]["callbacks"] += [{"class_path": "e2e_utils.SaveSyncPayloads",
+                                         "init_args": {"path": str(out / "payloads.pt")}},
+                                        {"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(out / "hf")}}]
+        if name == "ddp":
             cfg["trainer"]["strategy"] = "ddp"
+        if name == "fsdp2":
+            cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                          "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
+            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
         res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
         assert res.returncode == 0, res.stderr[-4000:]
-        runs[world] = scalars(out)
-    for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
-        a, b = [v for _, v in runs[1][key]], [v for _, v in runs[2][key]]
-        assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (key, a, b)
+        runs[name] = scalars(out)
+    for name in ("ddp", "fsdp2"):
+        for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
+            a, b = [v for _, v in runs["one"][key]], [v for _, v in runs[name][key]]
+            assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, key, a, b)
+    assert min(v for _, v in runs["fsdp2"]["train/ess"]) >= 0.9999
 
-    cfg = rl_config(tiny_model_dir, tmp_path / "fsdp", max_steps=1, extra_model={"lora": {"rank": 4}})
-    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-                                  "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}
-    cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "fsdp" / "config.yaml"))])
-    assert res.returncode == 2 and "model.lora is not supported with FSDP2" in res.stderr, res.stderr[-2000:]
+    one, two = (torch.load(tmp_path / n / "payloads.pt") for n in ("one", "fsdp2"))
+    for mode, atol in (("merged", 1e-5), ("adapter", 8e-5)):      # the adapter payload is s B, s = alpha / r = 8
+        assert [k for k, _ in two[mode]] == [k for k, _ in one[mode]], mode
+        for (k, a), (_, b) in zip(one[mode], two[mode]):
+            assert torch.allclose(a, b, atol=atol), (mode, k, (a - b).abs().max())
+    shards = tmp_path / "fsdp2" / "ckpt" / "last.ckpt"
+    import torch.distributed.checkpoint as dcp
+
+    stored = [k for k in dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata if k.startswith("state_dict.")]
+    assert stored and all(".lora_" in k for k in stored), stored[:3]
+    res = _export(shards, tmp_path / "exported", "--merged")
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = dict(one["merged"])
+    for folder in (tmp_path / "exported", tmp_path / "fsdp2" / "hf"):
+        got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert all(torch.allclose(got[k], v, atol=1e-5) for k, v in want.items()), folder
 
 
 def test_adapter_payload_reproduces_the_adapted_model(adapted, tiny_model_dir, tmp_path):
@@ -283,7 +308,7 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     ckpt = {"state_dict": {}}
     saver = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0))
     saver.configure_model()
-    ckpt["state_dict"] = {f"policy.{k}": v for k, v in saver.policy.state_dict().items()}
+    ckpt["state_dict"] = saver.state_dict()
     saver.on_save_checkpoint(ckpt)
     other = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=4.0))
     other.configure_model()
@@ -292,6 +317,28 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     same = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0, sync="adapter"))   # the sync mode may change
     same.configure_model()
     same.on_load_checkpoint(ckpt)
+
+
+def test_a_lora_modules_state_dict_is_its_adapters_and_a_sharded_load_asks_for_them_alone(tiny_model_dir, tmp_path):
+    """With LoRA the module's state dict is the trainable adapters only: what every checkpoint holds, and
+    what ModelParallelStrategy asks a folder of shards for on resume (the keys of get_model_state_dict
+    of the module: asking for the frozen base, which the shards never held, failed the load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    saver, loader = (PolicyModule(tiny_model_dir, lora=LoRA(rank=4)) for _ in range(2))
+    for m in (saver, loader):
+        m.configure_model()
+    assert set(saver.state_dict()) == {f"policy.{n}" for n, p in saver.policy.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for n, p in saver.policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    dcp.save({"state_dict": saver.state_dict()}, checkpoint_id=str(tmp_path / "shards"), no_dist=True)
+    wanted = {"state_dict": get_model_state_dict(loader)}
+    dcp.load(wanted, checkpoint_id=str(tmp_path / "shards"), no_dist=True)
+    loader.load_state_dict(wanted["state_dict"], strict=loader.strict_loading)
+    assert all(torch.equal(v, loader.state_dict()[k]) for k, v in saver.state_dict().items())
 
 
 def test_tied_ends_and_adapter_synced_embeddings_are_refused(tiny_model_dir):
