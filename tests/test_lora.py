@@ -319,6 +319,7 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     same.on_load_checkpoint(ckpt)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")        # no_dist: one process on purpose
 def test_a_lora_modules_state_dict_is_its_adapters_and_a_sharded_load_asks_for_them_alone(tiny_model_dir, tmp_path):
     """With LoRA the module's state dict is the trainable adapters only: what every checkpoint holds, and
     what ModelParallelStrategy asks a folder of shards for on resume (the keys of get_model_state_dict
