@@ -44,8 +44,7 @@ def checkpoint_bytes(model_dir: str, lora) -> dict:
     x = torch.randint(0, 100, (2, 16))
     m.policy(x).logits.mean().backward()
     opt.step()
-    ckpt = {"state_dict": {f"policy.{k}": v for k, v in m.policy.state_dict().items()}}
-    m.on_save_checkpoint(ckpt)
+    ckpt = {"state_dict": m.state_dict()}             # with LoRA, the adapters only
     trainable = sum(p.numel() for p in m.policy.parameters() if p.requires_grad)
     return {"weights_bytes": nbytes(ckpt["state_dict"]), "optimizer_bytes": nbytes(opt.state_dict()),
             "trainable_params": trainable}

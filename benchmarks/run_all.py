@@ -166,6 +166,16 @@ def _gen_settings(j):
     return out
 
 
+def _lora(j):
+    q, s = j["ratios"], j["sync"]
+    where = f"{j['params'] / 1e6:.1f}M-parameter model, rank {j['rank']} on every linear layer"
+    return [row(f"checkpointed weights, LoRA / full fine-tuning ({where})", q["checkpoint_weights_lora_over_full"], None, None),
+            row(f"AdamW state, LoRA / full fine-tuning ({where})", q["optimizer_state_lora_over_full"], None, None),
+            row(f"weight sync + 1-token request, lora.sync adapter / merged ({where}; the request alone "
+                f"{s['adapter']['request_s']:.2f} s / {s['merged']['request_s']:.2f} s)", q["sync_adapter_over_merged"],
+                None, None)]
+
+
 BENCHMARKS = [
     Bench("objectives", ["--repeats", "50"], ["--repeats", "30"], _objectives),
     Bench("step", ["--steps", "30", "--rounds", "3"], ["--steps", "8", "--rounds", "1"], _step, needs=["vllm"]),
@@ -181,6 +191,8 @@ BENCHMARKS = [
     Bench("gen_settings", ["--rounds", "3"], ["--rounds", "1"], _gen_settings, needs=["vllm"]),
     Bench("vs_trl_long", ["--shape", "long", "--steps", "8", "--rounds", "2"],
           ["--shape", "long", "--steps", "6", "--rounds", "1"], _vs_trl, needs=["trl", "vllm"], script="vs_trl"),
+    Bench("lora", ["--pushes", "10"], ["--pushes", "3", "--hidden-size", "256", "--num-layers", "4"], _lora,
+          needs=["peft", "vllm"]),
 ]
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import lightning as L
 
-from lit_ess.lora import is_peft, merged_weights
+from lit_ess.export import save_adapted
+from lit_ess.lora import is_peft, merged_weights, peft_state
 
 
 class ExportHF(L.Callback):
@@ -20,16 +21,18 @@ class ExportHF(L.Callback):
         self.dirpath = dirpath
 
     def on_train_end(self, trainer, pl_module) -> None:
-        weights = merged_weights(pl_module.policy) if is_peft(pl_module.policy) else pl_module.policy_weights()
+        policy = pl_module.policy
+        weights = merged_weights(policy) if is_peft(policy) else pl_module.policy_weights()
         state = {k: v.detach().cpu() for k, v in weights}   # every rank gathers (FSDP2)
+        adapter = peft_state(policy) if is_peft(policy) else None
         if not trainer.is_global_zero:
+            return
+        if adapter is not None:
+            save_adapted(policy, self.dirpath, pl_module.hparams.model_path, state, adapter)
             return
         from transformers import AutoTokenizer
 
-        out, policy = Path(self.dirpath), pl_module.policy
-        if is_peft(policy):
-            policy.save_pretrained(out / "adapter")
-            policy = policy.get_base_model()
+        out = Path(self.dirpath)
         policy.save_pretrained(out, state_dict=state)
         AutoTokenizer.from_pretrained(pl_module.hparams.model_path).save_pretrained(out)
         gen = getattr(policy, "generation_config", None)

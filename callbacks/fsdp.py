@@ -14,7 +14,10 @@ the module's `configure_model`; this callback builds the module's models there (
 Face model lists in `_no_split_modules`) is one FSDP unit, the root (embeddings, final norm, head,
 tied weights included) another. Parameters are DTensors sharded over the data-parallel mesh;
 `fully_shard` reduce-scatters averaged gradients, which PolicyModule accounts for. The frozen
-reference model (ref_kl_coef > 0) is sharded the same way.
+reference model (ref_kl_coef > 0) is sharded the same way. With `model.lora` the peft model is the
+policy: FSDP2 shards each parameter on its own, so a layer's unit holds its frozen base weights and
+its trainable adapters together; only the adapters get gradients (reduce-scattered) and optimizer
+state, and a checkpoint's shards hold the adapters alone.
 
 Mixed precision: parameters stay in their stored dtype (the optimizer's master copy); forward and
 backward run in `param_dtype`, gradients are reduced in `reduce_dtype`. Weight sync and export

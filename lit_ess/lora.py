@@ -92,26 +92,36 @@ def is_peft(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
+def full(t: Tensor) -> Tensor:
+    """The whole tensor: an FSDP2 shard (DTensor) is all-gathered, a collective every rank must enter."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(Hugging Face name, tensor) of the base model with every adapter merged, W + s B A, in the base
-    model's state-dict order; adapter tensors themselves are not yielded."""
+    model's state-dict order; adapter tensors themselves are not yielded. Under FSDP2 W, A and B are
+    shards: s B A and the sum are DTensor ops on them, and each merged tensor is gathered when its turn
+    comes; every rank must consume the iterator in step."""
     base = model.get_base_model()
     for name, t in base.state_dict().items():
         if ".lora_" in name:
             continue
         if ".base_layer." not in name:
-            yield name, t
+            yield name, full(t)
             continue
         owner, leaf = name.split(".base_layer.")
         if leaf == "weight":
             t = t + base.get_submodule(owner).get_delta_weight(ADAPTER).to(t.dtype)
-        yield f"{owner}.{leaf}", t
+        yield f"{owner}.{leaf}", full(t)
 
 
 def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The adapters as a self-describing LoRA checkpoint: peft's saved names (`...q_proj.lora_A.weight`),
     with the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1)
-    reproduces the update exactly (see `write_adapter`)."""
+    reproduces the update exactly (see `write_adapter`). Gathered one tensor at a time under FSDP2, as
+    `merged_weights`."""
     from peft.utils import get_peft_model_state_dict
 
     base = model.get_base_model()
@@ -119,7 +129,13 @@ def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         if ".lora_B." in name:
             owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
             t = t * base.get_submodule(owner).scaling[ADAPTER]
-        yield name, t
+        yield name, full(t)
+
+
+def peft_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The adapter tensors under the peft model's state-dict names, whole (gathered under FSDP2: every
+    rank must call it), for `model.save_pretrained(folder, state_dict=...)`: peft's own adapter folder."""
+    return {k: full(v) for k, v in model.state_dict().items() if "lora_" in k}
 
 
 def is_adapter_payload(names: list[str]) -> bool:

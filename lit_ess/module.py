@@ -110,6 +110,8 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
         self.lora = lora
         self.strict_loading = lora is None         # a LoRA checkpoint holds the adapters, not the base
+        if lora is not None:
+            self.register_state_dict_post_hook(_adapters_only)
         self.objective = objective
         self.automatic_optimization = False
         self.policy = None
@@ -148,10 +150,8 @@ class PolicyModule(L.LightningModule):
         return adapter_weights(self.policy) if self.lora.sync == "adapter" else merged_weights(self.policy)
 
     def sharded_models(self) -> list[torch.nn.Module]:
-        """The models a sharding callback (lit_ess.callbacks.FSDP2) shards: the policy and the reference."""
-        if self.lora is not None:
-            raise ValueError("model.lora is not supported with FSDP2 (lit_ess.callbacks.FSDP2) yet: use strategy: "
-                             "ddp, whose replicas hold the frozen base and the small adapters")
+        """The models a sharding callback (lit_ess.callbacks.FSDP2) shards: the policy (with LoRA, the peft
+        model: frozen base and trainable adapters sharded alike) and the reference."""
         return [m for m in (self.policy, self.ref_policy) if m is not None]
 
     def configure_optimizers(self):
@@ -371,9 +371,7 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps}     # cumulative across resumes
-        if self.lora is not None:       # the adapters only, and which base they belong to
-            keep = {f"policy.{n}" for n in adapter_state(self.policy)}
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        if self.lora is not None:       # the state dict holds the adapters only (_adapters_only): name their base
             checkpoint["lit_ess"]["lora_base"] = base_fingerprint(self.hparams.model_path)
             checkpoint["lit_ess"]["lora"] = self.lora.shape()
 
@@ -393,8 +391,8 @@ class PolicyModule(L.LightningModule):
                 raise ValueError(f"this LoRA checkpoint was trained with model.lora {then_} (now {now_}): resume "
                                  f"with the same adapter settings")
             ours = {f"policy.{n}" for n in adapter_state(self.policy)}
-            missing = sorted(ours - set(checkpoint["state_dict"]))
-            missing += sorted(k for k in checkpoint["state_dict"] if k not in ours)
+            saved = set(checkpoint.get("state_dict", ours))     # sharded: DCP loaded exactly our keys already
+            missing = sorted(ours - saved) + sorted(saved - ours)
             if missing:
                 raise ValueError(f"this LoRA checkpoint's adapter tensors differ from the model's: {missing[:3]} "
                                  f"(another rank or target_modules?)")
@@ -434,6 +432,17 @@ class PolicyModule(L.LightningModule):
     def _clip_and_norm(self) -> Tensor:
         """Clip the policy's global gradient norm to max_grad_norm; return the norm before clipping."""
         return clip_gradients(self.policy.parameters(), self.hparams.max_grad_norm)
+
+
+def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadata) -> None:
+    """State-dict hook of a LoRA PolicyModule: keep the trainable adapters alone, so checkpoints hold
+    them only, and a sharded checkpoint (ModelParallelStrategy loads by asking the shards for the keys
+    of this state dict) is read without the frozen base it never held."""
+    if module.policy is None:
+        return
+    keep = {f"{prefix}policy.{n}" for n in adapter_state(module.policy)}
+    for k in [k for k in state if k.startswith(prefix) and k not in keep]:
+        del state[k]
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -200,3 +200,22 @@ class StaleWeightSync(WeightSync):
         if self.first is None:
             self.first = [(k, v.detach().clone()) for k, v in pl_module.policy_weights()]
         self._receiver(trainer).push_weights(iter(self.first), version=trainer.global_step)
+
+
+class SaveSyncPayloads(L.Callback):
+    """For LoRA tests: at the end of fit every rank gathers both sync payloads of the policy (merged
+    weights and adapters, lit_ess.lora), in the order the engine would receive them; rank 0 saves them
+    to `path` as {"merged": [(name, tensor), ...], "adapter": [...]}."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        import torch
+
+        from lit_ess.lora import adapter_weights, merged_weights
+
+        got = {mode: [(k, v.detach().cpu().clone()) for k, v in payload(pl_module.policy)]
+               for mode, payload in (("merged", merged_weights), ("adapter", adapter_weights))}
+        if trainer.is_global_zero:
+            torch.save(got, self.path)

@@ -14,7 +14,7 @@ from benchmarks import run_all, vs_trl  # noqa: E402
 def test_every_listed_benchmark_exists_or_is_optional():
     names = {b.name for b in run_all.BENCHMARKS}
     assert {"objectives", "step", "overhead", "async", "staleness", "ess_floor", "memory", "vs_trl",
-            "vs_trl_long", "gen_settings"} <= names
+            "vs_trl_long", "gen_settings", "lora"} <= names
     for b in run_all.BENCHMARKS:
         assert (ROOT / "benchmarks" / b.file).is_file() or b.name == "memory", b.name
 

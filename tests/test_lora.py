@@ -1,12 +1,18 @@
 """LoRA on the policy: merged weights equal peft's own merge, only the adapters train and are saved,
-and an end-to-end run with vLLM stays on-policy (the engine samples from the merged weights) and resumes
-exactly from an adapter-only checkpoint."""
+and an end-to-end run with vLLM stays on-policy (the engine samples from the merged weights), resumes
+exactly after a kill -9 from an adapter-only checkpoint, and exports through `lit-ess-export`."""
 import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from e2e_utils import cli, rl_config, scalars, write_config
+from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
 from lit_ess.module import PolicyModule
 
@@ -57,19 +63,39 @@ def test_bad_lora_settings_name_the_field(bad, says):
         LoRA(**bad)
 
 
-@pytest.mark.e2e
-def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(tiny_model_dir, tmp_path):
-    """vLLM samples from the merged weights (ESS 1 on every step, and the weights do move); the
-    checkpoint holds the adapters only; resuming from the step-2 checkpoint reproduces steps 2-3."""
-    lora = {"rank": 4, "alpha": 16.0}
+LORA_RUN = {"rank": 4, "alpha": 16.0}
 
-    def config(out):
-        return rl_config(tiny_model_dir, out, max_steps=4, ckpt_every=2, lr=1e-2, extra_model={"lora": lora})
 
-    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
-    res = cli(["fit", "--config", str(write_config(config(full_dir), full_dir / "config.yaml"))])
+def lora_config(model_dir, out):
+    """The LoRA run of this file: 4 steps, checkpoints at steps 2 and 4 (and last.ckpt)."""
+    return rl_config(model_dir, out, max_steps=4, ckpt_every=2, lr=1e-2, extra_model={"lora": LORA_RUN})
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir, tmp_path_factory):
+    """(run folder, scalars) of the uninterrupted LoRA run, shared by the tests that read its logs or
+    its checkpoints."""
+    out = tmp_path_factory.mktemp("lora_run")
+    res = cli(["fit", "--config", str(write_config(lora_config(tiny_model_dir, out), out / "config.yaml"))])
     assert res.returncode == 0, res.stderr[-4000:]
-    full = scalars(full_dir)
+    return out, scalars(out)
+
+
+def adapted_policy(model_dir, ckpt):
+    """The LoRA policy of a checkpoint file, as the trainer held it."""
+    m = PolicyModule(model_dir, lora=LoRA(**LORA_RUN))
+    m.configure_model()
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    missing, unexpected = m.policy.load_state_dict({k.removeprefix("policy."): v for k, v in state.items()}, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing)
+    return m.policy.eval()
+
+
+@pytest.mark.e2e
+def test_lora_run_is_on_policy_and_saves_adapters_only(lora_run, tiny_model_dir):
+    """vLLM samples from the merged weights (ESS 1 on every step, and the weights do move); the
+    checkpoint holds the adapters only."""
+    full_dir, full = lora_run
     assert min(v for _, v in full["train/ess"]) >= 0.9999
     assert min(v for _, v in full["train/grad_norm"]) > 0
     ckpt = torch.load(next((full_dir / "ckpt").glob("*step=2.ckpt")), map_location="cpu", weights_only=True)
@@ -80,41 +106,142 @@ def test_lora_run_is_on_policy_saves_adapters_only_and_resumes_exactly(tiny_mode
     n_base = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     assert n_adapter < 0.2 * n_base, (n_adapter, n_base)
 
-    step2 = next((full_dir / "ckpt").glob("*step=2.ckpt"))
-    res = cli(["fit", "--config", str(write_config(config(resumed_dir), resumed_dir / "config.yaml")),
-               "--ckpt_path", str(step2)])
+
+@pytest.mark.e2e
+def test_kill_9_and_resume_last_equals_the_uninterrupted_run(lora_run, tiny_model_dir, tmp_path):
+    """SIGKILL of the whole run right after its step-2 checkpoint (adapters only), then `--ckpt_path
+    last`: every step's loss, ESS and gradient norm equal the uninterrupted run's, the resumed engine
+    samples from the resumed adapters (ESS 1), and steps 0-1 are not trained again."""
+    full = lora_run[1]
+    run_dir = tmp_path / "killed"
+    cfg = lora_config(tiny_model_dir, run_dir)
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                        "init_args": {"path": str(run_dir / "prompts.jsonl")}})
+    path = write_config(cfg, run_dir / "config.yaml")
+    kill_after_checkpoint(path, run_dir / "ckpt", 2)
+    assert not list((run_dir / "ckpt").glob("*step=4.ckpt")), "the run ended before the kill"
+    res = cli(["fit", "--config", str(path), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
-    got = scalars(resumed_dir)
-    assert [s for s, _ in got["train/loss"]] == [s for s, _ in full["train/loss"]][2:]       # the last 2 steps
-    assert [v for _, v in got["train/loss"]] == pytest.approx([v for _, v in full["train/loss"]][2:], abs=1e-6)
-    assert min(v for _, v in got["train/ess"]) >= 0.9999             # the engine got the resumed adapters
+    steps = [json.loads(ln)["step"] for ln in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    assert steps.count(0) == steps.count(1) == 1 and steps[-2:] == [2, 3], steps      # resumed, not restarted
+    got = scalars(run_dir)
+    for tag in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
+        assert [s for s, _ in got[tag]] == [s for s, _ in full[tag]] and len(got[tag]) == 4, tag
+        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in full[tag]], abs=1e-6), tag
+    assert min(v for _, v in got["train/ess"]) >= 0.9999
+
+
+def _export(*args) -> subprocess.CompletedProcess:
+    """`lit-ess-export ARGS` in a subprocess (the console script's module)."""
+    return subprocess.run([sys.executable, "-m", "lit_ess.export", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=pythonpath()))
+
+
+def _export_error(capsys, *args) -> str:
+    """The one error line of `lit-ess-export ARGS` (run in this process: its exit status 2 and stderr)."""
+    from lit_ess.export import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lit-ess-export: error:")]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.e2e
+def test_export_cli_writes_the_adapter_and_on_request_the_merged_model(lora_run, tiny_model_dir, tmp_path, capsys):
+    """`lit-ess-export` of the run's LoRA checkpoint: peft's adapter folder (PeftModel.from_pretrained on
+    the base) and, with --merged, a plain Hugging Face model; both give the trained policy's logits. A
+    changed or missing base stops with one line saying so."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ckpt = lora_run[0] / "ckpt" / "last.ckpt"
+    policy = adapted_policy(tiny_model_dir, ckpt)
+    x = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = policy(x).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        assert (want - base(x).logits).abs().max() > 1e-3                  # the adapters trained
+
+        res = _export(ckpt, tmp_path / "adapter")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not (tmp_path / "adapter" / "config.json").exists()          # an adapter folder, not a model
+        got = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(x).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+        res = _export(ckpt, tmp_path / "merged", "--merged")
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(x).logits
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        assert (tmp_path / "merged" / "adapter" / "adapter_config.json").exists()
+
+    changed = shutil.copytree(tiny_model_dir, tmp_path / "changed_base")      # the base folder, retrained since
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        other.model.embed_tokens.weight.mul_(1.5)
+    other.save_pretrained(changed)
+    assert f"--model_path='{changed}' is not the base this LoRA checkpoint was trained on" in \
+        _export_error(capsys, ckpt, tmp_path / "x", "--model_path", changed)
+
+    moved = torch.load(ckpt, map_location="cpu", weights_only=False)   # its base folder since removed
+    moved["hyper_parameters"]["model_path"] = str(tmp_path / "gone")
+    torch.save(moved, tmp_path / "moved.ckpt")
+    assert f"the checkpoint's model_path='{tmp_path / 'gone'}' is missing: a LoRA checkpoint holds the adapters " \
+        f"only" in _export_error(capsys, tmp_path / "moved.ckpt", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_lora_on_two_ddp_ranks_equals_one_rank(tiny_model_dir, tmp_path):
-    """The same global batch on 2 DDP ranks (adapters replicated, gradients averaged and rescaled) and on
-    1 rank: losses, ESS and gradient norms agree; FSDP2 with LoRA stops with one line."""
+def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path):
+    """The same global batch on 1 rank, on 2 DDP ranks (adapters replicated) and on 2 FSDP2 ranks (the
+    peft model sharded per decoder layer: frozen base and adapters alike; gradients averaged and
+    rescaled): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
+    weights gathered from the shards (ESS 1); both sync payloads (merged, adapter), gathered on every
+    rank, equal 1 rank's in value and order; the checkpoint is a folder of adapter shards only (and
+    their optimizer state), and ExportHF and `lit-ess-export --merged` of it give 1 rank's model."""
+    from transformers import AutoModelForCausalLM
+
     runs = {}
-    for world in (1, 2):
-        out = tmp_path / f"w{world}"
-        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=1e-2, extra_model={"lora": {"rank": 4}})
+    for name, world in (("one", 1), ("ddp", 2), ("fsdp2", 2)):
+        out = tmp_path / name
+        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=1e-2, ckpt_every=3, extra_model={"lora": {"rank": 4}})
         cfg["trainer"]["devices"] = world
-        if world == 2:
+        cfg["trainer"]["callbacks"] += [{"class_path": "e2e_utils.SaveSyncPayloads",
+                                         "init_args": {"path": str(out / "payloads.pt")}},
+                                        {"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(out / "hf")}}]
+        if name == "ddp":
             cfg["trainer"]["strategy"] = "ddp"
+        if name == "fsdp2":
+            cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                          "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
+            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
         res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
         assert res.returncode == 0, res.stderr[-4000:]
-        runs[world] = scalars(out)
-    for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
-        a, b = [v for _, v in runs[1][key]], [v for _, v in runs[2][key]]
-        assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (key, a, b)
+        runs[name] = scalars(out)
+    for name in ("ddp", "fsdp2"):
+        for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
+            a, b = [v for _, v in runs["one"][key]], [v for _, v in runs[name][key]]
+            assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, key, a, b)
+    assert min(v for _, v in runs["fsdp2"]["train/ess"]) >= 0.9999
 
-    cfg = rl_config(tiny_model_dir, tmp_path / "fsdp", max_steps=1, extra_model={"lora": {"rank": 4}})
-    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
-                                  "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}
-    cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "fsdp" / "config.yaml"))])
-    assert res.returncode == 2 and "model.lora is not supported with FSDP2" in res.stderr, res.stderr[-2000:]
+    one, two = (torch.load(tmp_path / n / "payloads.pt") for n in ("one", "fsdp2"))
+    for mode, atol in (("merged", 1e-5), ("adapter", 8e-5)):      # the adapter payload is s B, s = alpha / r = 8
+        assert [k for k, _ in two[mode]] == [k for k, _ in one[mode]], mode
+        for (k, a), (_, b) in zip(one[mode], two[mode]):
+            assert torch.allclose(a, b, atol=atol), (mode, k, (a - b).abs().max())
+    shards = tmp_path / "fsdp2" / "ckpt" / "last.ckpt"
+    import torch.distributed.checkpoint as dcp
+
+    stored = [k for k in dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata if k.startswith("state_dict.")]
+    assert stored and all(".lora_" in k for k in stored), stored[:3]
+    res = _export(shards, tmp_path / "exported", "--merged")
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = dict(one["merged"])
+    for folder in (tmp_path / "exported", tmp_path / "fsdp2" / "hf"):
+        got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+        assert all(torch.allclose(got[k], v, atol=1e-5) for k, v in want.items()), folder
 
 
 def test_adapter_payload_reproduces_the_adapted_model(adapted, tiny_model_dir, tmp_path):
@@ -181,7 +308,7 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     ckpt = {"state_dict": {}}
     saver = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0))
     saver.configure_model()
-    ckpt["state_dict"] = {f"policy.{k}": v for k, v in saver.policy.state_dict().items()}
+    ckpt["state_dict"] = saver.state_dict()
     saver.on_save_checkpoint(ckpt)
     other = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=4.0))
     other.configure_model()
@@ -190,6 +317,29 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     same = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0, sync="adapter"))   # the sync mode may change
     same.configure_model()
     same.on_load_checkpoint(ckpt)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")        # no_dist: one process on purpose
+def test_a_lora_modules_state_dict_is_its_adapters_and_a_sharded_load_asks_for_them_alone(tiny_model_dir, tmp_path):
+    """With LoRA the module's state dict is the trainable adapters only: what every checkpoint holds, and
+    what ModelParallelStrategy asks a folder of shards for on resume (the keys of get_model_state_dict
+    of the module: asking for the frozen base, which the shards never held, failed the load)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    saver, loader = (PolicyModule(tiny_model_dir, lora=LoRA(rank=4)) for _ in range(2))
+    for m in (saver, loader):
+        m.configure_model()
+    assert set(saver.state_dict()) == {f"policy.{n}" for n, p in saver.policy.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for n, p in saver.policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    dcp.save({"state_dict": saver.state_dict()}, checkpoint_id=str(tmp_path / "shards"), no_dist=True)
+    wanted = {"state_dict": get_model_state_dict(loader)}
+    dcp.load(wanted, checkpoint_id=str(tmp_path / "shards"), no_dist=True)
+    loader.load_state_dict(wanted["state_dict"], strict=loader.strict_loading)
+    assert all(torch.equal(v, loader.state_dict()[k]) for k, v in saver.state_dict().items())
 
 
 def test_tied_ends_and_adapter_synced_embeddings_are_refused(tiny_model_dir):

@@ -9,7 +9,7 @@ from fake_engine import FakeConfig, FakeEngine
 from lit_ess.engines import HFConfig, VLLMConfig
 from lit_ess.engines.vllm_engine import visible_devices
 from lit_ess.rollout.transport import (NCCL, InProcess, SharedMemory, Ticket, build_transport, drop_tied, packed_buckets,
-                                       plan_buckets, update_info)
+                                       plan_buckets, update_info, update_kind)
 
 
 @pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")      # vLLM's note on a lone big tensor
@@ -57,6 +57,41 @@ def test_update_info_is_what_vllms_nccl_receiver_accepts():
     info = update_info([("a", torch.zeros(2, 3)), ("b", torch.zeros(4, dtype=torch.bfloat16))])
     parsed = NCCLWeightTransferUpdateInfo(**info)
     assert parsed.dtype_names == ["float32", "bfloat16"] and parsed.shapes == [[2, 3], [4]]
+
+
+def test_lora_adapters_cross_the_nccl_wire_format_into_a_peft_folder(tiny_model_dir, tmp_path):
+    """lora.sync: adapter over NCCL, what runs on CPU: the push is announced as "adapter" (full and merged
+    weights as "update"); the adapter payload, packed into buckets as the trainer broadcasts them and
+    cut and unpacked with vLLM's own code as its receiver does, makes a peft folder (what each engine
+    worker writes) whose model gives the trainer's adapted logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+    from lit_ess.lora import LoRA, adapter_weights, merged_weights, write_adapter
+
+    adapted = LoRA(rank=4, alpha=8, target_modules=["q_proj", "down_proj"]).apply(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(n)))
+    named = list(adapter_weights(adapted))
+    assert update_kind([n for n, _ in named]) == "adapter"
+    assert update_kind([n for n, _ in merged_weights(adapted)]) == "update"
+    info, bucket = update_info(named), 3000                           # several buckets
+    dtypes, sizes = [getattr(torch, d) for d in info["dtype_names"]], [t.nbytes for _, t in named]
+    cuts = plan_buckets(sizes, bucket)                 # where vLLM's receiver cuts (the first test of this file)
+    received = {}
+    for packed, cut in zip(packed_buckets(named, bucket, torch.device("cpu")), cuts, strict=True):
+        received.update(unpack_tensor(packed, [info["names"][i] for i in cut], [info["shapes"][i] for i in cut],
+                                      [dtypes[i] for i in cut], [sizes[i] for i in cut]))
+    assert len(cuts) > 1 and list(received) == info["names"]
+    folder = write_adapter(tmp_path / "v1", received)
+    x = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), folder)(x).logits
+        assert torch.allclose(served, adapted(x).logits, atol=1e-5)
 
 
 def test_tied_embeddings_are_sent_once():

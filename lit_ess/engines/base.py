@@ -127,6 +127,11 @@ class RolloutEngine(ABC):
         """NCCL weight transfer: receive the broadcast weights of `version` (see init_weight_transfer)."""
         raise NotImplementedError(f"{type(self).__name__} has no NCCL weight transfer: use transport: shared_memory")
 
+    def receive_adapter(self, update_info: dict, version: int) -> None:
+        """NCCL weight transfer of LoRA adapters (model.lora.sync: adapter): receive them and sample with
+        them from now on (see init_weight_transfer)."""
+        raise NotImplementedError(f"{type(self).__name__} has no NCCL adapter transfer: use transport: shared_memory")
+
     def close(self) -> None:
         """Free the engine's resources."""
 

@@ -82,8 +82,9 @@ class VLLMConfig(EngineConfig):
             Needs CUDA: on a machine without it this is an error, not ignored.
         transport: async mode only: how weights reach the worker's engine. "shared_memory" (default;
             CPU and GPU, through host memory) or "nccl" (vLLM's native weight-transfer API, GPU to GPU;
-            needs CUDA and worker_devices, since NCCL cannot put two ranks on one GPU). Sync mode
-            always loads in process (`reload_weights`).
+            needs CUDA and worker_devices, since NCCL cannot put two ranks on one GPU; LoRA adapters of
+            model.lora.sync: adapter travel it too, see `receive_adapter`). Sync mode always loads in
+            process (`reload_weights`).
         bucket_mb: transport nccl: MiB gathered and broadcast at once; a bucket closes with the tensor that
             crosses this size, so it exceeds it by at most one tensor (both sides cut buckets alike).
         max_lora_rank: start the engine with LoRA support for adapters up to this rank (model.lora with
@@ -239,20 +240,28 @@ class VLLMEngine(RolloutEngine):
     def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
         """LoRA adapters (lit_ess.lora.adapter_weights) instead of full weights: written as a peft folder
         on a memory filesystem and served under one adapter id, reloaded in place at every version."""
+        self._check_adapter_rank(max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n))
+        self._serve_adapter(write_adapter(self._adapter_folder(version), tensors), version)
+
+    def _check_adapter_rank(self, rank: int) -> None:
         if self.max_lora_rank is None:
             raise ValueError("model.lora.sync: adapter pushes adapters, but the engine was started without LoRA: "
                              "set data.engine.init_args.max_lora_rank to model.lora.rank or more")
-        from vllm.lora.request import LoRARequest
-
-        rank = max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n)
         if rank > self.max_lora_rank:
             raise ValueError(f"the pushed adapters have rank {rank}, above data.engine.init_args.max_lora_rank="
                              f"{self.max_lora_rank}: raise it to model.lora.rank")
 
+    def _adapter_folder(self, version: int) -> str:
+        """Where the adapters of `version` are written: a folder per version on /dev/shm (when present)."""
         if self.adapter_dir is None:
             root = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self.adapter_dir = tempfile.mkdtemp(prefix="lit-ess-adapter-", dir=root)
-        folder = write_adapter(os.path.join(self.adapter_dir, f"v{version}"), tensors)
+        return os.path.join(self.adapter_dir, f"v{version}")
+
+    def _serve_adapter(self, folder, version: int) -> None:
+        """Sample with the peft adapter in `folder` from the next request on (one id, loaded in place)."""
+        from vllm.lora.request import LoRARequest
+
         old, self.lora_request = self.lora_request, LoRARequest("lit-ess", 1, str(folder), load_inplace=True)
         if old is not None and old.lora_path != str(folder):
             shutil.rmtree(old.lora_path, ignore_errors=True)
@@ -270,6 +279,18 @@ class VLLMEngine(RolloutEngine):
         self.llm.finish_weight_update(weight_version=str(version))
         self._updated(version)
 
+    def receive_adapter(self, update_info: dict, version: int) -> None:
+        """Receive LoRA adapters over NCCL (transport: nccl with model.lora.sync: adapter; checked on
+        paper, this machine has no GPU). vLLM's receiver loads what it receives into the model's weights
+        by name, which adapters are not: each worker takes the broadcast itself
+        (`receive_adapter_on_worker`), the first writes the peft folder, and it is served as the
+        shared-memory path serves it (`_serve_adapter`). The rank is checked after the receive, so a
+        refused adapter fails here instead of leaving the trainer in its broadcast."""
+        folder = self._adapter_folder(version)
+        self.llm.collective_rpc(receive_adapter_on_worker, kwargs={"update_info": update_info, "folder": folder})
+        self._check_adapter_rank(max(s[0] for n, s in zip(update_info["names"], update_info["shapes"]) if ".lora_A." in n))
+        self._serve_adapter(folder, version)
+
     def _updated(self, version: int) -> None:
         if self.llm.reset_prefix_cache() is False:       # refused (requests running): stale KV would be reused
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
@@ -285,3 +306,27 @@ class VLLMEngine(RolloutEngine):
         import gc
 
         gc.collect()
+
+
+def receive_adapter_on_worker(worker, update_info: dict, folder: str) -> None:
+    """Run in every vLLM worker (`collective_rpc`): take one packed broadcast of adapter tensors from the
+    trainer over the worker's NCCL weight-transfer group, with vLLM's own packed receiver (the buckets
+    and wire format of full-weight updates), copy each to host memory (the receive buffers are reused),
+    and on worker rank 0 write them as a peft folder (`lit_ess.lora.write_adapter`). Every worker must
+    take part: the broadcast is a collective of the whole group. Written against vLLM 0.32's
+    NCCLWeightTransferEngine (its `model_update_group`, `packed_*` settings and `device`); not run here."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+    transfer = worker.weight_transfer_engine
+    if transfer is None or transfer.model_update_group is None:
+        raise RuntimeError("NCCL adapter transfer before the weight-transfer group was joined (init_weight_transfer)")
+    tensors: dict[str, Tensor] = {}
+    meta = ((n, (shape, getattr(torch, d)))
+            for n, d, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"]))
+    packed_nccl_broadcast_consumer(
+        iterator=meta, group=transfer.model_update_group, src=0,
+        post_unpack_func=lambda pairs: tensors.update((n, t.to("cpu", copy=True)) for n, t in pairs),
+        buffer_size_bytes=transfer.packed_buffer_size_bytes, num_buffers=transfer.packed_num_buffers,
+        device=transfer.device)
+    if worker.rank == 0:
+        write_adapter(folder, tensors)

@@ -31,6 +31,11 @@ Each side builds its own transport object from what the engine config asks for
   weight (same storage as an earlier tensor, e.g. lm_head = embed_tokens) is sent once.
   The trainer blocks in the broadcast until the engine reaches the update message: the worker loads
   between phases, so a push may wait for the phase being generated to finish.
+  LoRA adapters (`lora.sync: adapter`) travel the same way, in the same buckets, under an `("adapter",
+  info, version)` message (`update_kind`): vLLM's receiver would load them into the model's weights by
+  name, so the engine's workers take the broadcast into host tensors themselves, and the engine writes
+  them as a peft folder and serves it as a LoRA request, as it does with adapters from shared memory
+  (VLLMEngine.receive_adapter; written and checked on paper: this machine has no GPU).
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ import torch
 from torch import Tensor
 
 from lit_ess.engines.base import RolloutEngine, WeightTransfer, require_cuda
+from lit_ess.lora import is_adapter_payload
 
 Send = Callable[[object], None]
 Named = Iterable[tuple[str, Tensor]]
@@ -178,6 +184,13 @@ def plan_buckets(nbytes: list[int], bucket_bytes: int) -> list[list[int]]:
     return buckets
 
 
+def update_kind(names: list[str]) -> str:
+    """The engine-side handling of one NCCL push: "adapter" for LoRA adapters (lit_ess.lora.adapter_weights,
+    `lora.sync: adapter`), which the engine receives into a peft folder and serves as a LoRA request;
+    "update" for full (or merged) weights, which vLLM's receiver loads into the model by name."""
+    return "adapter" if is_adapter_payload(names) else "update"
+
+
 def update_info(named: list[tuple[str, Tensor]]) -> dict:
     """vLLM's NCCLWeightTransferUpdateInfo as a dict: names, dtype names, shapes, in send order."""
     return {"names": [n for n, _ in named], "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in named],
@@ -231,7 +244,7 @@ class NCCL(WeightTransport):
             return Ticket(version)
         if self.group is None:
             self._connect(send)
-        send(("update", update_info(named), version))
+        send((update_kind(names), update_info(named), version))
         stream, device = torch.cuda.current_stream(), torch.device("cuda", torch.cuda.current_device())
         for packed in packed_buckets(named, self.bucket_bytes, device):
             stream.synchronize()                                # the bucket's gathers and copies are done
@@ -262,6 +275,8 @@ class NCCL(WeightTransport):
             engine.init_weight_transfer(msg[1])
         elif kind == "update":
             engine.receive_weights(msg[1], msg[2])
+        elif kind == "adapter":
+            engine.receive_adapter(msg[1], msg[2])
         else:
             raise RuntimeError(f"NCCL transport: unknown message {kind!r}")
 
