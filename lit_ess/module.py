@@ -21,8 +21,8 @@ mean over ranks, min, max, pooled std).
 Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase): with
 lit_ess.callbacks.ProximalLogprobs, `score_proximal` scores the phase's waiting batches once, no grad,
 when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same weights,
-same forward). Every objective receives them; those that need them (`objective.needs_proximal`) stop
-the run at start without the callback.
+same forward). Every objective receives them; one that needs them (`objective.needs_proximal`) stops
+the run at its first step without them, naming the callback.
 
 Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
 temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py).
@@ -237,10 +237,6 @@ class PolicyModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         check_gradients_synchronised(self)
-        from .callbacks.proximal import ProximalLogprobs
-
-        if self.objective.needs_proximal and not any(isinstance(c, ProximalLogprobs) for c in self.trainer.callbacks):
-            raise ValueError(_no_proximal(self.objective))
 
     def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
