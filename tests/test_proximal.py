@@ -10,6 +10,7 @@ from lit_ess.callbacks import ProximalLogprobs, WeightSync
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.logprobs import sequence_logprobs
+from lit_ess.lora import LoRA
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, DecoupledPPO
 from lit_ess.rollout import RolloutBuffer
@@ -36,14 +37,21 @@ class Recording(DecoupledPPO):
         return super().__call__(logprobs, *args, proximal_logprobs=proximal_logprobs, **kwargs)
 
 
-def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_model_dir, phase):
-    """score_proximal in micro-batches of 3 rows (3 + 3 + 2) gives, for the batch trained at the phase's
-    first step, exactly the lp.detach() of its gradient pass: the same forward. The callback's shortcut
-    (mark that batch, score only the waiting ones) therefore gives the identical update."""
+@pytest.mark.parametrize("lora", [None, LoRA(rank=4)], ids=["full", "lora"])
+def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_model_dir, phase, lora):
+    """score_proximal in micro-batches of 3 rows (3 + 3 + 2) at train temperature 0.7 gives, for the batch
+    trained at the phase's first step, exactly the lp.detach() of its gradient pass: the same forward
+    (with LoRA: adapters on, here non-zero). The callback's shortcut (mark that batch, score only the
+    waiting ones) therefore gives the identical update."""
     grads = []
     for scored in (True, False):
-        m = PolicyModule(tiny_model_dir, objective=Recording(), micro_batch_size=3)
+        m = PolicyModule(tiny_model_dir, objective=Recording(), micro_batch_size=3, lora=lora, train_temperature=0.7)
+        torch.manual_seed(0)                       # the same adapters in both modules
         m.configure_model()
+        if lora is not None:
+            for n, p in m.policy.named_parameters():
+                if "lora_B" in n:
+                    p.data.normal_(0, 0.5)
         b0, b1 = (replace(b) for b in phase)
         if scored:
             m.score_proximal([b0, b1], pad=b0)
@@ -54,7 +62,7 @@ def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_mo
         assert len(m.objective.seen) == 3
         for lp, prox in m.objective.seen:
             assert torch.equal(prox, lp)
-        grads.append(torch.cat([p.grad.flatten() for p in m.policy.parameters()]))
+        grads.append(torch.cat([p.grad.flatten() for p in m.policy.parameters() if p.grad is not None]))
     assert torch.equal(*grads)
 
 
