@@ -13,7 +13,9 @@ trains the batch, as AReaL does). This callback then
                                           checkpoint, so a mid-phase resume keeps them
 
 Cost: k - 1 no-grad forwards per phase of k steps (none at steps_per_rollout 1), measured in
-benchmarks/proximal.py. Logs `perf/proximal_seconds` on the steps that score.
+benchmarks/proximal.py. Logs `perf/proximal_seconds` on the steps that score. A run resumed mid-phase
+from a checkpoint written without this callback scores the rest of that phase with the weights of
+its first step after the resume.
 
 Both sides are declared interfaces: the data module lists a phase's waiting batches (`PhaseBatches`,
 implemented by lit_ess.datamodules.RolloutDataModule) and the module scores them (`ProximalScorer`,

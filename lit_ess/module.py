@@ -87,11 +87,11 @@ class PolicyModule(L.LightningModule):
             ref_model_path, the reference is the base model (the adapters switched off): no second copy.
         ess_alarm: health check of the weight sync. A step whose rows were all sampled by the trainer's
             current weights (policy lag 0), by an engine whose logprobs match the trainer's precision
-            (engine dtype = model_dtype under a "32-true" Trainer; never under mixed precision, quantized
-            or raw engine logprobs) at the train temperature, must have ESS 1. Below this threshold
-            lit-ess warns once with the numbers (ESS, mean ratio, step) and counts the step in
-            `train/ess_alarms`. None = off. GPU kernels of engine and trainer differ in bf16: lower it
-            there if a healthy run warns.
+            (engine dtype = the trainer's: FSDP2's param_dtype, else model_dtype under a "32-true"
+            Trainer; never under mixed precision, quantized or raw engine logprobs) at the train
+            temperature, must have ESS 1. Below this threshold lit-ess warns once with the numbers
+            (ESS, mean ratio, step) and counts the step in `train/ess_alarms`. None = off. GPU kernels
+            of engine and trainer differ in bf16: lower it there if a healthy run warns.
         ess_alarm_error: stop the run at the first such step instead of warning (the engine is then
             almost surely not sampling with the trainer's weights: check the weight sync).
     """
@@ -132,6 +132,7 @@ class PolicyModule(L.LightningModule):
         if lora is not None and not isinstance(lora, LoRA):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
         self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
+        self.compute_dtype: str | None = None      # forward dtype when a sharding callback casts (FSDP2's param_dtype)
         self.lora = lora
         self.strict_loading = lora is None         # a LoRA checkpoint holds the adapters, not the base
         self.objective = objective
@@ -445,9 +446,14 @@ class PolicyModule(L.LightningModule):
         logs["train/ess_alarms"] = float(self.ess_alarm.count)
 
     def _trainer_dtype(self) -> str | None:
-        """The dtype the trainer scores tokens in: model_dtype under "32-true", the dtype of a "*-true"
-        precision, None under mixed precision (its matmuls run in another dtype than its weights)."""
+        """The dtype the trainer scores tokens in: FSDP2's param_dtype when it casts, else model_dtype under
+        "32-true" and the dtype of a "*-true" precision; None under mixed precision (autocast runs some
+        operations in another dtype than others)."""
         precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
+        if "mixed" in precision:
+            return None
+        if self.compute_dtype is not None:
+            return self.compute_dtype
         if precision in ("32-true", "32"):
             return self.hparams.model_dtype
         return {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision)

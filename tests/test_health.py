@@ -41,3 +41,17 @@ def test_engines_say_when_their_logprobs_are_the_trainers():
     assert VLLMConfig(vllm_kwargs={"kv_cache_dtype": "fp8"}).exact_dtype() is None
     assert VLLMConfig(dtype="auto").exact_dtype() is None
     assert HFConfig().exact_dtype() == "float32" and HFConfig(behavior_logprobs="raw").exact_dtype() is None
+
+
+def test_the_trainers_dtype_follows_precision_and_fsdp2s_cast(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lit_ess.module import PolicyModule
+
+    m = PolicyModule(tiny_model_dir, model_dtype="bfloat16")
+    assert m._trainer_dtype() == "bfloat16"                          # no Trainer: "32-true", the stored dtype
+    for precision, want in (("32-true", "bfloat16"), ("bf16-true", "bfloat16"), ("bf16-mixed", None), ("16-mixed", None)):
+        m._trainer = SimpleNamespace(precision=precision)
+        assert m._trainer_dtype() == want, precision
+    m._trainer, m.compute_dtype = SimpleNamespace(precision="32-true"), "float16"   # FSDP2 param_dtype float16
+    assert m._trainer_dtype() == "float16"
