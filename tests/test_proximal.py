@@ -90,10 +90,10 @@ def test_select_and_the_buffer_state_keep_them(phase):
     assert torch.equal(kept.prox_logprobs, b.prox_logprobs) and kept.prox_version == 7
 
 
-def fit(model_dir, module, callbacks, steps, k=2):
+def fit(model_dir, module, callbacks, steps, k=2, **data_kw):
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
-    trainer.fit(module, data(model_dir, k))
+    trainer.fit(module, data(model_dir, k, **data_kw))
     return trainer
 
 
@@ -125,10 +125,13 @@ class CheckProximal(L.Callback):
         self.checked += 1
 
 
-def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model_dir):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model_dir, mode):
     """A plain Trainer, 2 steps per rollout, DecoupledPPO in micro-batches of 3: the second batch of each
-    phase carries the logprobs of the weights that trained the first, not the current ones."""
+    phase carries the logprobs of the weights that trained the first, not the current ones (async: the
+    worker process generates ahead, max_staleness 2, and the buffer's waiting batches are scored alike)."""
     check = CheckProximal()
     module = PolicyModule(tiny_model_dir, objective=DecoupledPPO(), micro_batch_size=3, lr=1e-2)
-    fit(tiny_model_dir, module, [WeightSync(), ProximalLogprobs(), check], steps=4)
+    extra = {"mode": "async", "max_staleness": 2} if mode == "async" else {}
+    fit(tiny_model_dir, module, [WeightSync(), ProximalLogprobs(), check], steps=4, **extra)
     assert check.checked == 2
