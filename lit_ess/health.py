@@ -14,6 +14,10 @@ never applies), and the sampling temperature equal to the train temperature.
 from __future__ import annotations
 
 
+class ESSAlarmError(RuntimeError):
+    """The lag-0 ESS alarm with model.ess_alarm_error: true."""
+
+
 class ESSAlarm:
     """Counts the lag-0 steps whose ESS is below `threshold` (None = off); warns once, or raises with `error`."""
 
@@ -34,7 +38,7 @@ class ESSAlarm:
               engine_dtype: str | None, trainer_dtype: str | None, sample_temperature: float,
               train_temperature: float) -> str | None:
         """Count a step whose ESS should be 1 and is below the threshold. Returns the message the first
-        time (None otherwise); raises RuntimeError with it when `error` is set."""
+        time (None otherwise); raises ESSAlarmError with it when `error` is set."""
         if ess is None or ess >= (self.threshold or 0) or not self.applies(
                 lag_max, engine_dtype, trainer_dtype, sample_temperature, train_temperature):
             return None
@@ -45,7 +49,7 @@ class ESSAlarm:
                    f"({train_temperature}), where it must be 1: the engine is likely not sampling with the trainer's "
                    f"weights (check the weight sync)")
         if self.error:
-            raise RuntimeError(message)
+            raise ESSAlarmError(message)
         if self.warned:
             return None
         self.warned = True
