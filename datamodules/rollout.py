@@ -45,6 +45,7 @@ version of each row), and the requests in flight, which are regenerated after a 
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
 from dataclasses import asdict, replace
@@ -52,13 +53,14 @@ from typing import Literal
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rewards import resolve_reward
-from lit_ess.rollout import (EvalRequest, InlineExecutor, PhaseResult, RolloutBatch, RolloutBuffer, RolloutExecutor,
-                             RolloutRequest, Ranks, ShareReceiver, TorchRanks, WorkerConfig, WorkerProcess, in_step)
+from lit_ess.engines.base import visible_devices
+from lit_ess.rollout import (EvalRequest, InlineExecutor, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer,
+                             RolloutExecutor, RolloutRequest, Ranks, ShareReceiver, TorchRanks, WorkerConfig, WorkerProcess,
+                             in_step)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -292,23 +294,32 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.executor = self._build_executor()
         self.executor.start()
+        if self.dedicated:                         # receivers name the worker in their errors
+            pid = self.ranks.all_gather(self.executor.proc.pid if self.plans else None)[0]
+            if not self.plans:
+                self.executor.worker_pid = pid
 
     def _build_executor(self) -> RolloutExecutor:
-        """sync: the worker in this process; async colocated: a worker process per rank; async
-        dedicated: rank 0's worker process generates for all, the other ranks receive their shares."""
+        """sync: the worker in this process; async colocated: a worker process per rank (on the rank's
+        own GPU); async dedicated: rank 0's worker process generates for all, the other ranks receive."""
         if self.mode == "sync":
             return InlineExecutor(self._worker_config())
-        if self.placement == "colocated" and self.world > 1 and "CUDA_VISIBLE_DEVICES" in self.engine_config.worker_env():
-            raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every rank's "
-                             "worker on the same devices: use placement: dedicated (one worker on those devices)")
+        dedicated_devices = "CUDA_VISIBLE_DEVICES" in self.engine_config.worker_env()
         if self.placement == "colocated" or self.world == 1:
-            return WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout)
-        hosts = self.ranks.all_gather(socket.gethostname())
-        one_node = len(set(hosts)) == 1
+            if self.world > 1 and dedicated_devices:
+                raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
+                                 "rank's worker on the same devices: use placement: dedicated (one worker on those devices)")
+            env = None
+            if torch.cuda.is_available() and not dedicated_devices:    # the rank's own GPU, not every worker on cuda:0
+                env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
+                                                               os.environ.get("CUDA_VISIBLE_DEVICES"))}
+            return WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout, env=env)
+        nodes = self.ranks.all_gather(node_address())
+        one_node = len(set(nodes)) == 1
         receiver = None
         if self.rank > 0:
             receiver = ShareReceiver(bind="127.0.0.1" if one_node else "0.0.0.0",
-                                     host="127.0.0.1" if one_node else hosts[self.rank])
+                                     host="127.0.0.1" if one_node else nodes[self.rank], silence_timeout=self.worker_timeout)
         addresses = self.ranks.all_gather(receiver.address if receiver is not None else None)
         self.plans, self.dedicated = self.rank == 0, True
         return receiver or WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout,
@@ -384,6 +395,7 @@ class RolloutDataModule(L.LightningDataModule):
         def attempt() -> RolloutBatch | None:
             self._start_admissible(step)
             if (batch := self.buffer.take(step)) is None:
+                self._start_admissible(step)       # a batch the filter dropped whole may admit the next phase
                 self._wait(step)
                 batch = self.buffer.take(step)
             return batch
@@ -432,10 +444,10 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_step
 
     # ------------------------------------------------------------------ prompts
-    def _request(self, phase: int) -> RolloutRequest | list[RolloutRequest]:
+    def _request(self, phase: int) -> RolloutRequest | PhaseShares:
         """This rank's prompts of `phase`: the phase's prompts are drawn once (cursor order, the same on
         every rank), rank r keeps positions r, r + W, ...; kept until the phase is in the buffer. The
-        dedicated placement's rank 0 asks for every rank's share (a list, one per rank)."""
+        dedicated placement's rank 0 asks for every rank's share."""
         if phase not in self.requests:
             if phase != self.next_plan:
                 raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
@@ -446,7 +458,8 @@ class RolloutDataModule(L.LightningDataModule):
                 return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                                       [examples[i].prompt for i in mine], [examples[i].answer for i in mine],
                                       prompt_keys=list(mine))
-            self.requests[phase] = [share(r) for r in range(self.world)] if self.dedicated else share(self.rank)
+            self.requests[phase] = (PhaseShares(phase, [share(r) for r in range(self.world)]) if self.dedicated
+                                    else share(self.rank))
             self.next_plan += 1
         return self.requests[phase]
 
@@ -507,14 +520,15 @@ class RolloutDataModule(L.LightningDataModule):
                     return [{k: v.split(sizes) for k, v in out.items()}]
             else:
                 def attempt():
-                    self._collect(timeout=0.2)               # phases that arrive meanwhile: to the buffer
+                    self._collect(timeout=0.0)               # phases that arrived meanwhile: to the buffer
                     return [None]
             split = in_step(self.ranks, attempt, share=True)[0][0]
             return {k: parts[self.rank] for k, parts in split.items()}
         rid = self._submit_eval(examples)
 
         def attempt():
-            self._collect(timeout=1.0)
+            if rid not in self.evaluated:
+                self._collect(timeout=1.0)
             return self.evaluated.pop(rid, None)
         return in_step(self.ranks, attempt)
 
@@ -536,14 +550,14 @@ class RolloutDataModule(L.LightningDataModule):
         phase any rank has, so that the phases in flight (rank 0's requests, regenerated for every rank
         after a resume) are the same for all ranks."""
         if self.dedicated:
-            newest = max(self.ranks.all_gather(self._received()))
-            in_step(self.ranks, lambda: True if self._received() >= newest else self._collect(timeout=1.0))
+            # a rank that is behind may read past the newest phase another rank had: repeat until all agree
+            while len(set(received := self.ranks.all_gather(self._received()))) > 1:
+                newest = max(received)
+                in_step(self.ranks, lambda: True if self._received() >= newest else self._collect(timeout=1.0))
         state = self._local_state()
         if self.world == 1:
             return state
-        ranks = [None] * self.world
-        dist.all_gather_object(ranks, state)            # every rank saves; Lightning writes rank 0's copy
-        return {"ranks": ranks}
+        return {"ranks": self.ranks.all_gather(state)}   # every rank saves; Lightning writes rank 0's copy
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a run to continue it. `lit-ess validate` needs none of this state: it is ignored
@@ -564,9 +578,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _local_state(self) -> dict:
         return {
+            "placement": "dedicated" if self.dedicated else "colocated",
             **self.prompt_order.state_dict(), "next_plan": self.next_plan,
-            "requests": [{"phase": p, "shares": [asdict(x) for x in r]} if isinstance(r, list) else asdict(r)
-                         for p, r in self.requests.items()],             # in flight: regenerated after a resume
+            "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
             "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
         }
@@ -577,8 +591,12 @@ class RolloutDataModule(L.LightningDataModule):
                              "(lit-ess 0.1); resume it with that version or start a new run from its weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
-        self.requests = {r["phase"]: [RolloutRequest(**x) for x in r["shares"]] if "shares" in r else RolloutRequest(**r)
-                         for r in state["requests"]}
+        was, now = state.get("placement", "colocated"), "dedicated" if self.dedicated else "colocated"
+        if was != now:
+            raise ValueError(f"this checkpoint's rollouts were placed {was} (data.placement), this run's {now}: resume "
+                             f"with placement: {was}, or start a new run from the checkpoint's weights")
+        self.requests = {r["phase"]: PhaseShares(r["phase"], [RolloutRequest(**x) for x in r["shares"]]) if "shares" in r
+                         else RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
         self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
@@ -586,6 +604,17 @@ class RolloutDataModule(L.LightningDataModule):
         if self.executor is not None:
             self.executor.restore(self.reward_counters)
         self.resume_offset = state.get("epoch_offset", 0)
+
+
+def node_address() -> str:
+    """This node's address as the other nodes reach it: the interface that routes to the process group's
+    rendezvous host (MASTER_ADDR; no packet is sent), else the host name."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1"))))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
 
 
 def _with_changes(sampling: SamplingConfig, changes: dict, knob: str) -> SamplingConfig:

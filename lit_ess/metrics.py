@@ -136,13 +136,13 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/reward_timeouts": SUM,
     "rollout/phase": RANK_MEAN,                # the same phase on every rank
     # datamodules/rollout.py: the data stream, each rank its own buffer over the same prompt order
-    "rollout/skipped_long_prompts": RANK_MEAN,  # every rank draws the same prompts
+    "rollout/skipped_long_prompts": MAX,       # every rank draws the same prompts (dedicated: rank 0 alone)
     "data/skipped_rows": RANK_MEAN,
     "rollout/stale_dropped": SUM,
     "rollout/buffer_size": SUM,
     "perf/trainer_wait_frac": MAX,
     "perf/worker_idle_frac": RANK_MEAN,
-    "rollout/phases_in_flight": RANK_MEAN,
+    "rollout/phases_in_flight": MAX,           # the most on any rank (dedicated: rank 0 plans them all)
     "perf/train_seconds": MAX,                 # lit_ess/module.py: forward, backward, clip, optimizer step
     # callbacks/weight_sync.py, callbacks/proximal.py
     "perf/weight_sync_seconds": RANK0,

@@ -129,6 +129,30 @@ def test_a_skipped_step_keeps_the_stream_and_the_bound(tiny_model_dir, mode, S):
     assert [b.phase for _, b in seen] == list(range(10))
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_batch_dropped_whole_admits_the_next_phase(tiny_model_dir, mode):
+    """A resume with a smaller max_staleness: the buffer's batches generated ahead are now too old and
+    are dropped whole; that frees the next phase's admission, which must start at once (it stopped with
+    "no rollout is in flight ... Add WeightSync" although the weights were there)."""
+    dm = make_dm(tiny_model_dir, mode=mode, S=3, k=1)
+    try:
+        drive(dm, 2)                               # phases generated ahead with old weights (S = 3)
+        time.sleep(1.0)
+        dm._collect(0.5)
+        state = dm.state_dict()
+    finally:
+        dm.teardown("fit")
+    assert any(b["versions"].max() < 2 for bs in state["buffer"]["ready"].values() for b in bs)
+    dm = make_dm(tiny_model_dir, mode=mode, S=0, k=1)
+    try:
+        dm.load_state_dict(state)
+        dm.push_weights(weights(2), 2)
+        batch = dm.next_batch(2)
+        assert dm.buffer.stale_dropped > 0 and set(batch.versions.tolist()) == {2}
+    finally:
+        dm.teardown("fit")
+
+
 def test_max_staleness_below_the_sync_lag_is_named(tiny_model_dir):
     with pytest.raises(ValueError, match="max_staleness=0 is below steps_per_rollout - 1 = 1"):
         RolloutDataModule(model_path=tiny_model_dir, steps_per_rollout=2, max_staleness=0)

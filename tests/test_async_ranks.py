@@ -124,3 +124,53 @@ def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir, placement
         assert isinstance(err[0], RankFailed) and "rank 1 stopped" in str(err[0]) and "exit code -9" in str(err[0])
     else:                                  # rank 0 saw its process die, rank 1 its connection close
         assert any("exit code -9" in str(e) for e in err) or all("exited" in str(e) for e in err), err
+
+
+def test_dedicated_checkpoint_agrees_across_ranks_and_resumes(tiny_model_dir):
+    """A checkpoint while phases are in flight: rank 0 has read less than rank 1 (or the other way
+    round), and state_dict first brings both to the same phase, so the phases rank 0 regenerates after
+    the resume are exactly those no rank holds. (The drain once let a lagging rank read past the
+    others: the resume then failed with "arrived twice", or waited for ever for a phase no one made.)"""
+    def run(dm, r):
+        drive(dm, 2)
+        time.sleep(1.0)
+        dm.ranks.all_gather(None)
+        dm.push_weights(weights(2), 2)
+        if r == 0:
+            dm._collect(0)                        # rank 0 reads what has arrived (as in wants_weights)
+            dm._start_admissible(2)               # and submits the admissible phases (as in next_batch)
+        dm.ranks.all_gather(None)
+        time.sleep(1.0)                            # the worker delivers: rank 1's shares wait in its inbox
+        state = dm.state_dict()
+        return state, sorted(dm.buffer.ready), sorted(dm.requests)
+    res, err = on_two_ranks(run, model_dir=tiny_model_dir, S=2, k=1, placement="dedicated")
+    assert err == [None, None], err
+    (state, ready0, planned), (_, ready1, _) = res
+    assert ready0 == ready1 and not set(ready1) & set(planned), (ready0, ready1, planned)
+
+    def resume(dm, r):
+        dm.load_state_dict(state)
+        dm.push_weights(weights(2), 2)
+        out = []
+        for step in range(2, 7):
+            out.append(dm.next_batch(step))
+            if dm.wants_weights(step + 1):
+                dm.push_weights(weights(step + 1), step + 1)
+        return [b.phase for b in out]
+    res, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=2, k=1, placement="dedicated")
+    assert err == [None, None], err
+    assert res[0] == res[1] == list(range(2, 7))
+
+
+def test_a_checkpoint_of_one_placement_does_not_resume_under_the_other(tiny_model_dir):
+    def run(dm, r):
+        drive(dm, 2)
+        return dm.state_dict()
+    res, err = on_two_ranks(run, model_dir=tiny_model_dir, S=1, k=1, placement="dedicated")
+    assert err == [None, None], err
+
+    def resume(dm, r):
+        dm.load_state_dict(res[0])
+    _, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=1, k=1, placement="colocated")
+    assert all(isinstance(e, ValueError) and "placed dedicated (data.placement), this run's colocated" in str(e)
+               for e in err), err

@@ -161,3 +161,15 @@ def require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise ValueError(f"{what} needs CUDA GPUs (and NCCL); this machine has none "
                          f"(torch.cuda.is_available() is False)")
+
+
+def visible_devices(indices: list[int], parent_visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker process: `indices` number the devices the trainer's process sees,
+    so under a parent CUDA_VISIBLE_DEVICES they map through it (indices [1] under "4,5" -> "5")."""
+    if not parent_visible:
+        return ",".join(map(str, indices))
+    seen = [v.strip() for v in parent_visible.split(",") if v.strip()]
+    if max(indices) >= len(seen):
+        raise ValueError(f"engine.worker_devices={indices}: CUDA_VISIBLE_DEVICES={parent_visible!r} shows "
+                         f"{len(seen)} devices")
+    return ",".join(seen[i] for i in indices)

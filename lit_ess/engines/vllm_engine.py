@@ -22,7 +22,8 @@ from torch import Tensor
 
 from ..console import harmless_stderr_dropped, verbose
 from ..lora import is_adapter_payload, write_adapter
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda
+from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda,
+                   visible_devices)
 
 
 def _configure_env(kv_cache_gib: float) -> None:
@@ -154,18 +155,6 @@ class VLLMConfig(EngineConfig):
             raise ValueError(f"engine.worker_devices={self.worker_devices}: this process sees "
                              f"{torch.cuda.device_count()} CUDA devices")
         return {"CUDA_VISIBLE_DEVICES": visible_devices(self.worker_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
-
-
-def visible_devices(indices: list[int], parent_visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for the worker: `indices` number the devices the trainer's process sees,
-    so under a parent CUDA_VISIBLE_DEVICES they map through it (indices [1] under "4,5" -> "5")."""
-    if not parent_visible:
-        return ",".join(map(str, indices))
-    seen = [v.strip() for v in parent_visible.split(",") if v.strip()]
-    if max(indices) >= len(seen):
-        raise ValueError(f"engine.worker_devices={indices}: CUDA_VISIBLE_DEVICES={parent_visible!r} shows "
-                         f"{len(seen)} devices")
-    return ",".join(seen[i] for i in indices)
 
 
 class VLLMEngine(RolloutEngine):

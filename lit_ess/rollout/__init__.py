@@ -6,8 +6,8 @@ from .executor import InlineExecutor, RolloutExecutor, WorkerError
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
 from .receiver import ShareReceiver
-from .worker import EvalRequest, PhaseResult, RolloutRequest, RolloutWorker, WorkerConfig
+from .worker import EvalRequest, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor", "ShareReceiver", "TorchRanks",
-           "in_step", "PhaseResult", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
+           "in_step", "PhaseResult", "PhaseShares", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
            "WorkerError", "WorkerProcess", "collate"]

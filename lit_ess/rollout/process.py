@@ -21,10 +21,8 @@ request) and each result. When a request is in flight and the worker has sent no
 kills it and raises a WorkerError that names its pid, its last reported stage and the requests in
 flight, instead of waiting forever. The clock starts at the later of the last message and the
 submission that gave an idle worker work, so time the worker spent idle never counts. With several
-ranks (async refuses them today) each rank's watchdog watches its own worker: the rank whose worker
-stalls raises and exits, and the other ranks, waiting for it in the step's collectives, fail there
-once their peer is gone (gloo at once, NCCL by its watchdog within the process group's timeout) or
-are stopped by torchrun's agent.
+ranks each rank's watchdog watches its own worker (dedicated placement: rank 0's): the rank whose worker
+stalls raises, and the others stop in the same round (lit_ess/rollout/ranks.py `in_step`).
 """
 from __future__ import annotations
 
@@ -42,7 +40,7 @@ from lit_ess.rewards import RewardError
 from .executor import WorkerError
 from .receiver import Deliveries
 from .transport import Ticket, build_transport
-from .worker import RolloutWorker, WorkerConfig, merge_shares
+from .worker import PhaseShares, RolloutWorker, WorkerConfig
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -99,8 +97,10 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors, version: int) -> None:
-        if version == self.version and self.current is not None:
-            for _ in named_tensors:                            # it has them; FSDP2's gathers still run on every rank
+        if (version == self.version and self.current is not None) or not self.proc.is_alive():
+            # it has them, or it is gone (an NCCL push would wait for it for ever; the next poll, which
+            # every rank reaches together, reports the death): FSDP2's gathers still run on every rank
+            for _ in named_tensors:
                 pass
             return
         in_use = [t for t in self.in_flight.values() if t is not None]
@@ -236,7 +236,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             kind, rid, payload, sampled = item
             try:
                 report(f"scoring {_what(kind, payload)} (rewards)")
-                if kind == "phase" and isinstance(payload, list):      # dedicated: every rank's share
+                if isinstance(payload, PhaseShares):                  # dedicated: every rank's share
                     shares = worker.score_shares(payload, *sampled)
                     for r in range(1, len(shares)):                   # the others first: when rank 0 has a
                         deliveries.send(r, shares[r], (clock["idle"], clock["busy"]))   # phase, every rank's share was sent
@@ -284,7 +284,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 clock["weights"] += time.perf_counter() - t1
             report(f"sampling {_what(kind, payload)}")
             if kind == "phase":
-                sampled = worker.sample(merge_shares(payload) if isinstance(payload, list) else payload)
+                sampled = worker.sample(payload.merged() if isinstance(payload, PhaseShares) else payload)
             else:
                 sampled = worker.sample_eval(payload)
             clock["busy"] += time.perf_counter() - t1
@@ -313,6 +313,6 @@ def _exit_cause(code: int | None) -> str:
 
 
 def _what(kind: str, payload) -> str:
-    if kind == "phase" and isinstance(payload, list):
-        return f"phase {payload[0].phase} (all {len(payload)} ranks' shares)"
+    if isinstance(payload, PhaseShares):
+        return f"phase {payload.phase} (all {len(payload.shares)} ranks' shares)"
     return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"

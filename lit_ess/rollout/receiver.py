@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 from multiprocessing.connection import Client, Connection, Listener
 
 from .executor import WorkerError
@@ -28,10 +29,13 @@ Address = tuple[str, int, bytes]          # host, port, authkey
 class ShareReceiver:
     """The executor of a rank > 0 under the dedicated placement (see the module docstring)."""
 
-    def __init__(self, bind: str = "127.0.0.1", host: str = "127.0.0.1"):
-        """Listen on `bind` (any free port); the worker connects to `host` (this node's name, seen
-        from rank 0's node)."""
+    def __init__(self, bind: str = "127.0.0.1", host: str = "127.0.0.1", silence_timeout: float = 1800.0):
+        """Listen on `bind` (any free port); the worker connects to `host` (this node's address, seen
+        from rank 0's node). `silence_timeout`: seconds this rank may wait for its share with nothing
+        arriving (rank 0's watchdog covers the worker itself; this covers the path to this rank)."""
         key = os.urandom(16)
+        self.silence_timeout, self.waited = silence_timeout, 0.0
+        self.worker_pid: int | None = None                    # told by rank 0 once the worker started
         self.listener = Listener((bind, 0), authkey=key)
         self.address: Address = (host, self.listener.address[1], key)
         self.inbox: queue.Queue = queue.Queue()
@@ -45,10 +49,17 @@ class ShareReceiver:
         self.reader.start()
 
     def _read(self) -> None:
-        try:
-            conn = self.listener.accept()
-        except OSError:
-            return                                            # closed before the worker connected
+        while True:
+            try:
+                conn = self.listener.accept()
+                break
+            except OSError:
+                return                                        # closed before the worker connected
+            except Exception:                                 # noqa: BLE001 - a stray connection (wrong key,
+                continue                                      # a port scan): keep waiting for the worker
+        if self.closed:
+            conn.close()
+            return
         try:
             while True:
                 self.inbox.put(("result", pickle.loads(conn.recv_bytes())))      # (PhaseResult, engine clock)
@@ -70,14 +81,26 @@ class ShareReceiver:
         raise RuntimeError("placement: dedicated: rank 0 submits every phase; a rank > 0 only receives its share")
 
     def poll(self, timeout: float) -> list[tuple[int, object]]:
+        """Shares that arrived; a poll with `timeout` > 0 waits for one (the data module needs it), and
+        waiting `silence_timeout` s in total with nothing arriving raises."""
         out = []
         try:
-            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+            t0 = time.monotonic()
+            try:
+                item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+            except queue.Empty:
+                self.waited += time.monotonic() - t0 if timeout > 0 else 0.0
+                if self.waited > self.silence_timeout:
+                    raise WorkerError(f"this rank received nothing from the dedicated rollout worker (pid "
+                                      f"{self.worker_pid}, run by rank 0) for {self.waited:.0f} s while waiting for "
+                                      f"its share; raise worker_timeout if a phase legitimately takes this long") from None
+                raise
+            self.waited = 0.0
             while True:
                 kind, result = item
                 if kind == "gone":
-                    raise WorkerError("the dedicated rollout worker (run by rank 0) closed its connection to this "
-                                      "rank: it exited")
+                    raise WorkerError(f"the dedicated rollout worker (pid {self.worker_pid}, run by rank 0) closed its "
+                                      f"connection to this rank: it exited (rank 0 reports its exit cause)")
                 result, (self.idle_seconds, self.busy_seconds) = result     # the one engine's clock
                 out.append((-1, result))
                 item = self.inbox.get_nowait()
@@ -86,6 +109,11 @@ class ShareReceiver:
 
     def close(self) -> None:
         self.closed = True
+        if self.reader is not None and self.reader.is_alive():
+            try:                                              # wake a reader still waiting in accept()
+                Client(self.address[:2], authkey=self.address[2]).close()
+            except OSError:
+                pass
         self.listener.close()
 
 

@@ -227,14 +227,12 @@ class NCCL(WeightTransport):
         bucket_mb: MiB broadcast (and gathered, under FSDP) at once, plus at most one tensor.
         engine_ranks: the engine's GPU workers (tensor x pipeline parallel size).
         master_address: host of the rendezvous store (the trainer's address as the engine sees it).
-        is_sender: False on trainer ranks > 0: they take part in the gathers and send nothing.
     """
 
-    def __init__(self, bucket_mb: float = 256.0, engine_ranks: int = 1, master_address: str = "127.0.0.1",
-                 is_sender: bool = True):
+    def __init__(self, bucket_mb: float = 256.0, engine_ranks: int = 1, master_address: str = "127.0.0.1"):
         require_cuda("transport: nccl")
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.engine_ranks, self.master_address, self.is_sender = engine_ranks, master_address, is_sender
+        self.engine_ranks, self.master_address = engine_ranks, master_address
         self.group = None                        # trainer side: vLLM's PyNcclCommunicator
         self.order: list[str] | None = None
 
@@ -245,11 +243,6 @@ class NCCL(WeightTransport):
             self.order = names
         elif names != self.order:
             raise RuntimeError(f"weights changed names or order between pushes: {sorted(set(names) ^ set(self.order))[:5]}")
-        if not self.is_sender:
-            for bucket in plan_buckets([_nbytes(t) for _, t in named], self.bucket_bytes):
-                for i in bucket:                                 # the gathers rank 0 takes part in
-                    materialize(named[i][1])
-            return Ticket(version)
         if self.group is None:
             self._connect(send)
         send((update_kind(names), update_info(named), version))

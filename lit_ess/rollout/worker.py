@@ -42,6 +42,21 @@ class RolloutRequest:
 
 
 @dataclass
+class PhaseShares:
+    """Every rank's share of one phase (the dedicated placement: one worker generates for all ranks)."""
+    phase: int
+    shares: list[RolloutRequest]
+
+    def merged(self) -> RolloutRequest:
+        """One request for the whole phase (sampled in one engine call; the prompt keys, positions in the
+        whole phase, keep each request's seed what it is on its rank)."""
+        ss = self.shares
+        keys = [k for s in ss for k in (s.prompt_keys if s.prompt_keys is not None else range(len(s.prompts)))]
+        return RolloutRequest(self.phase, [i for s in ss for i in s.prompt_ids], [p for s in ss for p in s.prompts],
+                              [t for s in ss for t in s.prompt_texts], [a for s in ss for a in s.answers], keys)
+
+
+@dataclass
 class EvalRequest:
     """Held-out prompts (token ids) with their answers, `n` samples each; `keys` (the prompts'
     positions in the held-out set) derive the request seeds, so any sharding samples the same (vllm
@@ -78,14 +93,6 @@ class WorkerConfig:
     reward_counters: dict = field(default_factory=dict)
     max_reward_error_rate: float = 0.5
     reward_in_worker: bool | None = None
-
-
-def merge_shares(shares: list[RolloutRequest]) -> RolloutRequest:
-    """Every rank's share of one phase as one request (the dedicated worker samples it in one call;
-    the prompt keys, positions in the whole phase, keep each request's seed what it is on its rank)."""
-    keys = [k for s in shares for k in (s.prompt_keys if s.prompt_keys is not None else range(len(s.prompts)))]
-    return RolloutRequest(shares[0].phase, [i for s in shares for i in s.prompt_ids], [p for s in shares for p in s.prompts],
-                          [t for s in shares for t in s.prompt_texts], [a for s in shares for a in s.answers], keys)
 
 
 class RolloutWorker:
@@ -179,11 +186,12 @@ class RolloutWorker:
                            max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
 
-    def score_shares(self, shares: list[RolloutRequest], groups: list[list[Completion]], texts: list[str],
+    def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],
                      t_gen: float) -> list[PhaseResult]:
-        """Dedicated placement: a phase sampled whole (`merge_shares`), scored share by share as each rank
-        would score its own. The scorer is one, so its counters travel once: with share 0 (rank 0's),
-        scored last so that they include every share; the others report none."""
+        """Dedicated placement: a phase sampled whole (`PhaseShares.merged`), scored share by share as each
+        rank would score its own. The scorer is one, so its counters travel once: with share 0 (rank
+        0's), scored last so that they include every share; the others report none."""
+        shares = req.shares
         n, starts = self.config.samples_per_prompt, [0]
         for s in shares:
             starts.append(starts[-1] + len(s.prompts))
