@@ -383,3 +383,55 @@ def test_export_writes_merged_weights_in_adapter_sync_mode(tiny_model_dir, tmp_p
     merged = dict(merged_weights(m.policy))
     assert all(torch.allclose(exported[k], merged[k]) for k in merged)
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").exists()
+
+
+def test_each_adapter_push_is_loaded_once_and_closing_the_executor_removes_its_folders(tiny_model_dir, monkeypatch):
+    """lora.sync: adapter on vLLM: each push is a new adapter that vLLM loads from disk once (it reloaded
+    it at every decode step when served in place), including a version pushed again (validation); the
+    engine samples with the pushed adapter (its logprobs are the trainer's); replaced folders go once
+    vLLM has the new one, the engine's folder goes with InlineExecutor.close(), and a folder left by a
+    dead process (kill -9) goes when an engine starts."""
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+    from lit_ess.engines import SamplingConfig, VLLMConfig
+    from lit_ess.engines.vllm_engine import adapter_root
+    from lit_ess.rollout.executor import InlineExecutor
+    from lit_ess.rollout.worker import WorkerConfig
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(adapter_root()) / f"lit-ess-adapter-{int(dead.stdout)}-killed"
+    (orphan / "a1").mkdir(parents=True)
+    sampling = SamplingConfig(max_new_tokens=12, seed=0)
+    executor = InlineExecutor(WorkerConfig(tiny_model_dir, VLLMConfig(max_lora_rank=4), sampling))
+    executor.start()
+    assert not orphan.exists()
+    engine = executor.worker.engine
+    loads = []
+    load = LRUCacheWorkerLoRAManager._load_adapter
+
+    def counted(manager, request):                   # instrumentation of vLLM's loader from disk
+        loads.append(request.lora_int_id)
+        return load(manager, request)
+
+    monkeypatch.setattr(LRUCacheWorkerLoRAManager, "_load_adapter", counted)
+    m = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, sync="adapter"))
+    m.configure_model()
+    prompt = [5, 6, 7, 8]
+    for push, version in enumerate((1, 1, 2), start=1):
+        with torch.no_grad():
+            for n, p in m.policy.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(push))
+        executor.load_weights(m.policy_weights(), version)
+        loads.clear()
+        out = engine.generate([prompt], 1, sampling)[0][0]
+        assert len(out.token_ids) > 2 and loads == [push], (push, len(out.token_ids), loads)
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(m.policy(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        got = lp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+        assert torch.allclose(got, torch.tensor(out.logprobs), atol=1e-4), (got - torch.tensor(out.logprobs)).abs().max()
+        assert os.listdir(engine.adapter_dir) == [f"a{push}"]
+    folder = engine.adapter_dir
+    executor.close()
+    assert not os.path.exists(folder)

@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Literal
 
 import torch
@@ -199,6 +200,9 @@ class VLLMEngine(RolloutEngine):
             rank = min((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= c.max_lora_rank), default=c.max_lora_rank)
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         self.max_lora_rank, self.lora_request, self.adapter_dir = c.max_lora_rank, None, None
+        remove_orphan_adapter_dirs(adapter_root())     # left by runs killed with kill -9
+        self.adapters_served = 0                   # LoRA ids handed out: one per push (vLLM's ids start at 1)
+        self.replaced_adapters: list[str] = []     # folders of adapters replaced since the last generate
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
             self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=c.enforce_eager, logprobs_mode=f"{c.behavior_logprobs}_logprobs", seed=c.seed,
@@ -225,6 +229,7 @@ class VLLMEngine(RolloutEngine):
                     max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, seed=seed,
                     logprobs=0, include_stop_str_in_output=True, detokenize=detokenize))
         outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
+        self._remove_replaced_adapters()          # vLLM has loaded the current adapter: older folders are unread
         flat = []
         for o in outs:
             c = o.outputs[0]
@@ -246,9 +251,9 @@ class VLLMEngine(RolloutEngine):
 
     def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
         """LoRA adapters (lit_ess.lora.adapter_weights) instead of full weights: written as a peft folder
-        on a memory filesystem and served under one adapter id, reloaded in place at every version."""
+        on a memory filesystem and served as a new adapter (`_serve_adapter`)."""
         self._check_adapter_rank(max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n))
-        self._serve_adapter(write_adapter(self._adapter_folder(version), tensors), version)
+        self._serve_adapter(write_adapter(self._adapter_folder(), tensors), version)
 
     def _check_adapter_rank(self, rank: int) -> None:
         if self.max_lora_rank is None:
@@ -258,21 +263,34 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"the pushed adapters have rank {rank}, above data.engine.init_args.max_lora_rank="
                              f"{self.max_lora_rank}: raise it to model.lora.rank")
 
-    def _adapter_folder(self, version: int) -> str:
-        """Where the adapters of `version` are written: a folder per version on /dev/shm (when present)."""
+    def _adapter_folder(self) -> str:
+        """Where the next pushed adapter is written: a folder per push (`a1`, `a2`, ...) in this engine's
+        `lit-ess-adapter-<pid>-*` folder on /dev/shm (when present)."""
         if self.adapter_dir is None:
-            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self.adapter_dir = tempfile.mkdtemp(prefix="lit-ess-adapter-", dir=root)
-        return os.path.join(self.adapter_dir, f"v{version}")
+            self.adapter_dir = tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=adapter_root())
+        return os.path.join(self.adapter_dir, f"a{self.adapters_served + 1}")
 
     def _serve_adapter(self, folder, version: int) -> None:
-        """Sample with the peft adapter in `folder` from the next request on (one id, loaded in place)."""
+        """Sample with the peft adapter in `folder` from the next request on.
+
+        Every push is a new adapter for vLLM: a new LoRA id and name (a counter: validation pushes the same
+        version again) and no `load_inplace`. vLLM loads an adapter from disk the first time a request
+        names its id and then keeps it (with load_inplace it loaded it again at every model step); with
+        max_loras=1 its LRU cache evicts the previous one. The previous folder is removed after the next
+        generate, once vLLM has loaded this one."""
         from vllm.lora.request import LoRARequest
 
-        old, self.lora_request = self.lora_request, LoRARequest("lit-ess", 1, str(folder), load_inplace=True)
-        if old is not None and old.lora_path != str(folder):
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.adapters_served += 1
+        n = self.adapters_served
+        old, self.lora_request = self.lora_request, LoRARequest(f"lit-ess-{n}", n, str(folder))
+        if old is not None:
+            self.replaced_adapters.append(old.lora_path)
         self._updated(version)
+
+    def _remove_replaced_adapters(self) -> None:
+        for path in self.replaced_adapters:
+            shutil.rmtree(path, ignore_errors=True)
+        self.replaced_adapters = []
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's NCCL group (vLLM's weight-transfer API; transport: nccl). Blocks until
@@ -293,7 +311,7 @@ class VLLMEngine(RolloutEngine):
         (`receive_adapter_on_worker`), the first writes the peft folder, and it is served as the
         shared-memory path serves it (`_serve_adapter`). The rank is checked after the receive, so a
         refused adapter fails here instead of leaving the trainer in its broadcast."""
-        folder = self._adapter_folder(version)
+        folder = self._adapter_folder()
         self.llm.collective_rpc(receive_adapter_on_worker, kwargs={"update_info": update_info, "folder": folder})
         self._check_adapter_rank(max(s[0] for n, s in zip(update_info["names"], update_info["shapes"]) if ".lora_A." in n))
         self._serve_adapter(folder, version)
@@ -313,6 +331,38 @@ class VLLMEngine(RolloutEngine):
         import gc
 
         gc.collect()
+
+
+ADAPTER_DIR_PREFIX = "lit-ess-adapter-"
+
+
+def adapter_root() -> str:
+    """Where engines write pushed adapters: /dev/shm (memory) when present, else the temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def remove_orphan_adapter_dirs(root: str) -> list[str]:
+    """Remove the `lit-ess-adapter-<pid>-*` folders in `root` whose process is gone (a run killed with
+    kill -9 never closed its engine); returns them. A folder of a live process, or of another user's
+    (PermissionError), is left alone."""
+    removed = []
+    for path in Path(root).glob(f"{ADAPTER_DIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(ADAPTER_DIR_PREFIX).split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # another user's process
+        pass
+    return True
 
 
 def receive_adapter_on_worker(worker, update_info: dict, folder: str) -> None:
