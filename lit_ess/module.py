@@ -42,7 +42,7 @@ from torchmetrics import MeanMetric
 
 from .health import ESSAlarm
 from .logprobs import sequence_logprobs
-from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, merged_weights
+from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
@@ -526,14 +526,14 @@ class PolicyModule(L.LightningModule):
 
 
 def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadata) -> None:
-    """State-dict hook of a LoRA PolicyModule: keep the trainable adapters alone, so checkpoints hold
-    them only, and a sharded checkpoint (ModelParallelStrategy loads by asking the shards for the keys
-    of this state dict) is read without the frozen base it never held."""
+    """State-dict hook of a LoRA PolicyModule: keep the policy's adapters alone (lit_ess.lora.is_adapter_key),
+    so checkpoints hold them only, and a sharded checkpoint (ModelParallelStrategy loads by asking the
+    shards for the keys of this state dict) is read without the frozen base it never held."""
     if module.policy is None:
         return
-    keep = {f"{prefix}policy.{n}" for n in adapter_state(module.policy)}
-    for k in [k for k in state if k.startswith(prefix) and k not in keep]:
-        del state[k]
+    for k in [k for k in state if k.startswith(prefix)]:
+        if not (k.startswith(f"{prefix}policy.") and is_adapter_key(k)):
+            del state[k]
 
 
 def _no_proximal(objective: Objective) -> str:

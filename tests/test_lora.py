@@ -198,7 +198,7 @@ def test_export_cli_writes_the_adapter_and_on_request_the_merged_model(lora_run,
 def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path):
     """The same global batch on 1 rank, on 2 DDP ranks (adapters replicated) and on 2 FSDP2 ranks (the
     peft model sharded per decoder layer: frozen base and adapters alike; gradients averaged and
-    rescaled): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
+    rescaled; activation checkpointing on): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
     weights gathered from the shards (ESS 1); both sync payloads (merged, adapter), gathered on every
     rank, equal 1 rank's in value and order; the checkpoint is a folder of adapter shards only (and
     their optimizer state), and ExportHF and `lit-ess-export --merged` of it give 1 rank's model."""
@@ -217,7 +217,8 @@ def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path
         if name == "fsdp2":
             cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                                           "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
-            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
+            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2",      # checkpoint wrappers rename
+                                                "init_args": {"activation_checkpointing": True}})   # the parameters
         res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
         assert res.returncode == 0, res.stderr[-4000:]
         runs[name] = scalars(out)
@@ -435,3 +436,23 @@ def test_each_adapter_push_is_loaded_once_and_closing_the_executor_removes_its_f
     folder = engine.adapter_dir
     executor.close()
     assert not os.path.exists(folder)
+
+
+def test_activation_checkpointing_keeps_the_adapters_in_the_state_dict(tiny_model_dir):
+    """FSDP2's activation checkpointing wraps each decoder layer (parameter names gain
+    `_checkpoint_wrapped_module.`, state-dict names do not): the module's state dict is still the
+    adapters (it was empty, so checkpoints held nothing), and a checkpoint of it loads."""
+    from lit_ess.callbacks.fsdp import _checkpoint_layers, decoder_layers
+    from lit_ess.lora import adapter_state, peft_state
+
+    m = PolicyModule(tiny_model_dir, lora=LoRA(rank=4))
+    m.configure_model()
+    want = set(m.state_dict())
+    _checkpoint_layers(m.policy, decoder_layers(m.policy))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in m.policy.named_parameters())
+    assert want and set(m.state_dict()) == want
+    assert {f"policy.{k}" for k in adapter_state(m.policy)} == want and set(peft_state(m.policy)) == set(adapter_state(m.policy))
+    ckpt = {"state_dict": m.state_dict()}
+    m.on_save_checkpoint(ckpt)
+    m.on_load_checkpoint(ckpt)
+    m.load_state_dict(ckpt["state_dict"], strict=m.strict_loading)
