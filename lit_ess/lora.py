@@ -118,14 +118,14 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The adapters as a self-describing LoRA checkpoint: peft's saved names (`...q_proj.lora_A.weight`),
-    with the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1)
-    reproduces the update exactly (see `write_adapter`). Gathered one tensor at a time under FSDP2, as
+    """The adapters as a self-describing LoRA checkpoint: `adapter_state` under peft's saved names (the
+    adapter's name dropped, `...q_proj.lora_A.weight`, as get_peft_model_state_dict writes them), with
+    the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1) reproduces
+    the update exactly (see `write_adapter`). Gathered one tensor at a time under FSDP2, as
     `merged_weights`."""
-    from peft.utils import get_peft_model_state_dict
-
     base = model.get_base_model()
-    for name, t in get_peft_model_state_dict(model, adapter_name=ADAPTER).items():
+    for name, t in adapter_state(model).items():
+        name = name.replace(f".{ADAPTER}.", ".").removesuffix(f".{ADAPTER}")
         if ".lora_B." in name:
             owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
             t = t * base.get_submodule(owner).scaling[ADAPTER]

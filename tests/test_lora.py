@@ -441,16 +441,18 @@ def test_each_adapter_push_is_loaded_once_and_closing_the_executor_removes_its_f
 def test_activation_checkpointing_keeps_the_adapters_in_the_state_dict(tiny_model_dir):
     """FSDP2's activation checkpointing wraps each decoder layer (parameter names gain
     `_checkpoint_wrapped_module.`, state-dict names do not): the module's state dict is still the
-    adapters (it was empty, so checkpoints held nothing), and a checkpoint of it loads."""
+    adapters (it was empty, so checkpoints held nothing), the adapter sync payload too (it was empty:
+    peft's get_peft_model_state_dict missed them), and a checkpoint of it loads."""
     from lit_ess.callbacks.fsdp import _checkpoint_layers, decoder_layers
-    from lit_ess.lora import adapter_state, peft_state
+    from lit_ess.lora import adapter_state, adapter_weights, peft_state
 
     m = PolicyModule(tiny_model_dir, lora=LoRA(rank=4))
     m.configure_model()
-    want = set(m.state_dict())
+    want, pushed = set(m.state_dict()), [n for n, _ in adapter_weights(m.policy)]
     _checkpoint_layers(m.policy, decoder_layers(m.policy))
     assert any("_checkpoint_wrapped_module" in n for n, _ in m.policy.named_parameters())
     assert want and set(m.state_dict()) == want
+    assert pushed and [n for n, _ in adapter_weights(m.policy)] == pushed        # the sync: adapter payload too
     assert {f"policy.{k}" for k in adapter_state(m.policy)} == want and set(peft_state(m.policy)) == set(adapter_state(m.policy))
     ckpt = {"state_dict": m.state_dict()}
     m.on_save_checkpoint(ckpt)
