@@ -131,18 +131,31 @@ class LitESSCLI(LightningCLI):
         """`--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
         (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over."""
         args = self.config_init[self.subcommand]
-        if args.get("ckpt_path") != "last":
-            return
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-        if not dirs:
-            return                 # Lightning's own search (a version folder of the logger)
-        try:
-            args["ckpt_path"], notice = resolve_resume("last", dirs)
-        except ValueError as e:
-            _fail(str(e))
-        if notice and self.trainer.is_global_zero:
-            print(f"lit-ess: {notice}", file=sys.stderr)
+        if args.get("ckpt_path") == "last" and dirs:      # no dirs: Lightning's own search (the logger's folder)
+            try:
+                args["ckpt_path"], notice = resolve_resume("last", dirs)
+            except ValueError as e:
+                _fail(str(e))
+            if notice and self.trainer.is_global_zero:
+                print(f"lit-ess: {notice}", file=sys.stderr)
+        self._check_shards(args.get("ckpt_path"))
+
+    def before_validate(self) -> None:
+        self._check_shards(self.config_init[self.subcommand].get("ckpt_path"))
+
+    def _check_shards(self, ckpt_path) -> None:
+        """A folder of shards (ModelParallelStrategy): check the lit_ess block of its meta.pt against the
+        module (PolicyModule.check_checkpoint_settings) before Lightning loads the shards, which it does
+        before on_load_checkpoint (a LoRA or settings mismatch would be a long CheckpointException)."""
+        meta = Path(ckpt_path) / "meta.pt" if ckpt_path else None
+        if meta is None or not meta.is_file() or not isinstance(self.model, lit_ess.module.PolicyModule):
+            return
+        import torch
+
+        saved = torch.load(meta, map_location="cpu", weights_only=False).get("lit_ess", {})
+        self.model.check_checkpoint_settings(saved)       # a ValueError: main() prints its one line
 
 
 def main(args: list[str] | None = None) -> None:

@@ -467,26 +467,40 @@ class PolicyModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("lit_ess", {})
+        self.check_checkpoint_settings(saved)
         self.skipped_steps = saved.get("skipped_steps", 0)
         self.ess_alarm.count = saved.get("ess_alarms", 0)
         if self.lora is not None:
-            if "lora_base" not in saved:
-                raise ValueError("model.lora is set but this checkpoint holds full weights (trained without LoRA)")
-            if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
-                raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
-                                 f"{self.hparams.model_path!r} (fingerprints differ)")
-            was, now = saved.get("lora", self.lora.shape()), self.lora.shape()
-            changed = sorted(k for k in was if was[k] != now.get(k))
-            if changed:
-                then_, now_ = (", ".join(f"{k}={d[k]!r}" for k in changed) for d in (was, now))
-                raise ValueError(f"this LoRA checkpoint was trained with model.lora {then_} (now {now_}): resume "
-                                 f"with the same adapter settings")
             ours = {f"policy.{n}" for n in adapter_state(self.policy)}
-            saved = set(checkpoint.get("state_dict", ours))     # sharded: DCP loaded exactly our keys already
-            missing = sorted(ours - saved) + sorted(saved - ours)
+            keys = set(checkpoint.get("state_dict", ours))     # sharded: DCP loaded exactly our keys already
+            missing = sorted(ours - keys) + sorted(keys - ours)
             if missing:
                 raise ValueError(f"this LoRA checkpoint's adapter tensors differ from the model's: {missing[:3]} "
                                  f"(another rank or target_modules?)")
+
+    def check_checkpoint_settings(self, saved: dict) -> None:
+        """Stop with one line when a checkpoint's `lit_ess` block (on_save_checkpoint) does not fit this
+        module: LoRA adapters without model.lora or the reverse, another base model, other adapter
+        settings. on_load_checkpoint calls it; so does the CLI before a folder of shards is loaded
+        (ModelParallelStrategy loads the shards first, where a mismatch is a long CheckpointException)."""
+        lora_shape = saved.get("lora")
+        if self.lora is None:
+            if "lora_base" in saved:
+                was = ", ".join(f"{k}={v!r}" for k, v in (lora_shape or {}).items())
+                raise ValueError(f"this checkpoint holds LoRA adapters (model.lora {was}), not full weights: set "
+                                 f"model.lora to resume or validate it")
+            return
+        if "lora_base" not in saved:
+            raise ValueError("model.lora is set but this checkpoint holds full weights (trained without LoRA)")
+        if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
+            raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
+                             f"{self.hparams.model_path!r} (fingerprints differ)")
+        was, now = lora_shape or self.lora.shape(), self.lora.shape()
+        changed = sorted(k for k in was if was[k] != now.get(k))
+        if changed:
+            then_, now_ = (", ".join(f"{k}={d[k]!r}" for k in changed) for d in (was, now))
+            raise ValueError(f"this LoRA checkpoint was trained with model.lora {then_} (now {now_}): resume "
+                             f"with the same adapter settings")
 
     def _log_step(self, logs: dict[str, float]) -> None:
         """One `log_metrics` call per logger every `log_every_n_steps` (x-axis: global step).

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
@@ -238,6 +239,11 @@ def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path
 
     stored = [k for k in dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata if k.startswith("state_dict.")]
     assert stored and all(".lora_" in k for k in stored), stored[:3]
+    fsdp2_cfg = yaml.safe_load((tmp_path / "fsdp2" / "config.yaml").read_text())     # resumed with other settings:
+    fsdp2_cfg["model"]["init_args"]["lora"]["rank"] = 8           # one line, before the shards are read
+    res = cli(["fit", "--config", str(write_config(fsdp2_cfg, tmp_path / "resume.yaml")), "--ckpt_path", str(shards)])
+    assert res.returncode == 2 and "trained with model.lora rank=4 (now rank=8)" in res.stderr, res.stderr[-3000:]
+    assert "CheckpointException" not in res.stderr, res.stderr[-3000:]
     res = _export(shards, tmp_path / "exported", "--merged")
     assert res.returncode == 0, res.stderr[-3000:]
     want = dict(one["merged"])
@@ -327,6 +333,15 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     same = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0, sync="adapter"))   # the sync mode may change
     same.configure_model()
     same.on_load_checkpoint(ckpt)
+    full = PolicyModule(tiny_model_dir)                   # model.lora: null (it named ~7 KB of missing keys)
+    full.configure_model()
+    with pytest.raises(ValueError, match=r"^this checkpoint holds LoRA adapters \(model.lora rank=4, alpha=32.0, "
+                                         r"dropout=0.0, target_modules='all-linear'\), not full weights: set model.lora"):
+        full.on_load_checkpoint(ckpt)
+    full_ckpt = {"state_dict": full.state_dict()}
+    full.on_save_checkpoint(full_ckpt)
+    with pytest.raises(ValueError, match="model.lora is set but this checkpoint holds full weights"):
+        same.check_checkpoint_settings(full_ckpt["lit_ess"])
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")        # no_dist: one process on purpose
