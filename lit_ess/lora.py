@@ -29,7 +29,8 @@ class LoRA:
         rank: r, the rank of A and B.
         alpha: scale numerator: the update is (alpha / r) B A.
         dropout: dropout on the adapter's input. 0 by default: with dropout the trainer scores tokens
-            with a random sub-network, so on-policy data no longer has ESS 1.
+            with a random sub-network, so on-policy data no longer has ESS 1 and a resume is not exact.
+            PolicyModule's disable_dropout does not touch it (it is set explicitly here); it warns.
         target_modules: the layers that get adapters: "all-linear" (every linear layer but the output
             head) or a list of module names (e.g. [q_proj, v_proj]).
         sync: what the engine receives: "merged" (W + s B A under the base's names, through the same

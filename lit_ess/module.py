@@ -78,12 +78,14 @@ class PolicyModule(L.LightningModule):
         train_temperature: temperature of the trainer's log-probs; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
         model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
-        disable_dropout: set every dropout probability of the policy to 0 (TRL's `disable_dropout`).
+        disable_dropout: set every dropout probability of the base model to 0 (TRL's `disable_dropout`).
             With dropout on, the trainer scores tokens with a random sub-network: on-policy ESS is not 1
-            and the ESS pre-pass and the gradient pass see different masks.
+            and the ESS pre-pass and the gradient pass see different masks. LoRA's own dropout
+            (lora.dropout, 0 by default) is an explicit choice and stays: it warns instead.
         lora: low-rank adapters (lit_ess.lora.LoRA: rank, alpha, dropout, target_modules) trained on a
-            frozen base; None = full fine-tuning. The engine receives the merged weights; checkpoints
-            hold the adapters and their optimizer state only. With ref_kl_coef > 0 and no
+            frozen base; None = full fine-tuning. The engine receives the merged weights (lora.sync: merged)
+            or the adapters alone (lora.sync: adapter, vLLM serving them); checkpoints hold the adapters
+            and their optimizer state only. With ref_kl_coef > 0 and no
             ref_model_path, the reference is the base model (the adapters switched off): no second copy.
         ess_alarm: health check of the weight sync. A step whose rows were all sampled by the trainer's
             current weights (policy lag 0), by an engine whose logprobs match the trainer's precision
@@ -162,6 +164,11 @@ class PolicyModule(L.LightningModule):
             if self.hparams.gradient_checkpointing:
                 self.policy.enable_input_require_grads()   # the frozen embeddings' output must carry grad
             self.policy = self.lora.apply(self.policy)
+            if self.lora.dropout > 0:
+                rank_zero_warn(f"model.lora.dropout={self.lora.dropout}: the trainer scores tokens with random "
+                               f"adapter masks (disable_dropout leaves LoRA's dropout alone), so on-policy ESS is not 1, "
+                               f"and a resumed run does not repeat the uninterrupted one exactly; set it to 0 unless "
+                               f"that is intended")
         if self.objective.ref_kl_coef and (self.lora is None or self.hparams.ref_model_path):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
             self.ref_policy = ref.eval().requires_grad_(False)

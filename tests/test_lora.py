@@ -473,3 +473,19 @@ def test_activation_checkpointing_keeps_the_adapters_in_the_state_dict(tiny_mode
     m.on_save_checkpoint(ckpt)
     m.on_load_checkpoint(ckpt)
     m.load_state_dict(ckpt["state_dict"], strict=m.strict_loading)
+
+
+def test_lora_dropout_warns_and_stays_while_the_bases_dropout_is_disabled(tiny_model_dir):
+    """disable_dropout zeroes the base's dropout; lora.dropout is the user's explicit choice: it stays,
+    with a warning (it breaks on-policy ESS 1 and exact resume)."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.2)
+    base.save_pretrained(Path(tiny_model_dir).parent / "with_dropout")
+    with pytest.warns(UserWarning, match=r"model.lora.dropout=0.1: .* on-policy ESS is not 1"):
+        m = PolicyModule(str(Path(tiny_model_dir).parent / "with_dropout"), lora=LoRA(rank=4, dropout=0.1))
+        m.configure_model()
+    lora_p = [mod.p for n, mod in m.policy.named_modules() if isinstance(mod, torch.nn.Dropout)]
+    assert lora_p and set(lora_p) == {0.1}
+    assert {mod.attention_dropout for mod in m.policy.modules() if hasattr(mod, "attention_dropout")} == {0.0}
+
