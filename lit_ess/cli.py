@@ -45,6 +45,7 @@ import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
 from lit_ess.checkpoint import AtomicCheckpointIO, resolve_resume  # noqa: E402
 from lit_ess.config_check import check_inputs  # noqa: E402
+from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
@@ -129,20 +130,47 @@ class LitESSCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """`--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
-        (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over."""
+        (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over. Then the checks
+        that must come before the run starts: a folder of shards against the module (`_check_shards`),
+        the engine against lora.sync: adapter (`_check_adapter_sync`)."""
         args = self.config_init[self.subcommand]
-        if args.get("ckpt_path") != "last":
-            return
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-        if not dirs:
-            return                 # Lightning's own search (a version folder of the logger)
-        try:
-            args["ckpt_path"], notice = resolve_resume("last", dirs)
-        except ValueError as e:
-            _fail(str(e))
-        if notice and self.trainer.is_global_zero:
-            print(f"lit-ess: {notice}", file=sys.stderr)
+        if args.get("ckpt_path") == "last" and dirs:      # no dirs: Lightning's own search (the logger's folder)
+            try:
+                args["ckpt_path"], notice = resolve_resume("last", dirs)
+            except ValueError as e:
+                _fail(str(e))
+            if notice and self.trainer.is_global_zero:
+                print(f"lit-ess: {notice}", file=sys.stderr)
+        self._check_shards(args.get("ckpt_path"))
+        self._check_adapter_sync()
+
+    def before_validate(self) -> None:
+        self._check_shards(self.config_init[self.subcommand].get("ckpt_path"))
+        self._check_adapter_sync()
+
+    def _check_adapter_sync(self) -> None:
+        """model.lora.sync: adapter needs an engine that serves adapters of that rank: said before the
+        engine starts, not at the first push."""
+        lora = self.model.lora if isinstance(self.model, lit_ess.module.PolicyModule) else None
+        if lora is None or lora.sync != "adapter" or not isinstance(self.datamodule, RolloutDataModule):
+            return
+        error = self.datamodule.engine_config.adapter_error(lora.rank)
+        if error is not None:
+            raise ValueError(error)
+
+    def _check_shards(self, ckpt_path) -> None:
+        """A folder of shards (ModelParallelStrategy): check the lit_ess block of its meta.pt against the
+        module (PolicyModule.check_checkpoint_settings) before Lightning loads the shards, which it does
+        before on_load_checkpoint (a LoRA or settings mismatch would be a long CheckpointException)."""
+        meta = Path(ckpt_path) / "meta.pt" if ckpt_path else None
+        if meta is None or not meta.is_file() or not isinstance(self.model, lit_ess.module.PolicyModule):
+            return
+        import torch
+
+        saved = torch.load(meta, map_location="cpu", weights_only=False).get("lit_ess", {})
+        self.model.check_checkpoint_settings(saved)       # a ValueError: main() prints its one line
 
 
 def main(args: list[str] | None = None) -> None:

@@ -29,7 +29,8 @@ class LoRA:
         rank: r, the rank of A and B.
         alpha: scale numerator: the update is (alpha / r) B A.
         dropout: dropout on the adapter's input. 0 by default: with dropout the trainer scores tokens
-            with a random sub-network, so on-policy data no longer has ESS 1.
+            with a random sub-network, so on-policy data no longer has ESS 1 and a resume is not exact.
+            PolicyModule's disable_dropout does not touch it (it is set explicitly here); it warns.
         target_modules: the layers that get adapters: "all-linear" (every linear layer but the output
             head) or a list of module names (e.g. [q_proj, v_proj]).
         sync: what the engine receives: "merged" (W + s B A under the base's names, through the same
@@ -106,7 +107,7 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     comes; every rank must consume the iterator in step."""
     base = model.get_base_model()
     for name, t in base.state_dict().items():
-        if ".lora_" in name:
+        if is_adapter_key(name):
             continue
         if ".base_layer." not in name:
             yield name, full(t)
@@ -118,29 +119,43 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 
 def adapter_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """The adapters as a self-describing LoRA checkpoint: peft's saved names (`...q_proj.lora_A.weight`),
-    with the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1)
-    reproduces the update exactly (see `write_adapter`). Gathered one tensor at a time under FSDP2, as
+    """The adapters as a self-describing LoRA checkpoint: `adapter_state` under peft's saved names (the
+    adapter's name dropped, `...q_proj.lora_A.weight`, as get_peft_model_state_dict writes them), with
+    the scale s = alpha / r folded into B, so an adapter config with lora_alpha = r (scale 1) reproduces
+    the update exactly (see `write_adapter`). Gathered one tensor at a time under FSDP2, as
     `merged_weights`."""
-    from peft.utils import get_peft_model_state_dict
-
     base = model.get_base_model()
-    for name, t in get_peft_model_state_dict(model, adapter_name=ADAPTER).items():
+    for name, t in adapter_state(model).items():
+        name = name.replace(f".{ADAPTER}.", ".").removesuffix(f".{ADAPTER}")
         if ".lora_B." in name:
             owner = name.split(".lora_B.")[0].removeprefix("base_model.model.")
             t = t * base.get_submodule(owner).scaling[ADAPTER]
         yield name, full(t)
 
 
+def is_adapter_key(name: str) -> bool:
+    """Whether a state-dict name is an adapter tensor's: the one definition of "the adapters" (the tensors
+    checkpoints hold, export writes and sync pushes). peft names them `<layer>.lora_A.<adapter>.weight`
+    (lora_B, lora_embedding_A, lora_embedding_B likewise). State-dict names, not parameter names:
+    activation checkpointing's wrapper adds `_checkpoint_wrapped_module.` to the latter only."""
+    return ".lora_" in name
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The adapter tensors of a peft model under its state-dict names (`policy.` prefix added by the
+    caller); the tensors share the parameters' storage (filling them in place fills the model)."""
+    return {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+
+
 def peft_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The adapter tensors under the peft model's state-dict names, whole (gathered under FSDP2: every
-    rank must call it), for `model.save_pretrained(folder, state_dict=...)`: peft's own adapter folder."""
-    return {k: full(v) for k, v in model.state_dict().items() if "lora_" in k}
+    """`adapter_state` whole (gathered under FSDP2: every rank must call it), for
+    `model.save_pretrained(folder, state_dict=...)`: peft's own adapter folder."""
+    return {k: full(v) for k, v in adapter_state(model).items()}
 
 
 def is_adapter_payload(names: list[str]) -> bool:
-    """True when pushed weights are adapters (`adapter_weights`) rather than full weights."""
-    return bool(names) and all(".lora_A." in n or ".lora_B." in n for n in names)
+    """True when pushed weights are adapters (`adapter_weights`) rather than full or merged weights."""
+    return bool(names) and all(is_adapter_key(n) for n in names)
 
 
 def write_adapter(folder: str | Path, tensors: dict[str, Tensor]) -> Path:
@@ -157,12 +172,6 @@ def write_adapter(folder: str | Path, tensors: dict[str, Tensor]) -> Path:
         "peft_type": "LORA", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0, "bias": "none",
         "target_modules": targets, "task_type": "CAUSAL_LM", "fan_in_fan_out": False}))
     return folder
-
-
-def adapter_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The trainable adapter tensors under the module's state-dict names (`policy.` prefix added by
-    the caller)."""
-    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def base_fingerprint(model_path: str) -> str:

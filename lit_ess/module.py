@@ -42,7 +42,7 @@ from torchmetrics import MeanMetric
 
 from .health import ESSAlarm
 from .logprobs import sequence_logprobs
-from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, merged_weights
+from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
@@ -78,12 +78,14 @@ class PolicyModule(L.LightningModule):
         train_temperature: temperature of the trainer's log-probs; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
         model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
-        disable_dropout: set every dropout probability of the policy to 0 (TRL's `disable_dropout`).
+        disable_dropout: set every dropout probability of the base model to 0 (TRL's `disable_dropout`).
             With dropout on, the trainer scores tokens with a random sub-network: on-policy ESS is not 1
-            and the ESS pre-pass and the gradient pass see different masks.
+            and the ESS pre-pass and the gradient pass see different masks. LoRA's own dropout
+            (lora.dropout, 0 by default) is an explicit choice and stays: it warns instead.
         lora: low-rank adapters (lit_ess.lora.LoRA: rank, alpha, dropout, target_modules) trained on a
-            frozen base; None = full fine-tuning. The engine receives the merged weights; checkpoints
-            hold the adapters and their optimizer state only. With ref_kl_coef > 0 and no
+            frozen base; None = full fine-tuning. The engine receives the merged weights (lora.sync: merged)
+            or the adapters alone (lora.sync: adapter, vLLM serving them); checkpoints hold the adapters
+            and their optimizer state only. With ref_kl_coef > 0 and no
             ref_model_path, the reference is the base model (the adapters switched off): no second copy.
         ess_alarm: health check of the weight sync. A step whose rows were all sampled by the trainer's
             current weights (policy lag 0), by an engine whose logprobs match the trainer's precision
@@ -162,6 +164,11 @@ class PolicyModule(L.LightningModule):
             if self.hparams.gradient_checkpointing:
                 self.policy.enable_input_require_grads()   # the frozen embeddings' output must carry grad
             self.policy = self.lora.apply(self.policy)
+            if self.lora.dropout > 0:
+                rank_zero_warn(f"model.lora.dropout={self.lora.dropout}: the trainer scores tokens with random "
+                               f"adapter masks (disable_dropout leaves LoRA's dropout alone), so on-policy ESS is not 1, "
+                               f"and a resumed run does not repeat the uninterrupted one exactly; set it to 0 unless "
+                               f"that is intended")
         if self.objective.ref_kl_coef and (self.lora is None or self.hparams.ref_model_path):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
             self.ref_policy = ref.eval().requires_grad_(False)
@@ -467,26 +474,40 @@ class PolicyModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("lit_ess", {})
+        self.check_checkpoint_settings(saved)
         self.skipped_steps = saved.get("skipped_steps", 0)
         self.ess_alarm.count = saved.get("ess_alarms", 0)
         if self.lora is not None:
-            if "lora_base" not in saved:
-                raise ValueError("model.lora is set but this checkpoint holds full weights (trained without LoRA)")
-            if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
-                raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
-                                 f"{self.hparams.model_path!r} (fingerprints differ)")
-            was, now = saved.get("lora", self.lora.shape()), self.lora.shape()
-            changed = sorted(k for k in was if was[k] != now.get(k))
-            if changed:
-                then_, now_ = (", ".join(f"{k}={d[k]!r}" for k in changed) for d in (was, now))
-                raise ValueError(f"this LoRA checkpoint was trained with model.lora {then_} (now {now_}): resume "
-                                 f"with the same adapter settings")
             ours = {f"policy.{n}" for n in adapter_state(self.policy)}
-            saved = set(checkpoint.get("state_dict", ours))     # sharded: DCP loaded exactly our keys already
-            missing = sorted(ours - saved) + sorted(saved - ours)
+            keys = set(checkpoint.get("state_dict", ours))     # sharded: DCP loaded exactly our keys already
+            missing = sorted(ours - keys) + sorted(keys - ours)
             if missing:
                 raise ValueError(f"this LoRA checkpoint's adapter tensors differ from the model's: {missing[:3]} "
                                  f"(another rank or target_modules?)")
+
+    def check_checkpoint_settings(self, saved: dict) -> None:
+        """Stop with one line when a checkpoint's `lit_ess` block (on_save_checkpoint) does not fit this
+        module: LoRA adapters without model.lora or the reverse, another base model, other adapter
+        settings. on_load_checkpoint calls it; so does the CLI before a folder of shards is loaded
+        (ModelParallelStrategy loads the shards first, where a mismatch is a long CheckpointException)."""
+        lora_shape = saved.get("lora")
+        if self.lora is None:
+            if "lora_base" in saved:
+                was = ", ".join(f"{k}={v!r}" for k, v in (lora_shape or {}).items())
+                raise ValueError(f"this checkpoint holds LoRA adapters (model.lora {was}), not full weights: set "
+                                 f"model.lora to resume or validate it")
+            return
+        if "lora_base" not in saved:
+            raise ValueError("model.lora is set but this checkpoint holds full weights (trained without LoRA)")
+        if saved["lora_base"] != base_fingerprint(self.hparams.model_path):
+            raise ValueError(f"this LoRA checkpoint was trained on another base model than model_path="
+                             f"{self.hparams.model_path!r} (fingerprints differ)")
+        was, now = lora_shape or self.lora.shape(), self.lora.shape()
+        changed = sorted(k for k in was if was[k] != now.get(k))
+        if changed:
+            then_, now_ = (", ".join(f"{k}={d[k]!r}" for k in changed) for d in (was, now))
+            raise ValueError(f"this LoRA checkpoint was trained with model.lora {then_} (now {now_}): resume "
+                             f"with the same adapter settings")
 
     def _log_step(self, logs: dict[str, float]) -> None:
         """One `log_metrics` call per logger every `log_every_n_steps` (x-axis: global step).
@@ -526,14 +547,14 @@ class PolicyModule(L.LightningModule):
 
 
 def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadata) -> None:
-    """State-dict hook of a LoRA PolicyModule: keep the trainable adapters alone, so checkpoints hold
-    them only, and a sharded checkpoint (ModelParallelStrategy loads by asking the shards for the keys
-    of this state dict) is read without the frozen base it never held."""
+    """State-dict hook of a LoRA PolicyModule: keep the policy's adapters alone (lit_ess.lora.is_adapter_key),
+    so checkpoints hold them only, and a sharded checkpoint (ModelParallelStrategy loads by asking the
+    shards for the keys of this state dict) is read without the frozen base it never held."""
     if module.policy is None:
         return
-    keep = {f"{prefix}policy.{n}" for n in adapter_state(module.policy)}
-    for k in [k for k in state if k.startswith(prefix) and k not in keep]:
-        del state[k]
+    for k in [k for k in state if k.startswith(prefix)]:
+        if not (k.startswith(f"{prefix}policy.") and is_adapter_key(k)):
+            del state[k]
 
 
 def _no_proximal(objective: Objective) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
@@ -198,7 +199,7 @@ def test_export_cli_writes_the_adapter_and_on_request_the_merged_model(lora_run,
 def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path):
     """The same global batch on 1 rank, on 2 DDP ranks (adapters replicated) and on 2 FSDP2 ranks (the
     peft model sharded per decoder layer: frozen base and adapters alike; gradients averaged and
-    rescaled): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
+    rescaled; activation checkpointing on): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
     weights gathered from the shards (ESS 1); both sync payloads (merged, adapter), gathered on every
     rank, equal 1 rank's in value and order; the checkpoint is a folder of adapter shards only (and
     their optimizer state), and ExportHF and `lit-ess-export --merged` of it give 1 rank's model."""
@@ -217,7 +218,8 @@ def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path
         if name == "fsdp2":
             cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                                           "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
-            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2"})
+            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.FSDP2",      # checkpoint wrappers rename
+                                                "init_args": {"activation_checkpointing": True}})   # the parameters
         res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
         assert res.returncode == 0, res.stderr[-4000:]
         runs[name] = scalars(out)
@@ -237,6 +239,11 @@ def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path
 
     stored = [k for k in dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata if k.startswith("state_dict.")]
     assert stored and all(".lora_" in k for k in stored), stored[:3]
+    fsdp2_cfg = yaml.safe_load((tmp_path / "fsdp2" / "config.yaml").read_text())     # resumed with other settings:
+    fsdp2_cfg["model"]["init_args"]["lora"]["rank"] = 8           # one line, before the shards are read
+    res = cli(["fit", "--config", str(write_config(fsdp2_cfg, tmp_path / "resume.yaml")), "--ckpt_path", str(shards)])
+    assert res.returncode == 2 and "trained with model.lora rank=4 (now rank=8)" in res.stderr, res.stderr[-3000:]
+    assert "CheckpointException" not in res.stderr, res.stderr[-3000:]
     res = _export(shards, tmp_path / "exported", "--merged")
     assert res.returncode == 0, res.stderr[-3000:]
     want = dict(one["merged"])
@@ -326,6 +333,15 @@ def test_resume_with_other_adapter_settings_stops_naming_them(tiny_model_dir):
     same = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, alpha=32.0, sync="adapter"))   # the sync mode may change
     same.configure_model()
     same.on_load_checkpoint(ckpt)
+    full = PolicyModule(tiny_model_dir)                   # model.lora: null (it named ~7 KB of missing keys)
+    full.configure_model()
+    with pytest.raises(ValueError, match=r"^this checkpoint holds LoRA adapters \(model.lora rank=4, alpha=32.0, "
+                                         r"dropout=0.0, target_modules='all-linear'\), not full weights: set model.lora"):
+        full.on_load_checkpoint(ckpt)
+    full_ckpt = {"state_dict": full.state_dict()}
+    full.on_save_checkpoint(full_ckpt)
+    with pytest.raises(ValueError, match="model.lora is set but this checkpoint holds full weights"):
+        same.check_checkpoint_settings(full_ckpt["lit_ess"])
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")        # no_dist: one process on purpose
@@ -383,3 +399,114 @@ def test_export_writes_merged_weights_in_adapter_sync_mode(tiny_model_dir, tmp_p
     merged = dict(merged_weights(m.policy))
     assert all(torch.allclose(exported[k], merged[k]) for k in merged)
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").exists()
+
+
+def test_each_adapter_push_is_loaded_once_and_closing_the_executor_removes_its_folders(tiny_model_dir, monkeypatch):
+    """lora.sync: adapter on vLLM: each push is a new adapter that vLLM loads from disk once (it reloaded
+    it at every decode step when served in place), including a version pushed again (validation); the
+    engine samples with the pushed adapter (its logprobs are the trainer's); replaced folders go once
+    vLLM has the new one, the engine's folder goes with InlineExecutor.close(), and a folder left by a
+    dead process (kill -9) goes when an engine starts."""
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+    from lit_ess.engines import SamplingConfig, VLLMConfig
+    from lit_ess.engines.vllm_engine import adapter_root
+    from lit_ess.rollout.executor import InlineExecutor
+    from lit_ess.rollout.worker import WorkerConfig
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = Path(adapter_root()) / f"lit-ess-adapter-{int(dead.stdout)}-killed"
+    (orphan / "a1").mkdir(parents=True)
+    sampling = SamplingConfig(max_new_tokens=12, seed=0)
+    executor = InlineExecutor(WorkerConfig(tiny_model_dir, VLLMConfig(max_lora_rank=4), sampling))
+    executor.start()
+    assert not orphan.exists()
+    engine = executor.worker.engine
+    loads = []
+    load = LRUCacheWorkerLoRAManager._load_adapter
+
+    def counted(manager, request):                   # instrumentation of vLLM's loader from disk
+        loads.append(request.lora_int_id)
+        return load(manager, request)
+
+    monkeypatch.setattr(LRUCacheWorkerLoRAManager, "_load_adapter", counted)
+    m = PolicyModule(tiny_model_dir, lora=LoRA(rank=4, sync="adapter"))
+    m.configure_model()
+    prompt = [5, 6, 7, 8]
+    for push, version in enumerate((1, 1, 2), start=1):
+        with torch.no_grad():
+            for n, p in m.policy.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5, generator=torch.Generator().manual_seed(push))
+        executor.load_weights(m.policy_weights(), version)
+        loads.clear()
+        out = engine.generate([prompt], 1, sampling)[0][0]
+        assert len(out.token_ids) > 2 and loads == [push], (push, len(out.token_ids), loads)
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(m.policy(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+        got = lp.gather(-1, ids[0, len(prompt):, None])[:, 0]
+        assert torch.allclose(got, torch.tensor(out.logprobs), atol=1e-4), (got - torch.tensor(out.logprobs)).abs().max()
+        assert os.listdir(engine.adapter_dir) == [f"a{push}"]
+    folder = engine.adapter_dir
+    executor.close()
+    assert not os.path.exists(folder)
+
+
+def test_activation_checkpointing_keeps_the_adapters_in_the_state_dict(tiny_model_dir):
+    """FSDP2's activation checkpointing wraps each decoder layer (parameter names gain
+    `_checkpoint_wrapped_module.`, state-dict names do not): the module's state dict is still the
+    adapters (it was empty, so checkpoints held nothing), the adapter sync payload too (it was empty:
+    peft's get_peft_model_state_dict missed them), and a checkpoint of it loads."""
+    from lit_ess.callbacks.fsdp import _checkpoint_layers, decoder_layers
+    from lit_ess.lora import adapter_state, adapter_weights, peft_state
+
+    m = PolicyModule(tiny_model_dir, lora=LoRA(rank=4))
+    m.configure_model()
+    want, pushed = set(m.state_dict()), [n for n, _ in adapter_weights(m.policy)]
+    _checkpoint_layers(m.policy, decoder_layers(m.policy))
+    assert any("_checkpoint_wrapped_module" in n for n, _ in m.policy.named_parameters())
+    assert want and set(m.state_dict()) == want
+    assert pushed and [n for n, _ in adapter_weights(m.policy)] == pushed        # the sync: adapter payload too
+    assert {f"policy.{k}" for k in adapter_state(m.policy)} == want and set(peft_state(m.policy)) == set(adapter_state(m.policy))
+    ckpt = {"state_dict": m.state_dict()}
+    m.on_save_checkpoint(ckpt)
+    m.on_load_checkpoint(ckpt)
+    m.load_state_dict(ckpt["state_dict"], strict=m.strict_loading)
+
+
+def test_lora_dropout_warns_and_stays_while_the_bases_dropout_is_disabled(tiny_model_dir):
+    """disable_dropout zeroes the base's dropout; lora.dropout is the user's explicit choice: it stays,
+    with a warning (it breaks on-policy ESS 1 and exact resume)."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.2)
+    base.save_pretrained(Path(tiny_model_dir).parent / "with_dropout")
+    with pytest.warns(UserWarning, match=r"model.lora.dropout=0.1: .* on-policy ESS is not 1"):
+        m = PolicyModule(str(Path(tiny_model_dir).parent / "with_dropout"), lora=LoRA(rank=4, dropout=0.1))
+        m.configure_model()
+    lora_p = [mod.p for n, mod in m.policy.named_modules() if isinstance(mod, torch.nn.Dropout)]
+    assert lora_p and set(lora_p) == {0.1}
+    assert {mod.attention_dropout for mod in m.policy.modules() if hasattr(mod, "attention_dropout")} == {0.0}
+
+
+def test_adapter_sync_settings_are_checked_before_the_engine_starts(tiny_model_dir, tmp_path):
+    """vLLM's LoRA kernels on CUDA take no float32 (the rule, checked here without CUDA); max_lora_rank
+    above vLLM's 512 is one line, not pydantic's; sync: adapter with the hf engine stops before any
+    engine starts (it stopped at the first push, after the engine had loaded)."""
+    from lit_ess.engines import VLLMConfig
+    from lit_ess.engines.vllm_engine import lora_dtype_error
+
+    assert "needs data.engine.init_args.dtype: bfloat16 or float16" in lora_dtype_error(True, 16, "float32")
+    assert lora_dtype_error(False, 16, "float32") is lora_dtype_error(True, 16, "bfloat16") is \
+        lora_dtype_error(True, None, "float32") is None
+    with pytest.raises(ValueError, match=r"max_lora_rank must be in \[1, 512\]"):
+        VLLMConfig(max_lora_rank=1024)
+    assert "started without LoRA" in VLLMConfig().adapter_error(4)
+    assert "above data.engine.init_args.max_lora_rank=4" in VLLMConfig(max_lora_rank=4).adapter_error(8)
+    assert VLLMConfig(max_lora_rank=8).adapter_error(4) is None
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=1, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+                    extra_data={"engine": {"class_path": "lit_ess.engines.HFConfig"}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 2 and "adapters, which the HFConfig engine does not take: use model.lora.sync: merged" \
+        in res.stderr, res.stderr[-3000:]

@@ -101,6 +101,12 @@ class EngineConfig:
         only when it equals the trainer's dtype."""
         return None
 
+    def adapter_error(self, rank: int) -> str | None:
+        """Why this engine cannot serve LoRA adapters of rank `rank` pushed alone (model.lora.sync: adapter),
+        or None when it can. Default: it takes full weights only."""
+        return (f"model.lora.sync: adapter pushes adapters, which the {type(self).__name__} engine does not take: "
+                f"use model.lora.sync: merged, or lit_ess.engines.VLLMConfig with max_lora_rank")
+
     def worker_env(self) -> dict[str, str]:
         """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an
         engine on its own GPUs). Default: none, the worker sees the trainer's devices (colocated)."""

