@@ -45,7 +45,8 @@ def _runs(summaries: Path, exp: str, cell, seeds: int) -> tuple[list[dict], int]
     for s in range(seeds):
         d = folder / f"seed{s}"
         if (d / "summary.json").exists():
-            runs.append({"seed": s, "summary": json.loads((d / "summary.json").read_text()), **read_csv(d / "curves.csv")})
+            summary = json.loads((d / "summary.json").read_text())
+            runs.append({"seed": s, "summary": summary, **read_csv(d / "curves.csv")})
         elif (d / "failed.txt").exists():
             failed += 1
     return runs, failed
@@ -140,7 +141,8 @@ def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], ba
     levels = sorted({lv for f in finals.values() for lv in f})
     x = {lv: i for i, lv in enumerate(levels)}                    # evenly spaced: levels grow geometrically
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs) + 2, 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs) + 2, 3.8), squeeze=False,
+                             sharey=True)
     for ax, lr in zip(axes[0], lrs):
         for m in methods:
             pts = sorted((lv, v) for lv, v in finals.get((lr, m), {}).items() if v)
@@ -187,7 +189,8 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
             at_t = [r["summary"]["own_temperature"]["val/pass@1"] if temp != 1.0 else _final(r, "val/pass@1")
                     for r in runs]
             at_t = [v for v in at_t if v is not None]
-            vs = f"{statistics.mean(at_t) - own_base:+.3f} (from {own_base:.3f})" if at_t and own_base is not None else "n/a"
+            vs = "n/a" if not at_t or own_base is None else \
+                f"{statistics.mean(at_t) - own_base:+.3f} (from {own_base:.3f})"
             row += f"{_mean_std(at_t)} | {vs} | "
         rows.append(row + f"{_mean_std(reward)} | {_mean_std(ess)} | {len(collapsed) + failed} |")
         notes += [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
@@ -208,10 +211,13 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
     finals: dict[tuple[float, str], dict[int, list[float]]] = {}
     counts: dict[tuple[float, str], dict[int, tuple[int, int, int]]] = {}   # level -> (finished, collapsed, failed)
     diagnosed: dict[tuple[float, str, int], list[str]] = {}
+    lags: dict[int, list[float]] = {}                                        # level -> each run's mean lag
     for cell in exp.cells[:scale.cells]:
         runs, failed = _runs(summaries, name, cell, scale.seeds)
         line = (cell_lr(cell), cell.method)
         finals.setdefault(line, {})[cell.level] = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
+        lags.setdefault(cell.level, []).extend(statistics.mean(v for _, v in r["train/policy_lag"])
+                                               for r in runs if r.get("train/policy_lag"))
         collapsed = _collapsed(runs, base)
         counts.setdefault(line, {})[cell.level] = (len(runs), len(collapsed), failed)
         diagnosed[(*line, cell.level)] = [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
@@ -239,21 +245,26 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
              f"seeds collapsed (final held-out pass@1 at T = 1.0 below {base - COLLAPSE:.3f}, the warm start's "
              f"{base:.3f} minus {COLLAPSE}, or the run failed).", "",
              "| method | " + " | ".join(f"lr {lr_tag(lr)[2:]}" for lr in lrs) + " |", "|---" * (len(lrs) + 1) + "|"]
+    lag_text = ", ".join(f"{letter} = {lv}: {statistics.mean(lags[lv]):.1f}" for lv in levels if lags.get(lv))
     notes = []
     for m in methods:
         cells = [breaking(lr, m) for lr in lrs]
         lines.append(f"| {m} | " + " | ".join(text for text, _ in cells) + " |")
         notes += [n for lr, (_, lv) in zip(lrs, cells) if lv is not None for n in diagnosed.get((lr, m, lv), [])]
     lines.append("")
+    if lag_text:
+        lines += [f"The policy lag the runs trained at (optimizer steps, mean over steps and runs): {lag_text}.", ""]
     for lr in lrs:
-        lines += [f"Final held-out pass@1 (T = 1.0), lr {lr_tag(lr)[2:]}: mean +- std over seeds (collapsed seeds).", "",
+        lines += [f"Final held-out pass@1 (T = 1.0), lr {lr_tag(lr)[2:]}: mean +- std over seeds "
+                  "(collapsed seeds).", "",
                   "| method | " + " | ".join(f"{letter} = {lv}" for lv in levels) + " |",
                   "|---" * (len(levels) + 1) + "|"]
         for m in methods:
             row = []
             for lv in levels:
                 done, coll, failed = counts.get((lr, m), {}).get(lv, (0, 0, 0))
-                row.append(f"{_mean_std(finals.get((lr, m), {}).get(lv, []))} ({coll + failed})" if done + failed else "")
+                vals = finals.get((lr, m), {}).get(lv, [])
+                row.append(f"{_mean_std(vals)} ({coll + failed})" if done + failed else "")
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")
     if notes:

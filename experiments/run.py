@@ -36,12 +36,13 @@ import yaml
 from lit_ess.console import quiet_console
 
 from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, temperature
+from .report import read_csv, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "experiments" / "results"
 # the scalars a summary keeps (the plots' and the collapse diagnosis'), rounded to 5 digits
 KEEP = ("rollout/reward_mean", "val/pass@1", "val/pass@4", "train/ess", "train/ratio_max", "train/kl_behavior",
-        "rollout/response_len", "train/grad_norm", "train/policy_lag_max", "rollout/stale_dropped")
+        "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max", "rollout/stale_dropped")
 
 
 def lit_ess(args: list[str], log: Path, threads: int | None = None) -> subprocess.CompletedProcess:
@@ -112,8 +113,6 @@ def base_validation(out: Path, sft: Path, scale: Scale, summaries: Path, threads
 def summarize(d: Path, dest: Path, summary: dict) -> None:
     """The run's small summary: `curves.csv` (the KEEP scalars) and `summary.json` (`summary` plus the
     final value of every kept scalar)."""
-    from .report import read_csv
-
     curves = {t: v for t, v in read_csv(d / "metrics.csv").items() if t in KEEP}
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "failed.txt").unlink(missing_ok=True)
@@ -165,17 +164,18 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
     (d / "failed.txt").unlink(missing_ok=True)
     t0 = time.time()
     res = lit_ess(["fit", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt", threads)
-    summary = {"seconds": None}
+    summary, log = {"seconds": None}, d / "log.txt"
     try:
         if res.returncode != 0:
-            raise RuntimeError(f"training failed: see {d / 'log.txt'}")
+            raise RuntimeError(f"training failed: see {log}")
         export_csv(d / "tb", d / "metrics.csv")
         if (temp := temperature(cell)) != 1.0:
+            log = d / "own_val" / "log.txt"
             validate(d / "final", d / "own_val", scale, temp, threads)
-            own = read_csv_final(d / "own_val" / "metrics.csv", "val/pass@1")
+            own = read_csv(d / "own_val" / "metrics.csv")["val/pass@1"][-1][1]
             summary["own_temperature"] = {"temperature": temp, "val/pass@1": round(own, 5)}
     except RuntimeError:
-        tail = (d / "log.txt").read_text()[-4000:]
+        tail = log.read_text()[-4000:]
         (d / "failed.txt").write_text(tail)
         dest.mkdir(parents=True, exist_ok=True)
         for old in ("summary.json", "curves.csv"):
@@ -186,12 +186,6 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
     summarize(d, dest, summary)
     (d / "done.json").write_text(json.dumps({"seconds": summary["seconds"]}) + "\n")
     return "done"
-
-
-def read_csv_final(path: Path, tag: str) -> float:
-    from .report import read_csv
-
-    return read_csv(path)[tag][-1][1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,8 +217,6 @@ def main(argv: list[str] | None = None) -> None:
     results = Path(a.results).resolve() if a.results else (out if a.quick else ROOT / "docs")
     summaries = Path(a.summaries).resolve() if a.summaries else (out / "summaries" if a.quick else SUMMARIES)
     command = "python -m experiments.run " + " ".join(argv if argv is not None else sys.argv[1:])
-    from .report import write_report
-
     if a.report_only:
         print(f"results: {write_report(summaries, results, scale, command)}", flush=True)
         return
@@ -234,13 +226,12 @@ def main(argv: list[str] | None = None) -> None:
     for temp in sorted({temperature(c) for n in names for c in EXPERIMENTS[n].cells[:scale.cells]} | {1.0}):
         base_validation(out, sft, scale, summaries, threads, temp)
     counts = {"done": 0, "skipped": 0, "failed": 0}
-    todo, seen = [], set()
+    todo = {}                     # a run shared by two experiments (`same_as`) is run once
     for name in names:
         for cell in EXPERIMENTS[name].cells[:scale.cells]:
             for seed in range(scale.seeds):
-                if (key := (canonical(name, cell)[1].label, canonical(name, cell)[0], seed)) not in seen:
-                    seen.add(key)
-                    todo.append((name, cell, seed))
+                run_name, run_cell_ = canonical(name, cell)
+                todo.setdefault((run_name, run_cell_.label, seed), (name, cell, seed))
 
     def one(job):
         name, cell, seed = job
@@ -250,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
         return status
 
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        for status in pool.map(one, todo):
+        for status in pool.map(one, todo.values()):
             counts[status] += 1
     page = write_report(summaries, results, scale, command)
     print(f"{counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed in {time.time() - t0:.0f} s; "
