@@ -30,6 +30,17 @@ CURVES = [("rollout/reward_mean", "training reward (sampled)"), ("val/pass@1", "
           ("train/ess", "ESS e_B")]
 
 
+def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """A summary's curves.csv (a row per step, a column per scalar, empty where not logged)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for tag, value in row.items():
+                if tag != "step" and value != "":
+                    out.setdefault(tag, []).append((int(row["step"]), float(value)))
+    return out
+
+
 def read_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
     out: dict[str, list[tuple[int, float]]] = {}
     with open(path) as f:
@@ -46,7 +57,7 @@ def _runs(summaries: Path, exp: str, cell, seeds: int) -> tuple[list[dict], int]
         d = folder / f"seed{s}"
         if (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
-            runs.append({"seed": s, "summary": summary, **read_csv(d / "curves.csv")})
+            runs.append({"seed": s, "summary": summary, **read_curves(d / "curves.csv")})
         elif (d / "failed.txt").exists():
             failed += 1
     return runs, failed
@@ -91,7 +102,7 @@ def _diagnosis(run: dict) -> str:
 def _base(summaries: Path, temp: float) -> float | None:
     """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet)."""
     d = summaries / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
-    return _final(read_csv(d / "curves.csv"), "val/pass@1") if (d / "curves.csv").exists() else None
+    return _final(read_curves(d / "curves.csv"), "val/pass@1") if (d / "curves.csv").exists() else None
 
 
 def _pyplot():
@@ -158,8 +169,11 @@ def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], ba
         ax.set_ylabel("final held-out pass@1 (T = 1.0)")
         ax.set_title(f"lr {lr_tag(lr)[2:]}")
         ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="center right")
+    legend = {}                                                   # every panel's lines, once
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, h)
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="center right")
     fig.suptitle(exp.title, fontsize=11)
     fig.tight_layout(rect=(0, 0, 1 - 2 / (5.5 * len(lrs) + 2), 1))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ config (`config.yaml`, rerun it with `lit-ess fit --config`), TensorBoard files,
 
 Each finished run also leaves a small summary, kept in the repository: `experiments/results/<experiment>/
 <cell>/seed<k>/` (`summary.json`: wall time and final metrics; `curves.csv`: the scalars the page
-plots). The page is always made from every experiment's summaries, so one experiment can be rerun
+plots, a row per step). The page is always made from every experiment's summaries, so one experiment can be rerun
 alone (in a fresh checkout nothing is in runs/, so naming it reruns it) and the rest of the page stays.
 
 First, once: the tiny model and its supervised warm start (`_base/`), and the warm start's held-out
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "experiments" / "results"
 # the scalars a summary keeps (the plots' and the collapse diagnosis'), rounded to 5 digits
 KEEP = ("rollout/reward_mean", "val/pass@1", "val/pass@4", "train/ess", "train/ratio_max", "train/kl_behavior",
-        "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max", "rollout/stale_dropped")
+        "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max")
 
 
 def lit_ess(args: list[str], log: Path, threads: int | None = None) -> subprocess.CompletedProcess:
@@ -113,13 +113,16 @@ def base_validation(out: Path, sft: Path, scale: Scale, summaries: Path, threads
 def summarize(d: Path, dest: Path, summary: dict) -> None:
     """The run's small summary: `curves.csv` (the KEEP scalars) and `summary.json` (`summary` plus the
     final value of every kept scalar)."""
-    curves = {t: v for t, v in read_csv(d / "metrics.csv").items() if t in KEEP}
+    curves = {t: dict(v) for t, v in read_csv(d / "metrics.csv").items() if t in KEEP}
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "failed.txt").unlink(missing_ok=True)
-    with open(dest / "curves.csv", "w", newline="") as f:
+    tags = sorted(curves)
+    with open(dest / "curves.csv", "w", newline="") as f:     # a row per step, a column per scalar
         w = csv.writer(f)
-        w.writerow(["tag", "step", "value"])
-        w.writerows((tag, step, f"{value:.5g}") for tag, points in sorted(curves.items()) for step, value in points)
+        w.writerow(["step", *tags])
+        for step in sorted(set().union(*curves.values())):
+            w.writerow([step, *(f"{curves[t][step]:.5g}" if step in curves[t] else "" for t in tags)])
+    curves = {t: sorted(v.items()) for t, v in curves.items()}
     summary = {**summary, "final": {t: round(v[-1][1], 5) for t, v in sorted(curves.items())}}
     (dest / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 

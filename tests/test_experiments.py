@@ -33,7 +33,7 @@ def test_stress_cells_cover_every_method_rate_and_level():
 
 def _summary(folder: Path, val: float) -> None:
     folder.mkdir(parents=True)
-    (folder / "curves.csv").write_text(f"tag,step,value\nval/pass@1,48,{val}\ntrain/ess,1,0.9\n")
+    (folder / "curves.csv").write_text(f"step,train/ess,val/pass@1\n1,0.9,\n48,,{val}\n")
     (folder / "summary.json").write_text(json.dumps({"seconds": 1.0}))
 
 
