@@ -70,6 +70,11 @@ def _step(j):
     return out
 
 
+def _proximal(j):
+    return [row(f"step time with proximal logprobs recomputed / without, steps_per_rollout {r['steps_per_rollout']} "
+                f"(CPU seconds)", r["ratio"], None, None) for r in j["results"].values()]
+
+
 def _async(j):
     out = []
     ranks = j.get("devices", 1)
@@ -182,6 +187,7 @@ BENCHMARKS = [
     Bench("overhead", ["--steps", "20", "--rounds", "2", "--syncs", "20"],
           ["--steps", "10", "--rounds", "2", "--syncs", "5"], _overhead, needs=["vllm"]),
     Bench("memory", ["--steps", "3"], ["--steps", "2"], _memory),
+    Bench("proximal", ["--steps", "16", "--rounds", "2"], ["--steps", "8", "--rounds", "1"], _proximal),
     Bench("async", ["--steps", "25", "--rounds", "2"], ["--steps", "8", "--rounds", "1"], _async, needs_model=True,
           needs=["vllm"]),
     Bench("staleness", ["--steps", "30"], ["--steps", "8", "--bounds", "0", "1", "2"], _staleness, needs_model=True,

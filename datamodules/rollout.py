@@ -370,6 +370,10 @@ class RolloutDataModule(L.LightningDataModule):
             return None
         return p
 
+    def waiting_batches(self, phase: int) -> list[RolloutBatch]:
+        """The batches of `phase` still in the buffer, not yet trained (lit_ess.callbacks.ProximalLogprobs)."""
+        return self.buffer.waiting(phase)
+
     # ------------------------------------------------------------------ the stream
     def next_batch(self, step: int) -> RolloutBatch:
         """The batch of optimizer step `step` (blocks until every rank has its batch)."""

@@ -48,6 +48,10 @@ def objective(name: str, **init_args) -> dict:
 
 
 TEMPERATURE = "data.init_args.sampling.temperature"
+CALLBACKS = [{"class_path": "lit_ess.callbacks.WeightSync"}]
+# DecoupledPPO's proximal policy: the trainer's own logprobs at the phase's first step (at one step per
+# rollout they are the step's own lp.detach(), so this costs no forward there)
+PROXIMAL = {"trainer.callbacks": CALLBACKS + [{"class_path": "lit_ess.callbacks.ProximalLogprobs"}]}
 OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
 K, S = "data.init_args.steps_per_rollout", "data.init_args.max_staleness"
 
@@ -128,7 +132,8 @@ EXPERIMENTS = {e.name: e for e in [
         "staleness", "Asynchronous rollouts, staleness bound S",
         "With the engine generating ahead in its own process (lag up to S optimizer steps), how do P3O, GRPO "
         "and decoupled PPO cope as S grows?",
-        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.mode": "async", "data.init_args.max_staleness": s})
+        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.mode": "async", "data.init_args.max_staleness": s,
+                            **(PROXIMAL if cls == "DecoupledPPO" else {})})
          for m, cls in (("p3o", "P3O"), ("grpo", "GRPO"), ("decoupled", "DecoupledPPO")) for s in (0, 1, 2, 4)]),
     Experiment(
         "ablations", "P3O ablations, off-policy (4 steps per rollout)",
@@ -195,7 +200,7 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
                     "enable_progress_bar": False, "enable_checkpointing": False,
                     "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": out_dir, "name": "tb", "version": ""}},
-                    "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"}]},
+                    "callbacks": list(CALLBACKS)},
     }
 
 

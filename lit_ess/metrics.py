@@ -119,6 +119,7 @@ RULES: dict[str, str | PooledStd] = {
     "train/batch_rows": SUM,
     "train/policy_lag": RANK_MEAN,
     "train/policy_lag_max": MAX,
+    "train/ess_alarms": SAME,                  # cumulative; decided on the reduced ESS and lag (lit_ess/health.py)
     # lit_ess/rollout/worker.py: statistics of a rollout phase, each rank over its own rows
     "rollout/reward_mean": RANK_MEAN,
     "rollout/reward_std": PooledStd(mean="rollout/reward_mean", rows="rollout/rows"),
@@ -143,8 +144,9 @@ RULES: dict[str, str | PooledStd] = {
     "perf/worker_idle_frac": RANK_MEAN,
     "rollout/phases_in_flight": RANK_MEAN,
     "perf/train_seconds": MAX,                 # lit_ess/module.py: forward, backward, clip, optimizer step
-    # callbacks/weight_sync.py
+    # callbacks/weight_sync.py, callbacks/proximal.py
     "perf/weight_sync_seconds": RANK0,
+    "perf/proximal_seconds": RANK0,
     # lit_ess/module.py: validation (torchmetrics); val/pass@k stands for k = 1..n
     "val/reward_mean": TORCHMETRICS,
     "val/response_len": TORCHMETRICS,

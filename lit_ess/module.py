@@ -17,6 +17,15 @@ batch. Ranks run the same number of forward/backward passes (a rank with fewer m
 zero-weighted extra passes), since every pass under FSDP is a collective. Every logged metric is
 combined over micro-batches and ranks by its rule in lit_ess.metrics.RULES (sum, token-weighted mean,
 mean over ranks, min, max, pooled std).
+
+Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase): with
+lit_ess.callbacks.ProximalLogprobs, `score_proximal` scores the phase's waiting batches once, no grad,
+when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same weights,
+same forward). Every objective receives them; one that needs them (`objective.needs_proximal`) stops
+the run at its first step without them, naming the callback.
+
+Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
+temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py).
 """
 from __future__ import annotations
 
@@ -26,9 +35,12 @@ from typing import Iterator, Literal, NamedTuple
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from .health import ESSAlarm
 from .logprobs import sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
@@ -73,6 +85,15 @@ class PolicyModule(L.LightningModule):
             frozen base; None = full fine-tuning. The engine receives the merged weights; checkpoints
             hold the adapters and their optimizer state only. With ref_kl_coef > 0 and no
             ref_model_path, the reference is the base model (the adapters switched off): no second copy.
+        ess_alarm: health check of the weight sync. A step whose rows were all sampled by the trainer's
+            current weights (policy lag 0), by an engine whose logprobs match the trainer's precision
+            (engine dtype = the trainer's: FSDP2's param_dtype, else model_dtype under a "32-true"
+            Trainer; never under mixed precision, quantized or raw engine logprobs) at the train
+            temperature, must have ESS 1. Below this threshold lit-ess warns once with the numbers
+            (ESS, mean ratio, step) and counts the step in `train/ess_alarms`. None = off. GPU kernels
+            of engine and trainer differ in bf16: lower it there if a healthy run warns.
+        ess_alarm_error: stop the run at the first such step instead of warning (the engine is then
+            almost surely not sampling with the trainer's weights: check the weight sync).
     """
 
     def __init__(
@@ -94,6 +115,8 @@ class PolicyModule(L.LightningModule):
         model_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         disable_dropout: bool = True,
         lora: LoRA | None = None,
+        ess_alarm: float | None = 0.999,
+        ess_alarm_error: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -108,6 +131,8 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"objective must be an Objective (e.g. lit_ess.objectives.P3O()), got {objective!r}")
         if lora is not None and not isinstance(lora, LoRA):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
+        self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
+        self.compute_dtype: str | None = None      # forward dtype when a sharding callback casts (FSDP2's param_dtype)
         self.lora = lora
         self.strict_loading = lora is None         # a LoRA checkpoint holds the adapters, not the base
         if lora is not None:
@@ -214,14 +239,48 @@ class PolicyModule(L.LightningModule):
     def on_fit_start(self) -> None:
         check_gradients_synchronised(self)
 
-    def _same_count(self, mbs: list[RolloutBatch]) -> list[tuple[RolloutBatch, float]]:
-        """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats."""
+    def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
+        """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
+        `pad` when this rank has no micro-batch)."""
         out = [(mb, 1.0) for mb in mbs]
         if self._world():
             n = torch.tensor([len(mbs)], dtype=torch.float64, device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX)
-            out += [(mbs[0], 0.0)] * (int(n) - len(mbs))
+            out += [(mbs[0] if mbs else pad, 0.0)] * (int(n) - len(mbs))
         return out
+
+    @torch.no_grad()
+    def score_proximal(self, batches: list[RolloutBatch], pad: RolloutBatch) -> None:
+        """Store on each batch its proximal logprobs: the policy's logprobs with the current weights,
+
+            prox_logprobs [B, T] = policy(batch) in micro-batches of micro_batch_size rows, no grad
+            prox_version         = this optimizer step
+
+        scored exactly as the gradient pass scores (`_forward`: train temperature, top-k, top-p, LoRA
+        adapters on), on each batch's own device. A collective under FSDP2: every rank must call it,
+        also one with nothing to score; the ranks run the same number of forwards (no-op repeats of a
+        micro-batch of `pad`, a batch this rank holds).
+        """
+        jobs = []                                             # (batch, first row, micro-batch)
+        for b in batches:
+            size = self.hparams.micro_batch_size or b.rows
+            b.prox_logprobs = torch.zeros_like(b.behavior_logprobs)
+            jobs += [(b, start, mb) for start, mb in zip(range(0, b.rows, size), b.micro_batches(size))]
+        passes = self._same_count([mb for _, _, mb in jobs], pad=pad.micro_batches(self.hparams.micro_batch_size)[0])
+        for i, (mb, weight) in enumerate(passes):
+            lp = self._forward(move_data_to_device(mb, self.device), mb.sampling, False)[0]
+            if weight:
+                b, start, _ = jobs[i]
+                b.prox_logprobs[start:start + mb.rows, :lp.shape[1]] = lp.to(b.prox_logprobs)
+        for b in batches:
+            b.prox_version = self.global_step
+
+    def _proximal(self, mb: RolloutBatch, lp: Tensor) -> Tensor | None:
+        """log pi_prox of the micro-batch [b, T]: scored at its phase's first step, or for the batch trained
+        at that step, this pass's own lp.detach(); None when the run computes none."""
+        if mb.prox_logprobs is not None:
+            return mb.prox_logprobs
+        return lp.detach() if mb.prox_version == self.global_step else None
 
     def _step_counts(self, mbs: list[RolloutBatch]) -> StepCounts:
         """The step's completion tokens N and sequences over all micro-batches and ranks, and n_r, this
@@ -242,6 +301,8 @@ class PolicyModule(L.LightningModule):
             gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
             metrics          combined over micro-batches and ranks by lit_ess.metrics.RULES (`step_metrics`)
         """
+        if self.objective.needs_proximal and batch.prox_version < 0:
+            raise ValueError(_no_proximal(self.objective))
         sampling = batch.sampling
         mbs = batch.micro_batches(self.hparams.micro_batch_size)
         passes = self._same_count(mbs)
@@ -297,8 +358,8 @@ class PolicyModule(L.LightningModule):
                 st = ess_stats(lp.detach() - mb.behavior_logprobs, valid if weight else torch.zeros_like(valid))
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
-                                 ref_logprobs=ref, entropy=ent, num_tokens=counts.tokens, num_seqs=counts.seqs,
-                                 norm_len=sampling["max_new_tokens"])
+                                 proximal_logprobs=self._proximal(mb, lp), ref_logprobs=ref, entropy=ent,
+                                 num_tokens=counts.tokens, num_seqs=counts.seqs, norm_len=sampling["max_new_tokens"])
             loss = out.loss * (scale * weight)
             if self._trainer is not None:
                 self.manual_backward(loss)
@@ -366,11 +427,40 @@ class PolicyModule(L.LightningModule):
                     "perf/train_seconds": train_seconds, **batch.stats}
         logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
+        self._check_ess(logs, batch.sampling, step_before)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
+    def _check_ess(self, logs: dict[str, float], sampling: dict, step: int) -> None:
+        """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:
+        warns once (rank 0), or raises with ess_alarm_error; logs the cumulative count."""
+        if self.ess_alarm.threshold is None:
+            return
+        message = self.ess_alarm.check(
+            step, logs.get("train/ess"), logs.get("train/ratio_mean"), logs["train/policy_lag_max"],
+            engine_dtype=sampling.get("engine_dtype"), trainer_dtype=self._trainer_dtype(),
+            sample_temperature=sampling["temperature"],
+            train_temperature=self.hparams.train_temperature or sampling["temperature"])
+        if message:
+            rank_zero_warn(message)
+        logs["train/ess_alarms"] = float(self.ess_alarm.count)
+
+    def _trainer_dtype(self) -> str | None:
+        """The dtype the trainer scores tokens in: FSDP2's param_dtype when it casts, else model_dtype under
+        "32-true" and the dtype of a "*-true" precision; None under mixed precision (autocast runs some
+        operations in another dtype than others)."""
+        precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
+        if "mixed" in precision:
+            return None
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        if precision in ("32-true", "32"):
+            return self.hparams.model_dtype
+        return {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps}     # cumulative across resumes
+        checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps,     # cumulative across resumes
+                                 "ess_alarms": self.ess_alarm.count}
         if self.lora is not None:       # the state dict holds the adapters only (_adapters_only): name their base
             checkpoint["lit_ess"]["lora_base"] = base_fingerprint(self.hparams.model_path)
             checkpoint["lit_ess"]["lora"] = self.lora.shape()
@@ -378,6 +468,7 @@ class PolicyModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("lit_ess", {})
         self.skipped_steps = saved.get("skipped_steps", 0)
+        self.ess_alarm.count = saved.get("ess_alarms", 0)
         if self.lora is not None:
             if "lora_base" not in saved:
                 raise ValueError("model.lora is set but this checkpoint holds full weights (trained without LoRA)")
@@ -443,6 +534,11 @@ def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadat
     keep = {f"{prefix}policy.{n}" for n in adapter_state(module.policy)}
     for k in [k for k in state if k.startswith(prefix) and k not in keep]:
         del state[k]
+
+
+def _no_proximal(objective: Objective) -> str:
+    return (f"objective {type(objective).__name__} uses the trainer's proximal logprobs, which this run does not "
+            f"compute: add lit_ess.callbacks.ProximalLogprobs to trainer.callbacks")
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

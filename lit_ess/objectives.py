@@ -24,6 +24,12 @@ cap and strengthens the pull toward pi_b. There is no clip range.
 Aggregation ("token-mean" by default) is over the masked tokens of the *whole optimizer step*: when a
 step is split into micro-batches pass `num_tokens` (and `num_seqs`) of the full step so that the
 micro-batch losses add up to the step loss.
+
+`proximal_logprobs` (log pi_prox, [B, T]) are the trainer's own logprobs of the tokens with the weights
+that start the rollout phase (verl's and TRL's "old" logprobs; PolicyModule gets them from
+lit_ess.callbacks.ProximalLogprobs). Objectives that use them (`needs_proximal`: DecoupledPPO, GRPO/DAPO/
+GSPO with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`) take a call without
+them to be the first step on its data, where pi_prox is the current policy: lp.detach().
 """
 from __future__ import annotations
 
@@ -357,6 +363,11 @@ class Objective:
         if self.correction is not None and not isinstance(self.correction, ISCorrection):
             raise ValueError(f"correction must be an ISCorrection or None, got {self.correction!r}")
 
+    @property
+    def needs_proximal(self) -> bool:
+        """True when the objective's loss uses pi_prox (PolicyModule then requires them from the run)."""
+        return False
+
     def __call__(
         self,
         logprobs: Tensor,
@@ -437,19 +448,53 @@ class P3O(Objective):
     `ess` may be passed precomputed (the ESS of the whole optimizer step, over micro-batches and
     ranks); otherwise it is the ESS of this call's tokens.
 
-    Args (ablations; the paper's objective has both on):
-        ess_cap: cap the detached weight at e_B. False: sg(rho) itself (plain importance sampling,
-            log-ratios clamped at +-20 so rho stays finite).
-        adaptive_kl: add (1 - e_B) * KL(pi_theta || pi_b). False: the policy-gradient term alone.
+    The KL anchor at the trainer's temperature (`kl_anchor: behavior_at_train_temperature`). With
+    z_b the logits of the behaviour weights theta_b, the sampler draws from pi_b = softmax(z_b / T_s)
+    and the trainer scores pi_theta = softmax(z_theta / T_t). When T_s != T_t, pi_b is a tempered copy
+    of the policy, and KL(pi_theta || pi_b) pulls pi_theta toward it: flatter for T_s > T_t, and the
+    next rollout tempers the flatter policy again (docs/results.md: P3O sampled at 1.5, trained at 1.0,
+    collapses; without the KL term it does not). The principled anchor is the behaviour weights at the
+    trainer's temperature, pi_b' = softmax(z_b / T_t), while the ratio keeps the sampler's true pi_b:
+
+        rho_t = pi_theta(y_t) / pi_b(y_t)                  (ESS e_B and the cap, as above)
+        L = -agg[ sg(min(rho_t, e_B)) lp_t A_t ] + (1 - e_B) agg[ k3(lp_t - la_t) ],   la_t = log pi_b'(y_t)
+
+    KL(pi_theta || pi_b') is 0 at theta = theta_b: a trust region around the weights that sampled, with
+    no pull toward another temperature. The engine returns log pi_b(y_t) for the sampled token only,
+    and log pi_b'(y) = (T_s / T_t)(log pi_b(y) + log Z_s) - log Z_t needs both partition functions
+    over the vocabulary, so la_t comes from the trainer: the proximal logprobs (the weights that start
+    the phase, scored at T_t by lit_ess.callbacks.ProximalLogprobs), which are theta_b's in sync mode
+    (a phase is sampled with the weights of the step that trains its first batch). In async mode with
+    rows older than their phase's first step, the anchor is that newer policy at T_t. With T_s = T_t
+    and an engine at the trainer's precision, la_t = lb_t: the two anchors agree.
+
+    Args:
+        ess_cap: cap the detached weight at e_B (ablation). False: sg(rho) itself (plain importance
+            sampling, log-ratios clamped at +-20 so rho stays finite).
+        adaptive_kl: add the (1 - e_B) KL term (ablation). False: the policy-gradient term alone.
+        kl_anchor: the KL term's reference. "behavior": the sampler's pi_b (the paper's).
+            "behavior_at_train_temperature": the behaviour weights scored by the trainer at its own
+            temperature (see above; needs lit_ess.callbacks.ProximalLogprobs).
     """
 
     ess_cap: bool = True
     adaptive_kl: bool = True
+    kl_anchor: Literal["behavior", "behavior_at_train_temperature"] = "behavior"
     rebase_on_correction: ClassVar[bool] = False
     name: ClassVar[str] = "p3o"
     needs_ess: ClassVar[bool] = True
 
-    def policy_loss(self, lp, lb, adv, mask, agg, ess=None, **_):
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kl_anchor not in ("behavior", "behavior_at_train_temperature"):
+            raise ValueError(f"p3o: kl_anchor={self.kl_anchor!r} is not one of ('behavior', "
+                             f"'behavior_at_train_temperature')")
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.adaptive_kl and self.kl_anchor == "behavior_at_train_temperature"
+
+    def policy_loss(self, lp, lb, adv, mask, agg, ess=None, proximal_logprobs=None, **_):
         log_ratio = lp - lb
         e = batch_ess(log_ratio, mask) if ess is None else torch.as_tensor(ess, dtype=torch.float64)
         e = e.to(device=lp.device, dtype=lp.dtype).detach()
@@ -458,7 +503,8 @@ class P3O(Objective):
         else:
             weight = log_ratio.detach().clamp(-20.0, 20.0).exp()
         pg = agg(-weight * lp * adv)
-        kl = agg(k3(log_ratio))
+        anchor = lb if self.kl_anchor == "behavior" else _old_logprobs("proximal", lp, lb, proximal_logprobs)
+        kl = agg(k3(lp - anchor))
         loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)
         if not self.ess_cap:
@@ -467,33 +513,64 @@ class P3O(Objective):
         return loss, metrics
 
 
-def _ppo_clip_loss(lp, lb, adv, mask, agg, clip_low: float, clip_high: float):
-    """-agg[ min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A) ], rho = pi_theta / pi_b; log-ratios
-    are clamped to +-20 before exp so rho stays finite."""
-    log_ratio = lp - lb
-    ratio = log_ratio.clamp(-20.0, 20.0).exp()
+OLD_POLICIES = ("behavior", "proximal")
+
+
+def _old_logprobs(old: str, lp: Tensor, lb: Tensor, proximal_logprobs: Tensor | None) -> Tensor:
+    """The policy a clipped objective's ratio is taken against: pi_b (`behavior`) or pi_prox
+    (`proximal`; lp.detach() when a direct call gives none, i.e. the first step on the data)."""
+    if old == "behavior":
+        return lb
+    return lp.detach() if proximal_logprobs is None else proximal_logprobs.detach()
+
+
+def _check_old(obj: "Objective") -> None:
+    if obj.old not in OLD_POLICIES:
+        raise ValueError(f"{obj.name}: old={obj.old!r} is not one of {OLD_POLICIES}")
+
+
+def _ppo_clip_loss(lp, old, lb, adv, mask, agg, clip_low: float, clip_high: float):
+    """-agg[ min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) ], r = pi_theta / pi_old (pi_b or pi_prox);
+    log-ratios are clamped to +-20 before exp so r stays finite. The clip fractions are around pi_old;
+    the ratio statistics stay against pi_b."""
+    ratio = (lp - old).clamp(-20.0, 20.0).exp()
     low, high = 1 - clip_low, 1 + clip_high
     surr = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
-    metrics = ratio_metrics(log_ratio, mask)
+    metrics = ratio_metrics(lp - lb, mask)
     metrics.update(_clip_fractions(ratio.detach(), adv, mask, low, high))
     return agg(-surr), metrics
 
 
 @dataclass
 class GRPO(Objective):
-    """GRPO: PPO's clipped surrogate against the behaviour policy, symmetric clip.
+    """GRPO: PPO's clipped surrogate, symmetric clip.
 
-        L = -agg[ min(rho A, clip(rho, 1 - clip_eps, 1 + clip_eps) A) ]
+        L = -agg[ min(r A, clip(r, 1 - clip_eps, 1 + clip_eps) A) ],   r = pi_theta / pi_old
 
     Args:
         clip_eps: clip range epsilon.
+        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
+            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
+            that start the rollout phase (verl's and TRL's default; needs
+            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
+            sampler mismatch pi_prox / pi_b is left to `correction`.
     """
 
     clip_eps: float = 0.2
+    old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "grpo"
 
-    def policy_loss(self, lp, lb, adv, mask, agg, **_):
-        return _ppo_clip_loss(lp, lb, adv, mask, agg, self.clip_eps, self.clip_eps)
+    def __post_init__(self):
+        super().__post_init__()
+        _check_old(self)
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.old == "proximal"
+
+    def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
+        old = _old_logprobs(self.old, lp, lb, proximal_logprobs)
+        return _ppo_clip_loss(lp, old, lb, adv, mask, agg, self.clip_eps, self.clip_eps)
 
 
 @dataclass
@@ -501,21 +578,36 @@ class DAPO(Objective):
     """DAPO: the clipped surrogate with decoupled bounds (clip-higher) and token-mean aggregation.
 
     Args:
-        clip_low: lower clip, rho >= 1 - clip_low.
-        clip_high: upper clip, rho <= 1 + clip_high.
+        clip_low: lower clip, r >= 1 - clip_low.
+        clip_high: upper clip, r <= 1 + clip_high.
+        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
+            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
+            that start the rollout phase (verl's and TRL's default; needs
+            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
+            sampler mismatch pi_prox / pi_b is left to `correction`.
     """
 
     clip_low: float = 0.2
     clip_high: float = 0.28
+    old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "dapo"
 
-    def policy_loss(self, lp, lb, adv, mask, agg, **_):
-        return _ppo_clip_loss(lp, lb, adv, mask, agg, self.clip_low, self.clip_high)
+    def __post_init__(self):
+        super().__post_init__()
+        _check_old(self)
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.old == "proximal"
+
+    def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
+        old = _old_logprobs(self.old, lp, lb, proximal_logprobs)
+        return _ppo_clip_loss(lp, old, lb, adv, mask, agg, self.clip_low, self.clip_high)
 
 
 @dataclass
 class GSPO(Objective):
-    """GSPO: one length-normalised ratio per sequence, s_b = exp(mean_t (lp - lb)).
+    """GSPO: one length-normalised ratio per sequence, s_b = exp(mean_t (lp - lp_old)).
 
     Token form: s_bt = sg(s_b) * exp(lp - sg(lp)) (same value, per-token gradient), then
         L = -agg[ min(s_bt A, clip(s_bt, 1 - clip_low, 1 + clip_high) A) ]
@@ -524,21 +616,35 @@ class GSPO(Objective):
     Args:
         clip_low: lower clip of the sequence ratio.
         clip_high: upper clip of the sequence ratio.
+        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
+            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
+            that start the rollout phase (verl's and TRL's default; needs
+            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
+            sampler mismatch pi_prox / pi_b is left to `correction`.
     """
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
+    old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "gspo"
     default_aggregation: ClassVar[str] = "seq-mean-token-mean"
 
-    def policy_loss(self, lp, lb, adv, mask, agg, **_):
+    def __post_init__(self):
+        super().__post_init__()
+        _check_old(self)
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.old == "proximal"
+
+    def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         m = mask.to(lp.dtype)
-        log_ratio = lp - lb
+        log_ratio = lp - _old_logprobs(self.old, lp, lb, proximal_logprobs)
         seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)          # [B]
         s = seq_log_ratio.detach().clamp(-20.0, 20.0).exp()[:, None] * torch.exp(lp - lp.detach())
         low, high = 1 - self.clip_low, 1 + self.clip_high
         surr = torch.minimum(s * adv, s.clamp(low, high) * adv)
-        metrics = ratio_metrics(log_ratio, mask)
+        metrics = ratio_metrics(lp - lb, mask)
         metrics.update(_clip_fractions(s.detach(), adv, mask, low, high))
         return agg(-surr), metrics
 
@@ -576,8 +682,11 @@ class DecoupledPPO(Objective):
         L = -agg[ min(pi_prox / pi_b, behavior_cap) * min(r A, clip(r, 1 - eps, 1 + eps) A) ],
         r = pi_theta / pi_prox
 
-    `proximal_logprobs` default to the detached current logprobs, which is exact when one call is one
-    optimizer step (the policy just before this update is the proximal policy).
+    pi_prox is the trainer's own policy with the weights that start the rollout phase (PolicyModule
+    requires lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on. A
+    direct call without `proximal_logprobs` takes the detached current logprobs, exact for the phase's
+    first step (the policy just before this update is the proximal policy); with them alone the clip
+    never acts and the loss is token-level truncated IS with cap behavior_cap.
 
     Args:
         clip_eps: clip range around the proximal policy.
@@ -587,6 +696,10 @@ class DecoupledPPO(Objective):
     clip_eps: float = 0.2
     behavior_cap: float = 5.0
     name: ClassVar[str] = "decoupled"
+
+    @property
+    def needs_proximal(self) -> bool:
+        return True
 
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         prox = lp.detach() if proximal_logprobs is None else proximal_logprobs.detach()

@@ -116,6 +116,55 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
         assert got["metrics"][k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
 
 
+def _proximal_rank_main(rank, world, port, model_dir, out):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lit_ess.callbacks import FSDP2
+    from lit_ess.module import PolicyModule
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        m = PolicyModule(model_dir, micro_batch_size=2)
+        m.configure_model()
+        FSDP2().shard(m.policy, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)))
+        waiting = [_batch().select([0, 1, 2, 3]), _batch().select([4, 5])] if rank == 0 else []
+        m.score_proximal(waiting, pad=_batch().select([4, 5]))      # rank 0: 3 forwards, rank 1: none of its own
+        if rank == 0:
+            torch.save([b.prox_logprobs for b in waiting], out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model_dir, tmp_path):
+    """A phase's waiting batches differ between ranks (here 3 micro-batches against none): the ranks run
+    the same number of forwards (each a collective under FSDP2) and rank 0's proximal logprobs equal one
+    process's."""
+    ctx = mp.get_context("spawn")
+    port, out = _free_port(), tmp_path / "prox.pt"
+    procs = [ctx.Process(target=_proximal_rank_main, args=(r, 2, port, tiny_model_dir, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "proximal scoring hung (mismatched collectives)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = torch.load(out)
+    from lit_ess.module import PolicyModule
+
+    ref = PolicyModule(tiny_model_dir, micro_batch_size=2)
+    ref.configure_model()
+    want = [_batch().select([0, 1, 2, 3]), _batch().select([4, 5])]
+    ref.score_proximal(want, pad=want[0])
+    for g, w in zip(got, want, strict=True):
+        m = w.completion_mask
+        assert torch.allclose(g[m], w.prox_logprobs[m], atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------- the CLI, end to end
 
 def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dict | None = None, **kw):

@@ -1,5 +1,7 @@
 """End-to-end runs on the tiny model: real vLLM, real TensorBoard files, real checkpoints."""
 
+import re
+
 import pytest
 
 from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
@@ -8,10 +10,13 @@ from lit_ess.report import read_histogram_tags
 pytestmark = pytest.mark.e2e
 
 
-def run_ok(cfg, tmp_path, *extra):
+def run_ok(cfg, tmp_path, *extra, console: list | None = None):
+    """Fit `cfg`; its TensorBoard scalars (and its stderr appended to `console` when given)."""
     path = write_config(cfg, tmp_path / "config.yaml")
     res = cli(["fit", "--config", str(path), *extra])
     assert res.returncode == 0, res.stderr[-4000:]
+    if console is not None:
+        console.append(res.stderr)
     return scalars(tmp_path)
 
 
@@ -32,14 +37,19 @@ def shared_config(model_dir, out, **data):
 def sync_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_run")
     cfg = shared_config(tiny_model_dir, out)
-    return run_ok(cfg, out), out, cfg
+    console = []
+    return run_ok(cfg, out, console=console), out, cfg, console[0]
 
 
 @pytest.mark.parametrize("engine", ["VLLMConfig", "HFConfig"])
 def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path, sync_run):
-    s = sync_run[0] if engine == "VLLMConfig" else run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine), tmp_path)
+    console = [sync_run[3]] if engine == "VLLMConfig" else []
+    s = sync_run[0] if engine == "VLLMConfig" else run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine), tmp_path,
+                                                           console=console)
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 4 and min(ess) >= 0.9999, ess
+    # the lag-0 ESS alarm (fp32 engine and trainer, T = 1) applies on every step and stays silent
+    assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 4 and "ess_alarm" not in console[0]
     assert [v for _, v in s["train/policy_lag"]] == [0.0] * 4
     # the weights really moved (else ESS = 1 would prove nothing)
     assert min(v for _, v in s["train/grad_norm"]) > 0
@@ -58,7 +68,7 @@ def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
 def test_dashboard_tags_and_histograms(sync_run):
     """P3O with an IcePop correction, 2 micro-batches: the dashboard's tags, and on-policy data keeps
     every token with weight 1 (pi_prox = pi_b)."""
-    s, out, _ = sync_run
+    s, out, _, _ = sync_run
     for tag in ["train/ess", "train/loss", "train/kl_behavior", "train/ratio_max", "train/capped_frac",
                 "rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "rollout/degenerate_frac"]:
         assert tag in s, tag
@@ -120,10 +130,24 @@ def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
 
 
 def test_validation_in_fit_and_validate_from_checkpoint(sync_run):
-    s, out, cfg = sync_run
+    s, out, cfg, _ = sync_run
     assert len(s["val/reward_mean"]) == 2 and 0 <= s["val/reward_mean"][0][1] <= 1       # every 2nd of 4 epochs
     passes = [s[f"val/pass@{k}"][-1][1] for k in (1, 2, 3)]
     assert 0 <= passes[0] <= passes[1] <= passes[2] <= 1 and "val/pass@4" not in s
     res = cli(["validate", "--config", str(out / "config.yaml"), "--ckpt_path", str(out / "ckpt" / "last.ckpt")])
     assert res.returncode == 0, res.stderr[-4000:]
     assert "val/reward_mean" in res.stdout
+
+
+def test_a_broken_weight_sync_stops_the_run_with_ess_alarm_error(tiny_model_dir, tmp_path):
+    """A sync that keeps pushing the first weights (labelled as current): with model.ess_alarm_error the
+    run stops at step 1, the first step whose engine lags, with one line that says what is wrong."""
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, lr=2e-2, extra_model={"ess_alarm_error": True})
+    cfg["trainer"]["callbacks"][0] = {"class_path": "e2e_utils.StaleWeightSync"}
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    line = next(ln for ln in res.stderr.splitlines() if ln.startswith("lit-ess: error: "))
+    assert re.search(r"^lit-ess: error: step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below ess_alarm=0\.999 "
+                    r"on rows sampled by the trainer's current weights at its precision \(float32\) and temperature "
+                    r"\(1\.0\), where it must be 1: .*\(check the weight sync\)$", line), line
+    assert len(scalars(tmp_path)["train/loss"]) == 1                        # step 0 (fresh weights) trained

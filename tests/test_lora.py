@@ -4,6 +4,7 @@ exactly after a kill -9 from an adapter-only checkpoint, and exports through `li
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -264,8 +265,9 @@ def test_adapter_payload_reproduces_the_adapted_model(adapted, tiny_model_dir, t
 @pytest.mark.e2e
 def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_model_dir, tmp_path):
     """lora.sync: adapter with vLLM serving the pushed adapters: ESS 1 on every step. The same run with
-    a sync that keeps handing the engine the first adapter (labelled as current) drops below 1."""
-    runs = {}
+    a sync that keeps handing the engine the first adapter (labelled as current) drops below 1, and the
+    lag-0 ESS alarm (issue 18 item 6) warns once with the numbers and counts every such step."""
+    runs, alarms, console = {}, {}, {}
     for name, sync in (("adapter", "lit_ess.callbacks.WeightSync"), ("stale", "e2e_utils.StaleWeightSync")):
         out = tmp_path / name
         cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
@@ -275,8 +277,15 @@ def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_mod
         res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
         assert res.returncode == 0, res.stderr[-4000:]
         runs[name] = [v for _, v in scalars(out)["train/ess"]]
+        alarms[name] = [v for _, v in scalars(out)["train/ess_alarms"]]
+        console[name] = res.stderr
     assert len(runs["adapter"]) == 3 and min(runs["adapter"]) >= 0.9999, runs
     assert runs["stale"][0] >= 0.9999 and min(runs["stale"][1:]) < 0.999, runs
+    assert alarms == {"adapter": [0.0, 0.0, 0.0], "stale": [0.0, 1.0, 2.0]}, alarms
+    assert "ess_alarm" not in console["adapter"]
+    assert console["stale"].count("below ess_alarm=0.999") == 1, console["stale"][-3000:]
+    assert re.search(r"step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below ess_alarm=0\.999 .*"
+                     r"check the weight sync", console["stale"]), console["stale"][-3000:]
 
 
 def test_demo_lora_config_builds_as_written(tiny_model_dir, tmp_path):

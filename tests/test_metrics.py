@@ -125,7 +125,7 @@ def test_every_metric_an_objective_makes_has_a_rule(cls):
     lp = torch.randn(3, 5, generator=g) - 2
     out = cls(entropy_coef=0.1, ref_kl_coef=0.1, correction=ISCorrection())(
         lp, lp + 0.1 * torch.randn(3, 5, generator=g), torch.randn(3, generator=g), torch.ones(3, 5, dtype=torch.bool),
-        ess=torch.tensor(0.9), ref_logprobs=lp - 0.1, entropy=torch.rand(3, 5, generator=g))
+        ess=torch.tensor(0.9), ref_logprobs=lp - 0.1, entropy=torch.rand(3, 5, generator=g), proximal_logprobs=lp - 0.05)
     undeclared = []
     for k in out.metrics:
         try:

@@ -219,3 +219,113 @@ def test_on_policy_p3o_equals_reinforce(B, T, seed):
     assert torch.allclose(g1, lp.grad, atol=1e-12)
     if mask.any():
         assert p3o.metrics["ess"].item() == pytest.approx(1.0, abs=1e-12)
+
+
+# ---------------------------------------------------------------- proximal logprobs (issue 18, items 1 and 5)
+
+
+def test_grpo_clips_around_the_proximal_policy_when_asked():
+    # rho = pi/pi_b = [2, 1]; pi_prox = [.45, .25] -> r = pi/pi_prox = [10/9, 1], A = [1, -1]
+    # old: behavior clips t1 (2 > 1.2: no gradient); old: proximal keeps it (10/9 < 1.2):
+    # loss = -(10/9 - 1) / 2 = -1/18, d/dlp = -r A / 2 = [-5/9, 1/2]
+    prox = torch.log(torch.tensor([[0.45, 0.25]], dtype=torch.float64))
+    lp, lb, adv, mask = two_tokens()
+    out = GRPO()(lp, lb, adv, mask, proximal_logprobs=prox)           # default: around pi_b, prox unused
+    assert out.loss.item() == pytest.approx(-0.1, abs=1e-12) and out.metrics["clip_ratio"].item() == 0.5
+    lp, lb, adv, mask = two_tokens()
+    out = GRPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
+    assert out.loss.item() == pytest.approx(-1 / 18, abs=1e-12)
+    out.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([-5 / 9, 0.5], abs=1e-12)
+    assert out.metrics["clip_ratio"].item() == 0.0                     # clip fraction around pi_prox
+    assert out.metrics["ratio_max"].item() == pytest.approx(2.0)       # ratio statistics stay against pi_b
+    # pi_prox = [.4, .25]: r = [1.25, 1]; GRPO clips t1 at 1.2, DAPO (clip_high .28) does not
+    prox = torch.log(torch.tensor([[0.4, 0.25]], dtype=torch.float64))
+    lp, lb, adv, mask = two_tokens()
+    out = GRPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
+    assert out.loss.item() == pytest.approx(-0.1, abs=1e-12) and out.metrics["clip_ratio_high"].item() == 0.5
+    out = DAPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
+    assert out.loss.item() == pytest.approx(-0.125, abs=1e-12) and out.metrics["clip_ratio"].item() == 0.0
+
+
+def test_a_call_without_proximal_logprobs_is_the_first_step_on_its_data():
+    # pi_prox = the current policy: r = 1 on both tokens, nothing clipped: loss = -(1 - 1) / 2, grad -A / 2
+    for obj in (GRPO(old="proximal"), DAPO(old="proximal"), DecoupledPPO(behavior_cap=1e9)):
+        lp, lb, adv, mask = two_tokens()
+        out = obj(lp, lp.detach(), adv, mask)
+        assert out.loss.item() == pytest.approx(0.0, abs=1e-12), obj
+        out.loss.backward()
+        assert lp.grad.tolist()[0] == pytest.approx([-0.5, 0.5], abs=1e-12), obj
+
+
+def test_gspo_sequence_ratio_around_the_proximal_policy():
+    # pi_prox = pi except t1 at lp - 2e-4: s = exp(mean(2e-4, 0)) = e^1e-4, inside [1 - 3e-4, 1 + 4e-4]
+    # A = [1, 1]: loss = -s, d/dlp_t = -s A / 2 (old: behavior has s = sqrt 2, clipped, no gradient)
+    lp, lb, adv, mask = two_tokens(adv=(1.0, 1.0))
+    prox = lp.detach() - torch.tensor([[2e-4, 0.0]], dtype=torch.float64)
+    out = GSPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
+    s = math.exp(1e-4)
+    assert out.loss.item() == pytest.approx(-s, abs=1e-12)
+    out.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([-s / 2, -s / 2], abs=1e-12)
+    assert out.metrics["clip_ratio"].item() == 0.0
+
+
+def test_objectives_say_whether_they_need_proximal_logprobs():
+    assert [o.needs_proximal for o in (P3O(), GRPO(), DAPO(), GSPO(), REINFORCE(), DecoupledPPO())] == \
+        [False, False, False, False, False, True]
+    assert GRPO(old="proximal").needs_proximal and GSPO(old="proximal").needs_proximal
+    assert P3O(kl_anchor="behavior_at_train_temperature").needs_proximal
+    assert not P3O(kl_anchor="behavior_at_train_temperature", adaptive_kl=False).needs_proximal
+    with pytest.raises(ValueError, match="old='pi_b' is not one of"):
+        DAPO(old="pi_b")
+    with pytest.raises(ValueError, match="kl_anchor='proximal' is not one of"):
+        P3O(kl_anchor="proximal")
+
+
+def test_p3o_kl_anchor_at_the_train_temperature_hand_computed():
+    # rho = [2, 1] against pi_b: e_B = 0.9 and weight [0.9, 0.9] as in test_p3o_hand_computed: pg = -0.45 ln 2.
+    # anchor la = [ln .5, ln .5]: lp - la = [0, -ln 2], k3 = [0, 2 - 1 - ln 2]: kl = (1 - ln 2) / 2
+    # d/dlp_t = (-w_t A_t + (1 - e) (1 - exp(la_t - lp_t))) / 2 = [(-0.9 + 0) / 2, (0.9 + 0.1 * (1 - 2)) / 2]
+    lp, lb, adv, mask = two_tokens()
+    la = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    out = P3O(kl_anchor="behavior_at_train_temperature")(lp, lb, adv, mask, proximal_logprobs=la)
+    assert out.loss.item() == pytest.approx(-0.45 * LN2 + 0.1 * (1 - LN2) / 2, abs=1e-12)
+    assert out.metrics["ess"].item() == pytest.approx(0.9, abs=1e-7)          # the ratio keeps the true pi_b
+    assert out.metrics["kl_term"].item() == pytest.approx((1 - LN2) / 2, abs=1e-12)
+    out.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([-0.45, 0.4], abs=1e-12)
+
+
+def test_the_train_temperature_anchor_stops_the_pull_toward_a_tempered_copy():
+    """Lag 0, sampled at T_s = 1.5 and trained at T_t = 1.0 (the collapse of docs/results.md): the policy's
+    logits z over 3 tokens are the sampler's. pi_b = softmax(z / 1.5) is flatter than pi = softmax(z).
+    The default anchor's KL gradient pushes the likely token down (toward the tempered copy); the
+    anchor at the trainer's temperature, log softmax(z / 1.0) of the sampling weights, is the policy
+    itself: k3 = 0 and no gradient, while e_B (from the true pi_b) and the policy-gradient term are the
+    same. The anchor also equals (T_s / T_t)(log pi_b + log Z_s) - log Z_t (the docstring's identity)."""
+    z = torch.tensor([2.0, 0.5, -1.0], dtype=torch.float64)
+    Ts, Tt = 1.5, 1.0
+    y = torch.tensor([0, 0, 1, 2])                           # sampled tokens, one sequence
+    lp = torch.log_softmax(z / Tt, -1)[y][None].clone().requires_grad_()
+    lb = torch.log_softmax(z / Ts, -1)[y][None]
+    la = torch.log_softmax(z / Tt, -1)[y][None]
+    assert torch.allclose(la, Ts / Tt * (lb + torch.logsumexp(z / Ts, -1)) - torch.logsumexp(z / Tt, -1))
+    adv, mask = torch.zeros(1, 4, dtype=torch.float64), torch.ones(1, 4, dtype=torch.bool)   # A = 0: the KL alone
+    sampler = P3O()(lp, lb, adv, mask)
+    sampler.loss.backward()
+    g_sampler, lp.grad = lp.grad.clone(), None
+    trainer = P3O(kl_anchor="behavior_at_train_temperature")(lp, lb, adv, mask, proximal_logprobs=la)
+    trainer.loss.backward()
+    e = float(batch_ess_of(lp.detach() - lb))
+    assert e < 1 and trainer.metrics["ess"].item() == pytest.approx(e) == sampler.metrics["ess"].item()
+    # default: d/dlp_t = (1 - e) (1 - pi_b / pi) / 4; token 0 is likelier under pi than pi_b: pushed down
+    want = (1 - e) * (1 - (lb - lp.detach()).exp()) / 4
+    assert g_sampler[0].tolist() == pytest.approx(want[0].tolist(), abs=1e-12) and g_sampler[0, 0] > 0
+    assert trainer.loss.item() == 0.0 and lp.grad.abs().max().item() == 0.0
+
+
+def batch_ess_of(log_ratio):
+    from lit_ess.objectives import batch_ess
+
+    return batch_ess(log_ratio, torch.ones_like(log_ratio, dtype=torch.bool))

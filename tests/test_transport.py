@@ -170,3 +170,27 @@ def test_worker_devices_map_through_the_parents_visible_devices():
     assert visible_devices([1, 2], "3,5,7") == "5,7"
     with pytest.raises(ValueError, match="shows 2 devices"):
         visible_devices([2], "0,1")
+
+
+def test_shared_memory_push_holds_one_yielded_tensor_at_a_time():
+    """An FSDP2 policy's weights are gathered one tensor at a time as the iterator is consumed: after
+    the first push (which learns the layout), a push copies each tensor into its slot before taking the
+    next, so no earlier gathered tensor is still alive (it held them all, the whole model per rank)."""
+    import gc
+    import weakref
+
+    alive = []
+
+    def gathered():
+        for i in range(5):
+            t = torch.full((4, 3), float(i))
+            alive.append(weakref.ref(t))
+            gc.collect()
+            assert sum(r() is not None for r in alive) == 1, "an earlier gathered tensor is still held"
+            yield f"w{i}", t
+            del t
+
+    t = SharedMemory(slots=2)
+    t.push(((f"w{i}", torch.zeros(4, 3)) for i in range(5)), 0, lambda msg: None)      # learns the layout
+    ticket = t.push(gathered(), 1, lambda msg: None)
+    assert [float(t.slots[ticket.slot][torch.float32][12 * i]) for i in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -94,6 +94,13 @@ class EngineConfig:
         process) or a shared-memory slot (worker process)."""
         return WeightTransfer("in_process" if in_process else "shared_memory")
 
+    def exact_dtype(self) -> str | None:
+        """The dtype in which this engine's behaviour logprobs equal the trainer's at policy lag 0 (same
+        weights, same sampling settings), or None when they are not meant to (raw or quantized
+        logprobs; an engine that does not say). The lag-0 ESS alarm (PolicyModule.ess_alarm) applies
+        only when it equals the trainer's dtype."""
+        return None
+
     def worker_env(self) -> dict[str, str]:
         """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an
         engine on its own GPUs). Default: none, the worker sees the trainer's devices (colocated)."""

@@ -48,6 +48,9 @@ class HFConfig(EngineConfig):
         if self.behavior_logprobs not in ("processed", "raw"):
             raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
 
+    def exact_dtype(self) -> str | None:
+        return None if self.behavior_logprobs == "raw" else self.dtype
+
     def build(self, model_path: str) -> "HFEngine":
         return HFEngine(model_path, self)
 

@@ -123,6 +123,13 @@ class VLLMConfig(EngineConfig):
             raise ValueError("transport: nccl needs worker_devices (the engine on its own GPUs; NCCL cannot put "
                              "two ranks on one GPU): set worker_devices, or transport: shared_memory when colocated")
 
+    def exact_dtype(self) -> str | None:
+        kw = self.vllm_kwargs
+        if self.behavior_logprobs == "raw" or self.dtype == "auto" or kw.get("quantization") or \
+                kw.get("kv_cache_dtype", "auto") != "auto":
+            return None
+        return self.dtype
+
     def engine_ranks(self) -> int:
         """GPU workers of the engine: tensor x pipeline parallel size."""
         kw = self.vllm_kwargs

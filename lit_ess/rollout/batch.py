@@ -10,10 +10,17 @@ Tensors are `[B, T]` over prompt + completion tokens, left-aligned and right-pad
     rewards            [B]    float   reward of each row
     versions           [B]    long    policy version (optimizer step of the weights) that sampled each row
     prompt_ids         [B]    long    index of each row's prompt in its source (for audits)
+    prox_logprobs      [B, T] float   log pi_prox: the trainer's own logprobs with the weights that start the
+                                      batch's phase (lit_ess.callbacks.ProximalLogprobs), or None
+    prox_version       int            the optimizer step whose weights give pi_prox (-1: none). The batch
+                                      trained at the phase's first step has this step's version and no
+                                      prox_logprobs: its own gradient pass computes them (lp.detach()).
 
-plus what the step needs to score tokens as the engine sampled them (`sampling`), the texts for
-logging, the rollout statistics of the phase the rows come from, and `max_staleness`: the trainer
-refuses a batch whose oldest row is more than that many optimizer steps old.
+plus what the step needs to score tokens as the engine sampled them (`sampling`: temperature, top_k,
+top_p, max_new_tokens, and `engine_dtype`, the dtype whose logprobs match the trainer's, for the ESS
+alarm; None when none does), the texts for logging, the rollout statistics of the phase the rows come
+from, and `max_staleness`: the trainer refuses a batch whose oldest row is more than that many
+optimizer steps old.
 """
 from __future__ import annotations
 
@@ -40,6 +47,8 @@ class RolloutBatch:
     phase: int = 0
     index: int = 0                                     # position of this batch in its phase
     max_staleness: int = 0
+    prox_logprobs: Tensor | None = None
+    prox_version: int = -1
 
     def to_state(self) -> dict:
         """Plain containers and tensors, for checkpoints (torch.load's weights_only accepts them)."""
@@ -67,7 +76,8 @@ class RolloutBatch:
             completion_mask=self.completion_mask[rows, :width], behavior_logprobs=self.behavior_logprobs[rows, :width],
             advantages=self.advantages[rows], rewards=self.rewards[rows], versions=self.versions[rows],
             prompt_ids=self.prompt_ids[rows], prompt_texts=_pick(self.prompt_texts, idx),
-            completion_texts=_pick(self.completion_texts, idx))
+            completion_texts=_pick(self.completion_texts, idx),
+            prox_logprobs=None if self.prox_logprobs is None else self.prox_logprobs[rows, :width])
 
 
 def _pick(texts: list[str], idx) -> list[str]:

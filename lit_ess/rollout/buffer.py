@@ -15,8 +15,8 @@ older than S steps is never trained on, whatever happened before (a resume with 
 worker). Synchronous training is S = k - 1: phase p is generated with the weights of the step that
 trains its first batch.
 
-The buffer's state (ready batches with their versions, counters) is part of the checkpoint; requests
-in flight are kept by the owner and regenerated after a resume.
+The buffer's state (ready batches with their versions and any proximal logprobs, counters) is part of
+the checkpoint; requests in flight are kept by the owner and regenerated after a resume.
 """
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ class RolloutBuffer:
 
     def has_next(self) -> bool:
         return bool(self.ready.get(self.next_phase))
+
+    def waiting(self, phase: int) -> list[RolloutBatch]:
+        """The batches of `phase` not yet handed out (the objects themselves: a caller may annotate them)."""
+        return list(self.ready.get(phase, []))
 
     def rows(self) -> int:
         return sum(b.rows for bs in self.ready.values() for b in bs)

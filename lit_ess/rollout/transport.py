@@ -113,22 +113,30 @@ class SharedMemory(WeightTransport):
         self.current: int | None = None          # slot of the newest push: kept until replaced
 
     def push(self, named_tensors, version, send, in_use=()):
-        state = {k: v.detach() for k, v in named_tensors}
+        """Copies each tensor into the slot as the iterator yields it, so an FSDP2 policy has at most
+        one gathered tensor beside its shards. The first push learns the layout: it keeps host copies
+        until the slots exist."""
         if self.slots is None:
+            state = {k: v.detach().to("cpu", copy=True) for k, v in named_tensors}
             self.layout, sizes = flat_layout(state)
             self.slots = [{d: torch.empty(n, dtype=d).share_memory_() for d, n in sizes.items()} for _ in range(self.n)]
             send(("slots", self.slots, self.layout))
-        if set(state) != set(self.layout):
-            raise RuntimeError(f"weights changed names between pushes: {sorted(set(state) ^ set(self.layout))[:5]}")
+            named_tensors = state.items()
         busy = {t.slot for t in in_use} | ({self.current} if self.current is not None else set())
         free = [j for j in range(self.n) if j not in busy]
         if not free:
             raise RuntimeError(f"no free weight slot: requests name all {self.n} slots")
-        j = free[0]
+        j, seen = free[0], set()
         with torch.no_grad():
-            for name, t in state.items():
+            for name, t in named_tensors:
+                if name not in self.layout:
+                    raise RuntimeError(f"weights changed names between pushes: {name!r} is new")
                 dtype, off, shape = self.layout[name]
-                self.slots[j][dtype][off:off + t.numel()].view(shape).copy_(t)
+                self.slots[j][dtype][off:off + t.numel()].view(shape).copy_(t.detach())
+                seen.add(name)
+                del t                                   # freed before the next one is gathered
+        if seen != set(self.layout):
+            raise RuntimeError(f"weights changed names between pushes: {sorted(set(self.layout) - seen)[:5]} missing")
         self.current = j
         return Ticket(version, j)
 

@@ -172,7 +172,7 @@ class RolloutWorker:
             "rollout/phase": float(req.phase),
         }
         sampling = {"temperature": c.sampling.temperature, "top_k": c.sampling.top_k, "top_p": c.sampling.top_p,
-                    "max_new_tokens": c.sampling.max_new_tokens}
+                    "max_new_tokens": c.sampling.max_new_tokens, "engine_dtype": c.engine.exact_dtype()}
         k = c.steps_per_rollout
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
         batches = [collate(chunk, self.pad_id, sampling=sampling, stats=dict(stats), phase=req.phase, index=i,

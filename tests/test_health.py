@@ -1,0 +1,57 @@
+"""The lag-0 ESS alarm (issue 18, item 6): when it applies, once-only warning, the count, the error switch."""
+import pytest
+
+from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.health import ESSAlarm
+
+EXACT = dict(engine_dtype="float32", trainer_dtype="float32", sample_temperature=1.0, train_temperature=1.0)
+
+
+def test_it_applies_only_where_the_ess_must_be_one():
+    a = ESSAlarm()
+    assert a.applies(0, "float32", "float32", 1.0, 1.0)
+    assert not a.applies(1, "float32", "float32", 1.0, 1.0)                # lag 1: stale rows
+    assert not a.applies(0, "bfloat16", "float32", 1.0, 1.0)               # precision mismatch
+    assert not a.applies(0, None, None, 1.0, 1.0)                          # the engine does not say
+    assert not a.applies(0, "float32", "float32", 1.5, 1.0)                # temperature mismatch
+    assert not ESSAlarm(None).applies(0, "float32", "float32", 1.0, 1.0)   # off
+
+
+def test_warns_once_with_the_numbers_and_counts_every_step():
+    a = ESSAlarm(0.999)
+    assert a.check(3, 0.9995, 1.0, 0, **EXACT) is None and a.count == 0
+    first = a.check(4, 0.0213, 3e-7, 0, **EXACT)
+    assert first.startswith("step 4: ESS 0.021300 (mean ratio pi_theta/pi_b 3e-07) below ess_alarm=0.999")
+    assert "check the weight sync" in first and "\n" not in first
+    assert a.check(5, 0.5, 0.4, 0, **EXACT) is None and a.count == 2       # counted, not warned again
+    assert a.check(6, 0.5, 0.4, 2, **EXACT) is None and a.count == 2       # lag 2: not a fault
+
+
+def test_the_switch_makes_it_an_error():
+    with pytest.raises(RuntimeError, match=r"^step 1: ESS 0\.100000 .*\(check the weight sync\)$"):
+        ESSAlarm(0.999, error=True).check(1, 0.1, 0.01, 0, **EXACT)
+    with pytest.raises(ValueError, match="ess_alarm must be in"):
+        ESSAlarm(1.5)
+
+
+def test_engines_say_when_their_logprobs_are_the_trainers():
+    assert VLLMConfig().exact_dtype() == "float32" and VLLMConfig(dtype="bfloat16").exact_dtype() == "bfloat16"
+    assert VLLMConfig(behavior_logprobs="raw").exact_dtype() is None
+    assert VLLMConfig(vllm_kwargs={"quantization": "fp8"}).exact_dtype() is None
+    assert VLLMConfig(vllm_kwargs={"kv_cache_dtype": "fp8"}).exact_dtype() is None
+    assert VLLMConfig(dtype="auto").exact_dtype() is None
+    assert HFConfig().exact_dtype() == "float32" and HFConfig(behavior_logprobs="raw").exact_dtype() is None
+
+
+def test_the_trainers_dtype_follows_precision_and_fsdp2s_cast(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from lit_ess.module import PolicyModule
+
+    m = PolicyModule(tiny_model_dir, model_dtype="bfloat16")
+    assert m._trainer_dtype() == "bfloat16"                          # no Trainer: "32-true", the stored dtype
+    for precision, want in (("32-true", "bfloat16"), ("bf16-true", "bfloat16"), ("bf16-mixed", None), ("16-mixed", None)):
+        m._trainer = SimpleNamespace(precision=precision)
+        assert m._trainer_dtype() == want, precision
+    m._trainer, m.compute_dtype = SimpleNamespace(precision="32-true"), "float16"   # FSDP2 param_dtype float16
+    assert m._trainer_dtype() == "float16"

@@ -1,0 +1,137 @@
+"""Proximal logprobs (issue 18, item 1): the trainer's own old logprobs, scored once per rollout phase with
+the weights of the step that starts it, in the gradient pass's own micro-batches."""
+from dataclasses import replace
+
+import lightning as L
+import pytest
+import torch
+
+from lit_ess.callbacks import ProximalLogprobs, WeightSync
+from lit_ess.datamodules import Arithmetic, RolloutDataModule
+from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.logprobs import sequence_logprobs
+from lit_ess.lora import LoRA
+from lit_ess.module import PolicyModule
+from lit_ess.objectives import GRPO, DecoupledPPO
+from lit_ess.rollout import RolloutBuffer
+
+
+def data(model_dir, k=2, **kw):
+    return RolloutDataModule(model_path=model_dir, engine=HFConfig(), source=Arithmetic(size=200), prompts_per_rollout=4,
+                             samples_per_prompt=4, steps_per_rollout=k, sampling=SamplingConfig(max_new_tokens=6, seed=0),
+                             reward="e2e_utils:digit_fraction", **kw)
+
+
+@pytest.fixture(scope="module")
+def phase(tiny_model_dir):
+    dm = data(tiny_model_dir)
+    dm.setup("fit")
+    return dm.generate_phase()                    # 2 batches of 8 rows, sampled with the initial weights
+
+
+class Recording(DecoupledPPO):
+    """DecoupledPPO that keeps the logprobs and proximal logprobs of every call."""
+
+    def __call__(self, logprobs, *args, proximal_logprobs=None, **kwargs):
+        self.__dict__.setdefault("seen", []).append((logprobs.detach().clone(), proximal_logprobs))
+        return super().__call__(logprobs, *args, proximal_logprobs=proximal_logprobs, **kwargs)
+
+
+@pytest.mark.parametrize("lora", [None, LoRA(rank=4)], ids=["full", "lora"])
+def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_model_dir, phase, lora):
+    """score_proximal in micro-batches of 3 rows (3 + 3 + 2) at train temperature 0.7 gives, for the batch
+    trained at the phase's first step, exactly the lp.detach() of its gradient pass: the same forward
+    (with LoRA: adapters on, here non-zero). The callback's shortcut (mark that batch, score only the
+    waiting ones) therefore gives the identical update."""
+    grads = []
+    for scored in (True, False):
+        m = PolicyModule(tiny_model_dir, objective=Recording(), micro_batch_size=3, lora=lora, train_temperature=0.7)
+        torch.manual_seed(0)                       # the same adapters in both modules
+        m.configure_model()
+        if lora is not None:
+            for n, p in m.policy.named_parameters():
+                if "lora_B" in n:
+                    p.data.normal_(0, 0.5)
+        b0, b1 = (replace(b) for b in phase)
+        if scored:
+            m.score_proximal([b0, b1], pad=b0)
+            assert b0.prox_version == b1.prox_version == 0 and b1.prox_logprobs.shape == b1.behavior_logprobs.shape
+        else:
+            b0.prox_version = 0                    # what ProximalLogprobs does for the batch it is about to train
+        m.accumulate_gradients(b0)
+        assert len(m.objective.seen) == 3
+        for lp, prox in m.objective.seen:
+            assert torch.equal(prox, lp)
+        grads.append(torch.cat([p.grad.flatten() for p in m.policy.parameters() if p.grad is not None]))
+    assert torch.equal(*grads)
+
+
+def test_an_objective_that_needs_them_names_the_callback(tiny_model_dir, phase):
+    m = PolicyModule(tiny_model_dir, objective=GRPO(old="proximal"))
+    m.configure_model()
+    with pytest.raises(ValueError, match="objective GRPO uses the trainer's proximal logprobs, which this run does not "
+                                         "compute: add lit_ess.callbacks.ProximalLogprobs to trainer.callbacks"):
+        m.accumulate_gradients(replace(phase[0]))
+    with pytest.raises(ValueError, match="objective DecoupledPPO .* add lit_ess.callbacks.ProximalLogprobs"):
+        fit(tiny_model_dir, PolicyModule(tiny_model_dir, objective=DecoupledPPO()), [WeightSync()], steps=1)
+
+
+def test_select_and_the_buffer_state_keep_them(phase):
+    b = replace(phase[1], prox_logprobs=torch.randn(phase[1].behavior_logprobs.shape), prox_version=7)
+    part = b.select([1, 3])
+    width = part.input_ids.shape[1]
+    assert torch.equal(part.prox_logprobs, b.prox_logprobs[[1, 3], :width]) and part.prox_version == 7
+    buf = RolloutBuffer(2, 1)
+    buf.put(0, [replace(phase[0]), b])
+    buf.take(0)
+    again = RolloutBuffer(2, 1)
+    again.load_state_dict(buf.state_dict())            # a mid-phase checkpoint
+    (kept,) = again.waiting(0)
+    assert torch.equal(kept.prox_logprobs, b.prox_logprobs) and kept.prox_version == 7
+
+
+def fit(model_dir, module, callbacks, steps, k=2, **data_kw):
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
+    trainer.fit(module, data(model_dir, k, **data_kw))
+    return trainer
+
+
+class CheckProximal(L.Callback):
+    """After ProximalLogprobs: at a phase's first step, keep the weights and check the batch is marked and
+    the waiting one scored; at the second step, score its rows with the kept weights."""
+
+    def __init__(self):
+        self.checked = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = trainer.global_step
+        if batch.index == 0:
+            assert batch.prox_version == step and batch.prox_logprobs is None
+            (waiting,) = trainer.datamodule.waiting_batches(batch.phase)
+            assert waiting.prox_version == step and waiting.prox_logprobs is not None
+            self.weights = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+            return
+        from transformers import AutoModelForCausalLM
+
+        start = AutoModelForCausalLM.from_pretrained(pl_module.hparams.model_path)
+        start.load_state_dict(self.weights)
+        m = batch.completion_mask
+        want, _ = sequence_logprobs(start.eval(), batch.input_ids, batch.attention_mask, m)
+        now, _ = sequence_logprobs(pl_module.policy, batch.input_ids, batch.attention_mask, m)
+        assert batch.prox_version == step - 1
+        assert torch.allclose(batch.prox_logprobs[m], want[m], atol=1e-5)
+        assert (now[m] - want[m]).abs().max() > 1e-3                     # the first step really moved the policy
+        self.checked += 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model_dir, mode):
+    """A plain Trainer, 2 steps per rollout, DecoupledPPO in micro-batches of 3: the second batch of each
+    phase carries the logprobs of the weights that trained the first, not the current ones (async: the
+    worker process generates ahead, max_staleness 2, and the buffer's waiting batches are scored alike)."""
+    check = CheckProximal()
+    module = PolicyModule(tiny_model_dir, objective=DecoupledPPO(), micro_batch_size=3, lr=1e-2)
+    extra = {"mode": "async", "max_staleness": 2} if mode == "async" else {}
+    fit(tiny_model_dir, module, [WeightSync(), ProximalLogprobs(), check], steps=4, **extra)
+    assert check.checked == 2
