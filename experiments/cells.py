@@ -55,19 +55,17 @@ PROXIMAL = {"trainer.callbacks": CALLBACKS + [{"class_path": "lit_ess.callbacks.
 OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
 K, S = "data.init_args.steps_per_rollout", "data.init_args.max_staleness"
 
-# DecoupledPPO with the proximal policy recomputed by the trainer (branch `evidence`): once it is on
-# main, set this to {"trainer.callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
-# {"class_path": "lit_ess.callbacks.ProximalLogprobs"}]}. Empty: today's DecoupledPPO, whose proximal is
-# the policy before each step (lp.detach()), so its clip never binds and it is capped IS.
-DECOUPLED_PROXIMAL: dict = {}
-
-# The stress experiments' methods: label -> overrides.
+# The stress experiments' methods: label -> overrides. The corrections and decoupled PPO take pi_prox
+# recomputed by the trainer once per phase (PROXIMAL), as verl and TRL do: the correction weighs
+# pi_prox / pi_b, GRPO's clip then acts around pi_prox.
 METHODS = {
     "grpo_eps0.2": objective("GRPO", clip_eps=0.2),
     "grpo_eps0.6": objective("GRPO", clip_eps=0.6),
-    "grpo_tis": objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "truncate", "high": 2.0}),
-    "grpo_icepop": objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "mask", "high": 2.0}),
-    "decoupled": {**objective("DecoupledPPO"), **DECOUPLED_PROXIMAL},
+    "grpo_tis": {**objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "truncate", "high": 2.0}),
+                 **PROXIMAL},
+    "grpo_icepop": {**objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "mask", "high": 2.0}),
+                    **PROXIMAL},
+    "decoupled": {**objective("DecoupledPPO"), **PROXIMAL},
     "p3o": objective("P3O"),
     "p3o_no_kl": objective("P3O", adaptive_kl=False),
 }
