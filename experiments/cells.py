@@ -10,6 +10,11 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     precision    bf16 rollouts against the fp32 trainer: GRPO vs P3O (fp32 rollouts as control)
     staleness    async, max_staleness 0/1/2/4: P3O, GRPO, decoupled PPO
     ablations    off-policy regime: P3O, without the (1 - e_B) KL term, without the cap, ESS per micro-batch
+    stress_k     steps per rollout k up to where methods break: 7 methods x 2 learning rates
+    stress_s     staleness S up to where methods break (sync, generated ahead: exactly reproducible)
+
+Held-out evaluation samples at T = 1.0 in every run (`val_sampling`), one ruler for every cell; the
+temperature cells also get a final evaluation at their own temperature (`Cell.own_val`).
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ OBJ = "lit_ess.objectives."
 class Cell:
     label: str                        # folder name and legend entry
     overrides: dict = field(default_factory=dict)
+    method: str | None = None         # stress experiments: the method (a line per learning rate) ...
+    level: int | None = None          # ... and its x (k or S)
+    same_as: str | None = None        # "<experiment>/<cell>": the same config, run (and stored) once there
 
 
 @dataclass
@@ -31,6 +39,8 @@ class Experiment:
     question: str
     cells: list[Cell]
     common: dict = field(default_factory=dict)   # overrides shared by every cell
+    axis: str | None = None           # stress experiments: the level's name (x axis of the plot)
+    batch_per_step: bool = False      # prompts_per_rollout = scale.prompts x k: the same rows per step at every k
 
 
 def objective(name: str, **init_args) -> dict:
@@ -43,6 +53,52 @@ CALLBACKS = [{"class_path": "lit_ess.callbacks.WeightSync"}]
 # rollout they are the step's own lp.detach(), so this costs no forward there)
 PROXIMAL = {"trainer.callbacks": CALLBACKS + [{"class_path": "lit_ess.callbacks.ProximalLogprobs"}]}
 OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
+K, S = "data.init_args.steps_per_rollout", "data.init_args.max_staleness"
+
+# The stress experiments' methods: label -> overrides. The corrections and decoupled PPO take pi_prox
+# recomputed by the trainer once per phase (PROXIMAL), as verl and TRL do: the correction weighs
+# pi_prox / pi_b, GRPO's clip then acts around pi_prox.
+METHODS = {
+    "grpo_eps0.2": objective("GRPO", clip_eps=0.2),
+    "grpo_eps0.6": objective("GRPO", clip_eps=0.6),
+    "grpo_tis": {**objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "truncate", "high": 2.0}),
+                 **PROXIMAL},
+    "grpo_icepop": {**objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "mask", "high": 2.0}),
+                    **PROXIMAL},
+    "decoupled": {**objective("DecoupledPPO"), **PROXIMAL},
+    "p3o": objective("P3O"),
+    "p3o_no_kl": objective("P3O", adaptive_kl=False),
+}
+LR = 2.0e-4                 # every experiment's learning rate
+HIGH_LR = 5.0e-4            # the stress experiments' second one (1e-3 collapsed on-policy in the pilot)
+# Levels: k = 48 trains the whole 48-step run on the warm start's samples; in sync mode the lag grows
+# by one step every two, so a 48-step run reaches lag 24 at most and any S >= 24 is the same run.
+# 7 methods x 2 rates x 3 seeds x (2 + 2) levels = 168 runs (S = 0 is k = 1).
+K_LEVELS = (1, 48)          # steps per rollout; the per-step batch stays the same (prompts x k per rollout)
+S_LEVELS = (8, 24)          # staleness with k = 1; S = 0 is stress_k's k = 1 run
+
+
+def lr_tag(lr: float) -> str:
+    return f"lr{lr:.0e}".replace("e-0", "e-")
+
+
+def stress(axis: str) -> list[Cell]:
+    """Every level x learning rate x method (the first cell is the lowest level of the first line).
+    stress_s's S = 0 is stress_k's k = 1 run: the same config, run once."""
+    cells = []
+    for level in (K_LEVELS if axis == "k" else S_LEVELS):
+        for lr in (LR, HIGH_LR):
+            for m, over in METHODS.items():
+                over = {**over, "model.init_args.lr": lr}
+                if axis == "k":
+                    cells.append(Cell(f"{m}_{lr_tag(lr)}_k{level}", {**over, K: level}, m, level))
+                else:
+                    cells.append(Cell(f"{m}_{lr_tag(lr)}_S{level}", {**over, S: level}, m, level))
+    if axis == "s":
+        cells += [Cell(c.label, c.overrides, c.method, 0, same_as=f"stress_k/{c.label}")
+                  for c in stress("k") if c.level == 1]
+    return cells
+
 
 EXPERIMENTS = {e.name: e for e in [
     Experiment(
@@ -85,6 +141,19 @@ EXPERIMENTS = {e.name: e for e in [
          Cell("p3o_ess_micro", {**objective("P3O"), "model.init_args.ess_scope": "micro",
                                 "model.init_args.micro_batch_size": 16})],
         common=OFF_POLICY),
+    Experiment(
+        "stress_k", "Stress: steps per rollout k",
+        "With k optimizer steps per rollout (lag 0..k-1; every step trains on the same number of rows, the "
+        "rollout grows with k), at which k does each method break, at the experiments' learning rate and at "
+        "a higher one?",
+        stress("k"), axis="steps per rollout k", batch_per_step=True),
+    Experiment(
+        "stress_s", "Stress: staleness S (generated ahead, deterministic)",
+        "One step per rollout, the engine generating ahead with older weights as far as the bound S allows "
+        "(`mode: sync` with `max_staleness` S: the lag is exactly reproducible, no worker process and no "
+        "timing noise; it grows from 0 by about one step every two steps until it reaches S, the mean lag is "
+        "on the page): at which S does each method break?",
+        stress("s"), axis="staleness S"),
 ]}
 
 
@@ -111,7 +180,7 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
     return {
         "seed_everything": seed,
         "model": {"class_path": "lit_ess.module.PolicyModule",
-                  "init_args": {"model_path": model_path, "lr": 2.0e-4, "max_grad_norm": 1.0,
+                  "init_args": {"model_path": model_path, "lr": LR, "max_grad_norm": 1.0,
                                 "objective": {"class_path": OBJ + "P3O"}}},
         "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": {
             "source": {"class_path": "lit_ess.datamodules.Arithmetic",
@@ -123,7 +192,7 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
             "val_source": {"class_path": "lit_ess.datamodules.Arithmetic",
                            "init_args": {"digits": 2, "ops": "+", "size": scale.val_prompts, "seed": 1,
                                          "split": "test"}},
-            "val_prompts": scale.val_prompts, "val_samples": 4}},
+            "val_prompts": scale.val_prompts, "val_samples": 4, "val_sampling": {"temperature": 1.0}}},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": scale.steps,
                     "check_val_every_n_epoch": scale.val_every, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_checkpointing": False,
@@ -134,9 +203,13 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
 
 
 def temperature(cell: Cell) -> float:
-    """The cell's sampling temperature: validation samples with it too, so its baseline is the warm
-    start validated at the same temperature."""
+    """The cell's sampling temperature. Held-out evaluation is at T = 1.0 for every cell; a cell at
+    another temperature is also evaluated at its own after training (against the warm start at it)."""
     return float(cell.overrides.get(TEMPERATURE, 1.0))
+
+
+def cell_lr(cell: Cell) -> float:
+    return float(cell.overrides.get("model.init_args.lr", LR))
 
 
 def apply(cfg: dict, overrides: dict) -> dict:

@@ -1,12 +1,18 @@
-"""The results page and plots, made from the runs' CSV files (never typed by hand).
+"""The results page and plots, made from the runs' summaries alone (experiments/results; never typed
+by hand).
 
 For each experiment: a PNG of training reward, held-out pass@1 and ESS against the optimizer step
-(mean over seeds, the band spans min..max), and a table per cell: final held-out pass@1 (mean +- std
-over seeds), its change from the warm start, the training reward of the last 10% of steps, the mean
-ESS, and the seeds that collapsed. A seed collapsed when its final held-out pass@1 is more than
-COLLAPSE below the warm start's, or its run failed; for each such seed the page lists what its logs
-show at the worst step (ESS, largest ratio, KL to pi_b, response length), the place to start
-reading the mechanism.
+(mean over seeds, the band spans min..max), and a table per cell: final held-out pass@1 at T = 1.0
+(mean +- std over seeds), its change from the warm start, the training reward of the last 10% of
+steps, the mean ESS, and the seeds that collapsed; cells sampled at another temperature add their
+final held-out pass@1 at that temperature against the warm start's at it. A seed collapsed when its
+final held-out pass@1 (T = 1.0) is more than COLLAPSE below the warm start's, or its run failed; for
+each such seed the page lists what its logs show at the worst step (ESS, largest ratio, KL to pi_b,
+response length), the place to start reading the mechanism.
+
+Stress experiments (cells with a level) instead plot final held-out pass@1 against the level, a line
+per method and a panel per learning rate (seeds' min..max shaded), and table each method's breaking
+point: the lowest level at which at least 2 of 3 seeds (BREAK of the seeds) collapsed.
 """
 from __future__ import annotations
 
@@ -16,11 +22,23 @@ import statistics
 import time
 from pathlib import Path
 
-from .cells import EXPERIMENTS, Scale, temperature
+from .cells import EXPERIMENTS, Scale, cell_lr, lr_tag, temperature
 
 COLLAPSE = 0.10
+BREAK = 2 / 3
 CURVES = [("rollout/reward_mean", "training reward (sampled)"), ("val/pass@1", "held-out pass@1"),
           ("train/ess", "ESS e_B")]
+
+
+def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """A summary's curves.csv (a row per step, a column per scalar, empty where not logged)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            for tag, value in row.items():
+                if tag != "step" and value != "":
+                    out.setdefault(tag, []).append((int(row["step"]), float(value)))
+    return out
 
 
 def read_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -31,13 +49,15 @@ def read_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _runs(out: Path, exp: str, cell: str, seeds: int) -> tuple[list[dict], int]:
-    """The finished seeds' scalars, and the number of failed seeds."""
+def _runs(summaries: Path, exp: str, cell, seeds: int) -> tuple[list[dict], int]:
+    """The finished seeds' scalars (and `summary`: the summary.json), and the number of failed seeds."""
     runs, failed = [], 0
+    folder = summaries / (cell.same_as or f"{exp}/{cell.label}")
     for s in range(seeds):
-        d = out / exp / cell / f"seed{s}"
-        if (d / "done.json").exists():
-            runs.append({"seed": s, **read_csv(d / "metrics.csv")})
+        d = folder / f"seed{s}"
+        if (d / "summary.json").exists():
+            summary = json.loads((d / "summary.json").read_text())
+            runs.append({"seed": s, "summary": summary, **read_curves(d / "curves.csv")})
         elif (d / "failed.txt").exists():
             failed += 1
     return runs, failed
@@ -79,27 +99,30 @@ def _diagnosis(run: dict) -> str:
     return ", ".join(parts)
 
 
-def _base(out: Path, temp: float) -> dict:
-    d = out / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
-    base = read_csv(d / "metrics.csv")
-    if _final(base, "val/pass@1") is None:
-        raise ValueError(f"{d / 'metrics.csv'} holds no val/pass@1: delete it and rerun")
-    return base
+def _base(summaries: Path, temp: float) -> float | None:
+    """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet)."""
+    d = summaries / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
+    return _final(read_curves(d / "curves.csv"), "val/pass@1") if (d / "curves.csv").exists() else None
 
 
-def plot(out: Path, exp, runs_by_cell: dict[str, list[dict]], bases: dict[str, float], path: Path) -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(exp, runs_by_cell: dict[str, list[dict]], base: float, path: Path) -> None:
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES) + 2.5, 3.8))
     colors = {cell: plt.cm.tab20(i % 20) for i, cell in enumerate(runs_by_cell)}   # distinct up to 20 cells
     for ax, (tag, label) in zip(axes, CURVES):
         for cell, runs in runs_by_cell.items():
             series = [dict(r.get(tag, [])) for r in runs]
-            if tag == "val/pass@1":                    # step 0: the warm start at this cell's temperature
-                series = [{0: bases[cell], **s} for s in series]
+            if tag == "val/pass@1":                    # step 0: the warm start (held out at T = 1.0)
+                series = [{0: base, **s} for s in series]
             steps = sorted(set().union(*[set(s) for s in series])) if series else []
             steps = [t for t in steps if all(t in s for s in series)]
             if not steps:
@@ -120,53 +143,184 @@ def plot(out: Path, exp, runs_by_cell: dict[str, list[dict]], bases: dict[str, f
     plt.close(fig)
 
 
-def write_report(out: Path, results: Path, names: list[str], scale: Scale, command: str) -> Path:
-    """Write `results/results.md` and `results/img/experiments/<exp>.png`; return the page's path."""
-    base_pass = _final(_base(out, 1.0), "val/pass@1")
-    img_dir = results / "img" / "experiments"
-    seconds = sum(json.loads(p.read_text())["seconds"] for p in out.rglob("done.json"))
+def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], base: float, path: Path) -> None:
+    """Final held-out pass@1 against the level: a panel per learning rate, a line per method (mean over
+    seeds, min..max shaded); the warm start dashed, the collapse line dotted."""
+    plt = _pyplot()
+    lrs = sorted({lr for lr, _ in finals})
+    methods = list(dict.fromkeys(m for _, m in finals))
+    levels = sorted({lv for f in finals.values() for lv in f})
+    x = {lv: i for i, lv in enumerate(levels)}                    # evenly spaced: levels grow geometrically
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs) + 2, 3.8), squeeze=False,
+                             sharey=True)
+    for ax, lr in zip(axes[0], lrs):
+        for m in methods:
+            pts = sorted((lv, v) for lv, v in finals.get((lr, m), {}).items() if v)
+            if not pts:
+                continue
+            xs = [x[lv] for lv, _ in pts]
+            ax.plot(xs, [statistics.mean(v) for _, v in pts], label=m, color=colors[m], marker="o", ms=3)
+            ax.fill_between(xs, [min(v) for _, v in pts], [max(v) for _, v in pts], color=colors[m], alpha=0.15)
+        ax.axhline(base, color="gray", ls="--", lw=1, label="warm start")
+        ax.axhline(base - COLLAPSE, color="gray", ls=":", lw=1, label="collapse line")
+        ax.set_xticks(range(len(levels)), [str(lv) for lv in levels])
+        ax.set_xlabel(exp.axis)
+        ax.set_ylabel("final held-out pass@1 (T = 1.0)")
+        ax.set_title(f"lr {lr_tag(lr)[2:]}")
+        ax.grid(alpha=0.3)
+    legend = {}                                                   # every panel's lines, once
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, h)
+    fig.legend(list(legend.values()), list(legend), fontsize=7, loc="center right")
+    fig.suptitle(exp.title, fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1 - 2 / (5.5 * len(lrs) + 2), 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _collapsed(runs: list[dict], base: float) -> list[dict]:
+    return [r for r in runs if (v := _final(r, "val/pass@1")) is not None and v < base - COLLAPSE]
+
+
+def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base: float) -> list[str]:
+    """An experiment's plot against the step and its table per cell."""
+    runs_by_cell, rows, notes = {}, [], []
+    own = any(temperature(c) != 1.0 for c in exp.cells[:scale.cells])
+    for cell in exp.cells[:scale.cells]:
+        runs, failed = _runs(summaries, name, cell, scale.seeds)
+        runs_by_cell[cell.label] = runs
+        finals = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
+        collapsed = _collapsed(runs, base)
+        reward = [v for r in runs if (v := _last_frac(r, "rollout/reward_mean")) is not None]
+        ess = [statistics.mean(v for _, v in r["train/ess"]) for r in runs if r.get("train/ess")]
+        delta = f"{statistics.mean(finals) - base:+.3f}" if finals else "n/a"
+        row = f"| {cell.label} | {len(runs)}/{scale.seeds} | {_mean_std(finals)} | {delta} | "
+        if own:
+            temp, own_base = temperature(cell), _base(summaries, temperature(cell))
+            at_t = [r["summary"]["own_temperature"]["val/pass@1"] if temp != 1.0 else _final(r, "val/pass@1")
+                    for r in runs]
+            at_t = [v for v in at_t if v is not None]
+            vs = "n/a" if not at_t or own_base is None else \
+                f"{statistics.mean(at_t) - own_base:+.3f} (from {own_base:.3f})"
+            row += f"{_mean_std(at_t)} | {vs} | "
+        rows.append(row + f"{_mean_std(reward)} | {_mean_std(ess)} | {len(collapsed) + failed} |")
+        notes += [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
+        notes += [f"- `{cell.label}`: {failed} run(s) failed (see failed.txt in their folders)"] if failed else []
+    png = results / "img" / "experiments" / f"{name}.png"
+    plot(exp, runs_by_cell, base, png)
+    head = "| cell | seeds | final held-out pass@1 (T = 1.0) | vs warm start | "
+    head += "final held-out pass@1 at the cell's T | vs warm start at T | " if own else ""
+    head += "training reward, last 10% | mean ESS | collapsed |"
+    lines = [f"![{name}]({png.relative_to(results)})", "", head, "|---" * head.count(" | ") + "|---|", *rows, ""]
+    if notes:
+        lines += ["Collapsed or failed seeds, what their logs show:", "", *notes, ""]
+    return lines
+
+
+def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale, base: float) -> list[str]:
+    """A stress experiment: pass@1 against the level, the breaking-point table, a table per learning rate."""
+    finals: dict[tuple[float, str], dict[int, list[float]]] = {}
+    counts: dict[tuple[float, str], dict[int, tuple[int, int, int]]] = {}   # level -> (finished, collapsed, failed)
+    diagnosed: dict[tuple[float, str, int], list[str]] = {}
+    lags: dict[int, list[float]] = {}                                        # level -> each run's mean lag
+    for cell in exp.cells[:scale.cells]:
+        runs, failed = _runs(summaries, name, cell, scale.seeds)
+        line = (cell_lr(cell), cell.method)
+        finals.setdefault(line, {})[cell.level] = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
+        lags.setdefault(cell.level, []).extend(statistics.mean(v for _, v in r["train/policy_lag"])
+                                               for r in runs if r.get("train/policy_lag"))
+        collapsed = _collapsed(runs, base)
+        counts.setdefault(line, {})[cell.level] = (len(runs), len(collapsed), failed)
+        diagnosed[(*line, cell.level)] = [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
+    png = results / "img" / "experiments" / f"{name}.png"
+    plot_levels(exp, finals, base, png)
+    lrs = sorted({lr for lr, _ in finals})
+    methods = list(dict.fromkeys(m for _, m in finals))
+    levels = sorted({lv for f in finals.values() for lv in f})
+    letter = exp.axis.split()[-1]
+
+    def breaking(lr: float, m: str) -> tuple[str, int | None]:
+        by_level = counts.get((lr, m), {})
+        ran = [lv for lv in levels if sum(by_level.get(lv, (0, 0, 0))[::2]) > 0]
+        if not ran:
+            return "not run", None
+        for lv in ran:
+            done, coll, failed = by_level[lv]
+            if coll + failed >= BREAK * scale.seeds:
+                where = f"{letter} = {lv} ({coll + failed}/{done + failed})"
+                return (where + ", on-policy: the learning rate breaks" if lv == levels[0] else where), lv
+        return f"none up to {letter} = {ran[-1]}", None
+
+    lines = [f"![{name}]({png.relative_to(results)})", "",
+             f"Breaking point: the lowest {exp.axis} at which at least {BREAK * scale.seeds:.0f} of {scale.seeds} "
+             f"seeds collapsed (final held-out pass@1 at T = 1.0 below {base - COLLAPSE:.3f}, the warm start's "
+             f"{base:.3f} minus {COLLAPSE}, or the run failed).", "",
+             "| method | " + " | ".join(f"lr {lr_tag(lr)[2:]}" for lr in lrs) + " |", "|---" * (len(lrs) + 1) + "|"]
+    lag_text = ", ".join(f"{letter} = {lv}: {statistics.mean(lags[lv]):.1f}" for lv in levels if lags.get(lv))
+    notes = []
+    for m in methods:
+        cells = [breaking(lr, m) for lr in lrs]
+        lines.append(f"| {m} | " + " | ".join(text for text, _ in cells) + " |")
+        notes += [n for lr, (_, lv) in zip(lrs, cells) if lv is not None for n in diagnosed.get((lr, m, lv), [])]
+    lines.append("")
+    if lag_text:
+        lines += [f"The policy lag the runs trained at (optimizer steps, mean over steps and runs): {lag_text}.", ""]
+    for lr in lrs:
+        lines += [f"Final held-out pass@1 (T = 1.0), lr {lr_tag(lr)[2:]}: mean +- std over seeds "
+                  "(collapsed seeds).", "",
+                  "| method | " + " | ".join(f"{letter} = {lv}" for lv in levels) + " |",
+                  "|---" * (len(levels) + 1) + "|"]
+        for m in methods:
+            row = []
+            for lv in levels:
+                done, coll, failed = counts.get((lr, m), {}).get(lv, (0, 0, 0))
+                vals = finals.get((lr, m), {}).get(lv, [])
+                row.append(f"{_mean_std(vals)} ({coll + failed})" if done + failed else "")
+            lines.append(f"| {m} | " + " | ".join(row) + " |")
+        lines.append("")
+    if notes:
+        lines += ["At each breaking point, the collapsed seeds' logs:", "", *notes, ""]
+    return lines
+
+
+def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> Path:
+    """Write `results/results.md` and `results/img/experiments/<exp>.png` from every experiment's
+    summaries under `summaries`; return the page's path."""
+    base = _base(summaries, 1.0)
+    if base is None:
+        raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: run an experiment first")
+    seconds = sum(json.loads(p.read_text())["seconds"] for p in summaries.rglob("summary.json")
+                  if "seconds" in p.read_text())
     lines = [
         "# Results: the paper's experiments at CPU scale",
         "",
-        f"Generated by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from the runs in "
-        f"`{out.relative_to(out.parents[1]) if len(out.parents) > 1 else out}`; never edited by hand.",
+        f"Generated by `{command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} from the runs' "
+        f"summaries in `{summaries.relative_to(summaries.parents[1]) if len(summaries.parents) > 1 else summaries}`; "
+        f"never edited by hand.",
         "",
         f"Every run: the same warm-started tiny model (1.8M-parameter Qwen2, supervised for {scale.sft_steps} "
         f"steps on 2-digit addition with 30% wrong labels), {scale.prompts} prompts x {scale.samples} samples per "
-        f"rollout, 8 new tokens, lr 2e-4, {scale.steps} optimizer steps, {scale.seeds} seed(s) per cell. Held out: "
-        f"{scale.val_prompts} sums that no training prompt contains (`Arithmetic(split: test)`), 4 samples each, "
-        f"every {scale.val_every} steps, sampled with the run's own settings; pass@1 is the unbiased estimator. "
-        f"The warm start's held-out pass@1 at T = 1.0: **{base_pass:.3f}** (at other sampling temperatures "
-        f"it is validated at that temperature, the baseline of those cells). A seed *collapsed* when its "
-        f"final held-out pass@1 is more than {COLLAPSE} below its baseline, or its run failed. The runs' wall times add up to {seconds / 60:.1f} min (2 CPU cores; with "
-        f"`--jobs 2` two run at a time, one thread each).",
+        f"rollout, 8 new tokens, lr 2e-4 unless a cell says otherwise, {scale.steps} optimizer steps, "
+        f"{scale.seeds} seed(s) per cell. Held out: {scale.val_prompts} sums that no training prompt contains "
+        f"(`Arithmetic(split: test)`), 4 samples each, every {scale.val_every} steps, sampled at T = 1.0 in "
+        f"every run (`val_sampling`: one ruler, whatever the run samples with); pass@1 is the unbiased "
+        f"estimator. The warm start's held-out pass@1 at T = 1.0: **{base:.3f}**. Cells sampled at another "
+        f"temperature are also evaluated once more after training at their own temperature, against the "
+        f"warm start at it. A seed *collapsed* when its final held-out pass@1 (T = 1.0) is more than "
+        f"{COLLAPSE} below the warm start's, or its run failed. The stored runs' wall times add up to "
+        f"{seconds / 60:.1f} min (2 CPU cores; with `--jobs 2` two run at a time, one thread each).",
         "",
     ]
-    for name in names:
-        exp = EXPERIMENTS[name]
-        runs_by_cell, rows, notes, bases = {}, [], [], {}
-        for cell in exp.cells[:scale.cells]:
-            runs, failed = _runs(out, name, cell.label, scale.seeds)
-            runs_by_cell[cell.label] = runs
-            bases[cell.label] = cell_base = _final(_base(out, temperature(cell)), "val/pass@1")
-            finals = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
-            collapsed = [r for r in runs if (v := _final(r, "val/pass@1")) is not None and v < cell_base - COLLAPSE]
-            reward = [v for r in runs if (v := _last_frac(r, "rollout/reward_mean")) is not None]
-            ess = [statistics.mean(v for _, v in r["train/ess"]) for r in runs if r.get("train/ess")]
-            delta = f"{statistics.mean(finals) - cell_base:+.3f} (from {cell_base:.3f})" if finals else "n/a"
-            rows.append(f"| {cell.label} | {len(runs)}/{scale.seeds} | {_mean_std(finals)} | {delta} | "
-                        f"{_mean_std(reward)} | {_mean_std(ess)} | {len(collapsed) + failed} |")
-            notes += [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
-            notes += [f"- `{cell.label}`: {failed} run(s) failed (see failed.txt in their folders)"] if failed else []
-        png = img_dir / f"{name}.png"
-        plot(out, exp, runs_by_cell, bases, png)
-        lines += [f"## {exp.title}", "", exp.question, "",
-                  f"`python -m experiments.run {name}`", "",
-                  f"![{name}]({png.relative_to(results)})", "",
-                  "| cell | seeds | final held-out pass@1 | vs warm start | training reward, last 10% | mean ESS | collapsed |",
-                  "|---|---|---|---|---|---|---|", *rows, ""]
-        if notes:
-            lines += ["Collapsed or failed seeds, what their logs show:", "", *notes, ""]
+    for name, exp in EXPERIMENTS.items():
+        lines += [f"## {exp.title}", "", exp.question, "", f"`python -m experiments.run {name}`", ""]
+        if not any(_runs(summaries, name, c, scale.seeds) != ([], 0) for c in exp.cells[:scale.cells]):
+            lines += ["Not run yet (no summaries).", ""]
+            continue
+        section = _stress_section if exp.axis else _section
+        lines += section(name, exp, summaries, results, scale, base)
     page = results / "results.md"
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")

@@ -1,14 +1,17 @@
 """The experiment runner end to end (`--quick`): warm start, every experiment, CSVs, plots, results page,
-and a second invocation that skips every finished run."""
+summaries, the page rebuilt from the summaries alone, and a second invocation that skips every finished
+run. The stress experiments' breaking-point table from hand-made summaries."""
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from experiments.cells import EXPERIMENTS, QUICK, apply
+from experiments.cells import EXPERIMENTS, FULL, HIGH_LR, K_LEVELS, LR, METHODS, QUICK, apply, cell_lr
+from experiments.report import COLLAPSE, write_report
 
-pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +21,53 @@ def test_apply_sets_dotted_keys():
     assert cfg == {"data": {"init_args": {"sampling": {"temperature": 0.6}}}, "model": {"init_args": {"lr": 1e-3}}}
 
 
+def test_stress_cells_cover_every_method_rate_and_level():
+    for name, letter in (("stress_k", "k"), ("stress_s", "S")):
+        cells = EXPERIMENTS[name].cells
+        assert {(c.method, cell_lr(c)) for c in cells} == {(m, lr) for m in METHODS for lr in (LR, HIGH_LR)}
+        levels = sorted({c.level for c in cells})
+        assert len(cells) == len(METHODS) * 2 * len(levels) and len({c.label for c in cells}) == len(cells)
+    on_policy = [c for c in EXPERIMENTS["stress_s"].cells if c.level == 0]
+    assert all(c.same_as == f"stress_k/{c.label}" and c.label.endswith("_k1") for c in on_policy)
+
+
+def _summary(folder: Path, val: float) -> None:
+    folder.mkdir(parents=True)
+    (folder / "curves.csv").write_text(f"step,train/ess,val/pass@1\n1,0.9,\n48,,{val}\n")
+    (folder / "summary.json").write_text(json.dumps({"seconds": 1.0}))
+
+
+def test_breaking_point_is_the_first_level_where_two_of_three_seeds_collapse(tmp_path):
+    base, low = 0.5, 0.5 - COLLAPSE - 0.01
+    top = K_LEVELS[-1]
+    _summary(tmp_path / "_base" / "val", base)
+    for c in EXPERIMENTS["stress_k"].cells:
+        if c.method == "p3o" and cell_lr(c) == LR:          # breaks at the top level: 2 of 3 seeds collapse
+            for s, v in enumerate([low, low, 0.7] if c.level == top else [0.7, low, 0.7]):
+                _summary(tmp_path / "stress_k" / c.label / f"seed{s}", v)
+        if c.method == "grpo_tis" and cell_lr(c) == HIGH_LR:  # collapses at k = 1: the learning rate breaks
+            for s in range(3):
+                _summary(tmp_path / "stress_k" / c.label / f"seed{s}", low)
+        if c.method == "decoupled" and cell_lr(c) == LR and c.level == 1:   # only k = 1 run, no collapse
+            for s in range(3):
+                _summary(tmp_path / "stress_k" / c.label / f"seed{s}", 0.7)
+    page = write_report(tmp_path, tmp_path / "out", FULL, "test").read_text()
+    rows = {}
+    for line in page.splitlines():                  # the first table with a method's row: breaking points
+        if line.startswith("| "):
+            rows.setdefault(line.split(" | ")[0][2:], line)
+    assert f"| k = {top} (2/3) |" in rows["p3o"]
+    assert "k = 1 (3/3), on-policy: the learning rate breaks" in rows["grpo_tis"]
+    assert "| none up to k = 1 |" in rows["decoupled"]
+    assert "## Stress: staleness S" in page and "Not run yet" in page
+    assert (tmp_path / "out" / "img" / "experiments" / "stress_k.png").stat().st_size > 10_000
+
+
+def _tables(page: str) -> list[str]:
+    return [line for line in page.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.e2e
 def test_quick_suite_makes_the_plots_and_the_results_page(tmp_path):
     out, results = tmp_path / "runs", tmp_path / "results"
     cmd = [sys.executable, "-m", "experiments.run", "all", "--quick", "--out", str(out), "--results", str(results)]
@@ -28,12 +78,30 @@ def test_quick_suite_makes_the_plots_and_the_results_page(tmp_path):
         png = results / "img" / "experiments" / f"{name}.png"
         assert png.exists() and png.stat().st_size > 10_000, png          # a real plot, not an empty canvas
         assert f"## {exp.title}" in page
+        section = page.split(f"## {exp.title}\n")[1].split("\n## ")[0].splitlines()
         for cell in exp.cells[:QUICK.cells]:
-            row = next(line for line in page.splitlines() if line.startswith(f"| {cell.label} |"))
-            assert "| 1/1 |" in row, row                                   # its seed finished
+            if exp.axis:                                                   # stress: a row per method
+                row = next(line for line in section if line.startswith(f"| {cell.method} |"))
+                assert "none up to" in row or "(1/1)" in row, row          # its seed finished
+            else:
+                row = next(line for line in section if line.startswith(f"| {cell.label} |"))
+                assert "| 1/1 |" in row, row                               # its seed finished
             csv = out / name / cell.label / "seed0" / "metrics.csv"
             assert "val/pass@1" in csv.read_text() and "train/ess" in csv.read_text()
-    assert "The warm start's held-out pass@1" in page
+            kept = out / "summaries" / name / cell.label / "seed0"
+            assert "val/pass@1" in (kept / "curves.csv").read_text()
+            assert json.loads((kept / "summary.json").read_text())["final"]["val/pass@1"] >= 0
+    assert "The warm start's held-out pass@1" in page and "Breaking point" in page
+    own = json.loads((out / "summaries" / "temperature" / EXPERIMENTS["temperature"].cells[0].label / "seed0" /
+                      "summary.json").read_text())["own_temperature"]
+    assert own["temperature"] == 0.6 and 0 <= own["val/pass@1"] <= 1        # the second, own-temperature ruler
+    # the same page from a copy of the summaries alone
+    shutil.copytree(out / "summaries", tmp_path / "kept")
+    only = subprocess.run([sys.executable, "-m", "experiments.run", "--report-only", "--quick", "--summaries",
+                           str(tmp_path / "kept"), "--results", str(tmp_path / "again")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert only.returncode == 0, only.stdout[-2000:] + only.stderr[-2000:]
+    assert _tables((tmp_path / "again" / "results.md").read_text()) == _tables(page)
     # resumable: a second invocation trains nothing
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"0 run, {len(EXPERIMENTS) * QUICK.cells} skipped, 0 failed" in again.stdout, \
