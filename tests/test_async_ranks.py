@@ -174,3 +174,23 @@ def test_a_checkpoint_of_one_placement_does_not_resume_under_the_other(tiny_mode
     _, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=1, k=1, placement="colocated")
     assert all(isinstance(e, ValueError) and "placed dedicated (data.placement), this run's colocated" in str(e)
                for e in err), err
+
+
+@pytest.mark.parametrize("connected", [False, True])
+def test_a_receiver_closes_at_once_whether_or_not_the_worker_connected(connected):
+    """Teardown of a rank > 0 (dedicated): close() returns at once and its reader thread ends, both
+    before the worker connected (lit-ess validate: no phase sent) and while a connection is open (the
+    end of fit). A close that handshook with its own listener once hung rank 1 at the end of fit."""
+    from lit_ess.rollout.receiver import Deliveries, ShareReceiver
+
+    r = ShareReceiver()
+    r.start()
+    d = Deliveries([None, r.address])
+    if connected:
+        d.send(1, "a result", (0.0, 1.0))
+        assert r.poll(timeout=5) == [(-1, "a result")]
+    t0 = time.monotonic()
+    r.close()
+    d.close()
+    r.reader.join(timeout=5)
+    assert time.monotonic() - t0 < 5 and not r.reader.is_alive()

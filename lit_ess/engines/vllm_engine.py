@@ -291,7 +291,7 @@ class VLLMEngine(RolloutEngine):
 
         Every push is a new adapter for vLLM: a new LoRA id and name (a counter: validation pushes the same
         version again) and no `load_inplace`. vLLM loads an adapter from disk the first time a request
-        names its id and then keeps it (with load_inplace it loaded it again at every model step); with
+        names its id and then keeps it (`load_inplace` would reload it at every model step); with
         max_loras=1 its LRU cache evicts the previous one. The previous folder is removed after the next
         generate, once vLLM has loaded this one."""
         from vllm.lora.request import LoRARequest

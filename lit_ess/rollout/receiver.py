@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import socket
 import threading
 import time
 from multiprocessing.connection import Client, Connection, Listener
@@ -42,7 +43,7 @@ class ShareReceiver:
         self.version = -1
         self.idle_seconds = self.busy_seconds = 0.0
         self.reader: threading.Thread | None = None
-        self.closed = False
+        self.closed = self.accepted = False
 
     def start(self) -> None:
         self.reader = threading.Thread(target=self._read, name="lit-ess-share-reader", daemon=True)
@@ -54,12 +55,11 @@ class ShareReceiver:
                 conn = self.listener.accept()
                 break
             except OSError:
-                return                                        # closed before the worker connected
-            except Exception:                                 # noqa: BLE001 - a stray connection (wrong key,
-                continue                                      # a port scan): keep waiting for the worker
-        if self.closed:
-            conn.close()
-            return
+                return                                        # the listener was closed
+            except Exception:                                 # noqa: BLE001 - a failed handshake: a stray
+                if self.closed:                               # connection (wrong key, a port scan), or close()
+                    return                                    # waking this thread up
+        self.accepted = True
         try:
             while True:
                 self.inbox.put(("result", pickle.loads(conn.recv_bytes())))      # (PhaseResult, engine clock)
@@ -108,10 +108,13 @@ class ShareReceiver:
             return out
 
     def close(self) -> None:
+        """Stop listening. A reader still waiting for the worker to connect is woken by a bare connection
+        (its handshake fails, it sees `closed`); one reading a connection ends when the worker closes it
+        (a daemon thread: it never holds the process)."""
         self.closed = True
-        if self.reader is not None and self.reader.is_alive():
-            try:                                              # wake a reader still waiting in accept()
-                Client(self.address[:2], authkey=self.address[2]).close()
+        if not self.accepted:
+            try:
+                socket.create_connection(self.address[:2], timeout=5).close()
             except OSError:
                 pass
         self.listener.close()
