@@ -219,6 +219,9 @@ class VLLMEngine(RolloutEngine):
         remove_orphan_adapter_dirs(adapter_root())     # left by runs killed with kill -9
         self.adapters_served = 0                   # LoRA ids handed out: one per push (vLLM's ids start at 1)
         self.replaced_adapters: list[str] = []     # folders of adapters replaced since the last generate
+        # vLLM's CPU worker sets VLLM_DIST_IDENT in os.environ for itself, then warns "Unknown vLLM environment
+        # variable" in any later engine that inherits it (a second engine, a child process); it sets it again
+        os.environ.pop("VLLM_DIST_IDENT", None)
         with harmless_stderr_dropped():                  # vLLM's C++ NUMA-binding notice
             self.llm = LLM(model=str(model_path), dtype=c.dtype, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=c.enforce_eager, logprobs_mode=f"{c.behavior_logprobs}_logprobs", seed=c.seed,
