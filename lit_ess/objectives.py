@@ -529,6 +529,19 @@ def _check_old(obj: "Objective") -> None:
         raise ValueError(f"{obj.name}: old={obj.old!r} is not one of {OLD_POLICIES}")
 
 
+class _ClipsAroundOld(Objective):
+    """The clipped objectives' `old` switch (each declares the field, so its positional order stays):
+    checked at construction; "proximal" asks the run for the trainer's proximal logprobs."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_old(self)
+
+    @property
+    def needs_proximal(self) -> bool:
+        return self.old == "proximal"
+
+
 def _ppo_clip_loss(lp, old, lb, adv, mask, agg, clip_low: float, clip_high: float):
     """-agg[ min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) ], r = pi_theta / pi_old (pi_b or pi_prox);
     log-ratios are clamped to +-20 before exp so r stays finite. The clip fractions are around pi_old;
@@ -542,7 +555,7 @@ def _ppo_clip_loss(lp, old, lb, adv, mask, agg, clip_low: float, clip_high: floa
 
 
 @dataclass
-class GRPO(Objective):
+class GRPO(_ClipsAroundOld):
     """GRPO: PPO's clipped surrogate, symmetric clip.
 
         L = -agg[ min(r A, clip(r, 1 - clip_eps, 1 + clip_eps) A) ],   r = pi_theta / pi_old
@@ -560,21 +573,13 @@ class GRPO(Objective):
     old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "grpo"
 
-    def __post_init__(self):
-        super().__post_init__()
-        _check_old(self)
-
-    @property
-    def needs_proximal(self) -> bool:
-        return self.old == "proximal"
-
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         old = _old_logprobs(self.old, lp, lb, proximal_logprobs)
         return _ppo_clip_loss(lp, old, lb, adv, mask, agg, self.clip_eps, self.clip_eps)
 
 
 @dataclass
-class DAPO(Objective):
+class DAPO(_ClipsAroundOld):
     """DAPO: the clipped surrogate with decoupled bounds (clip-higher) and token-mean aggregation.
 
     Args:
@@ -592,21 +597,13 @@ class DAPO(Objective):
     old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "dapo"
 
-    def __post_init__(self):
-        super().__post_init__()
-        _check_old(self)
-
-    @property
-    def needs_proximal(self) -> bool:
-        return self.old == "proximal"
-
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         old = _old_logprobs(self.old, lp, lb, proximal_logprobs)
         return _ppo_clip_loss(lp, old, lb, adv, mask, agg, self.clip_low, self.clip_high)
 
 
 @dataclass
-class GSPO(Objective):
+class GSPO(_ClipsAroundOld):
     """GSPO: one length-normalised ratio per sequence, s_b = exp(mean_t (lp - lp_old)).
 
     Token form: s_bt = sg(s_b) * exp(lp - sg(lp)) (same value, per-token gradient), then
@@ -628,14 +625,6 @@ class GSPO(Objective):
     old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "gspo"
     default_aggregation: ClassVar[str] = "seq-mean-token-mean"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_old(self)
-
-    @property
-    def needs_proximal(self) -> bool:
-        return self.old == "proximal"
 
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         m = mask.to(lp.dtype)
