@@ -6,7 +6,7 @@ addition, where the warm start samples the right sum about half the time, so RL 
 an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --config`.
 
     clip         off-policy regime (4 optimizer steps per rollout): GRPO eps 0.2/0.4/0.6, DAPO, P3O
-    temperature  sampling T 0.6/1.2/1.5, trainer at 1.0: GRPO vs P3O, processed vs raw pi_b
+    temperature  sampling T 0.6/1.2/1.5, trainer at 1.0: GRPO vs P3O, processed vs raw pi_b, P3O's KL anchor
     precision    bf16 rollouts against the fp32 trainer: GRPO vs P3O (fp32 rollouts as control)
     staleness    async, max_staleness 0/1/2/4: P3O, GRPO, decoupled PPO
     ablations    off-policy regime: P3O, without the (1 - e_B) KL term, without the cap, ESS per micro-batch
@@ -119,7 +119,14 @@ EXPERIMENTS = {e.name: e for e in [
         # the mechanism test for P3O's collapse at T = 1.5 (processed): is it the KL pull toward pi_b, a
         # tempered copy of the policy? The same cell without the (1 - e_B) KL term.
         + [Cell("p3o_T1.5_processed_no_kl", {**objective("P3O", adaptive_kl=False), TEMPERATURE: 1.5,
-                                             "data.init_args.engine.init_args.behavior_logprobs": "processed"})],
+                                             "data.init_args.engine.init_args.behavior_logprobs": "processed"})]
+        # the remedy: the KL anchored at the behaviour weights scored at the trainer's temperature (pi_prox,
+        # recomputed by the trainer), the ratio still against the sampler's true pi_b. At one step per
+        # rollout the anchor is the step's own detached policy, so the KL term's gradient is 0 there.
+        + [Cell(f"p3o_T{t}_processed_anchor", {**objective("P3O", kl_anchor="behavior_at_train_temperature"),
+                                               TEMPERATURE: t, **PROXIMAL,
+                                               "data.init_args.engine.init_args.behavior_logprobs": "processed"})
+           for t in (0.6, 1.2, 1.5)],
         common={"model.init_args.train_temperature": 1.0}),
     Experiment(
         "precision", "bf16 rollouts against an fp32 trainer",
