@@ -18,6 +18,7 @@ temperature cells also get a final evaluation at their own temperature (`Cell.ow
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 OBJ = "lit_ess.objectives."
@@ -122,11 +123,14 @@ EXPERIMENTS = {e.name: e for e in [
                                              "data.init_args.engine.init_args.behavior_logprobs": "processed"})]
         # the remedy: the KL anchored at the behaviour weights scored at the trainer's temperature (pi_prox,
         # recomputed by the trainer), the ratio still against the sampler's true pi_b. At one step per
-        # rollout the anchor is the step's own detached policy, so the KL term's gradient is 0 there.
-        + [Cell(f"p3o_T{t}_processed_anchor", {**objective("P3O", kl_anchor="behavior_at_train_temperature"),
-                                               TEMPERATURE: t, **PROXIMAL,
-                                               "data.init_args.engine.init_args.behavior_logprobs": "processed"})
-           for t in (0.6, 1.2, 1.5)],
+        # rollout that anchor is the step's own detached policy (the KL term's gradient is 0: the same run
+        # as without the KL term), so the remedy is tested at 4 steps per rollout, where the trust region
+        # acts, against the paper's anchor (pi_b itself) at the same k.
+        + [Cell(f"p3o_T{t}_processed_k4{tag}", {**objective("P3O", **kw), TEMPERATURE: t, K: 4, **extra,
+                                                "data.init_args.engine.init_args.behavior_logprobs": "processed"})
+           for t in (0.6, 1.2, 1.5)
+           for tag, kw, extra in (("", {}, {}),
+                                  ("_anchor", {"kl_anchor": "behavior_at_train_temperature"}, PROXIMAL))],
         common={"model.init_args.train_temperature": 1.0}),
     Experiment(
         "precision", "bf16 rollouts against an fp32 trainer",
@@ -220,11 +224,12 @@ def cell_lr(cell: Cell) -> float:
 
 
 def apply(cfg: dict, overrides: dict) -> dict:
-    """Set dotted keys (`data.init_args.sampling.temperature`) in a nested config, in place."""
+    """Set dotted keys (`data.init_args.sampling.temperature`) in a nested config, in place. Values are
+    copied: a run's config never shares a list with a cell (or with another run) that it could grow."""
     for key, value in overrides.items():
         parts = key.split(".")
         node = cfg
         for p in parts[:-1]:
             node = node.setdefault(p, {})
-        node[parts[-1]] = value
+        node[parts[-1]] = copy.deepcopy(value)
     return cfg

@@ -7,7 +7,8 @@
 
 Runs land in `runs/experiments/<experiment>/<cell>/seed<k>/` (`--quick`: runs/experiments-quick): the
 config (`config.yaml`, rerun it with `lit-ess fit --config`), TensorBoard files, `metrics.csv`, and
-`done.json` (wall time). A run whose `done.json` exists is skipped; a failed run leaves `failed.txt`
+`done.json` (wall time). A run whose `done.json` sits beside the same `config.yaml` is skipped (a cell
+whose config changed runs again); a failed run leaves `failed.txt`
 (the end of its stderr), is counted in the report, and is tried again next time.
 
 Each finished run also leaves a small summary, kept in the repository: `experiments/results/<experiment>/
@@ -159,15 +160,22 @@ def cell_config(exp_name: str, cell, seed: int, sft: Path, d: Path, scale: Scale
 
 def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Path, scale: Scale,
              threads: int | None = None) -> str:
+    """Run one cell x seed unless it already ran with this very config (`done.json` beside the same
+    `config.yaml`; a changed cell reruns), and leave its summary under `summaries`."""
     exp_name, cell = canonical(exp_name, cell)
     d, dest = (root / exp_name / cell.label / f"seed{seed}" for root in (out, summaries))
-    if (d / "done.json").exists():
+    text = yaml.safe_dump(cell_config(exp_name, cell, seed, sft, d, scale), sort_keys=False)
+    if (d / "done.json").exists() and (d / "config.yaml").exists() and (d / "config.yaml").read_text() == text:
+        if not (dest / "summary.json").exists():          # e.g. another --summaries folder
+            summarize_run(d, dest, cell)
         return "skipped"
-    cfg = cell_config(exp_name, cell, seed, sft, d, scale)
+    (d / "done.json").unlink(missing_ok=True)
     (d / "failed.txt").unlink(missing_ok=True)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.yaml").write_text(text)
     t0 = time.time()
-    res = lit_ess(["fit", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt", threads)
-    summary, log = {"seconds": None}, d / "log.txt"
+    res = lit_ess(["fit", "--config", str(d / "config.yaml")], d / "log.txt", threads)
+    log = d / "log.txt"
     try:
         if res.returncode != 0:
             raise RuntimeError(f"training failed: see {log}")
@@ -175,8 +183,6 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
         if (temp := temperature(cell)) != 1.0:
             log = d / "own_val" / "log.txt"
             validate(d / "final", d / "own_val", scale, temp, threads)
-            own = read_csv(d / "own_val" / "metrics.csv")["val/pass@1"][-1][1]
-            summary["own_temperature"] = {"temperature": temp, "val/pass@1": round(own, 5)}
     except RuntimeError:
         tail = log.read_text()[-4000:]
         (d / "failed.txt").write_text(tail)
@@ -185,10 +191,18 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
             (dest / old).unlink(missing_ok=True)
         (dest / "failed.txt").write_text(tail[-1500:])
         return "failed"
-    summary["seconds"] = round(time.time() - t0, 1)
-    summarize(d, dest, summary)
-    (d / "done.json").write_text(json.dumps({"seconds": summary["seconds"]}) + "\n")
+    (d / "done.json").write_text(json.dumps({"seconds": round(time.time() - t0, 1)}) + "\n")
+    summarize_run(d, dest, cell)
     return "done"
+
+
+def summarize_run(d: Path, dest: Path, cell) -> None:
+    """A finished run's summary from its folder: wall time, and the evaluation at its own temperature."""
+    summary = {"seconds": json.loads((d / "done.json").read_text())["seconds"]}
+    if (temp := temperature(cell)) != 1.0:
+        own = read_csv(d / "own_val" / "metrics.csv")["val/pass@1"][-1][1]
+        summary["own_temperature"] = {"temperature": temp, "val/pass@1": round(own, 5)}
+    summarize(d, dest, summary)
 
 
 def main(argv: list[str] | None = None) -> None:
