@@ -70,5 +70,5 @@ class ProximalLogprobs(L.Callback):
         if starts:
             self.scored_phases += 1
             self.last_seconds = time.perf_counter() - t0
-            for lg in trainer.loggers:                  # same x-axis as PolicyModule's metrics
-                lg.log_metrics({"perf/proximal_seconds": self.last_seconds}, step=trainer.global_step)
+            for lg in trainer.loggers:                  # at the x of this step's metrics (logged after its update)
+                lg.log_metrics({"perf/proximal_seconds": self.last_seconds}, step=trainer.global_step + 1)

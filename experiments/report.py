@@ -26,6 +26,7 @@ from .cells import EXPERIMENTS, Scale, cell_lr, lr_tag, temperature
 
 COLLAPSE = 0.10
 BREAK = 2 / 3
+ON_POLICY = {"k": 1, "S": 0}          # the stress axes' on-policy level: a break there is the learning rate's
 CURVES = [("rollout/reward_mean", "training reward (sampled)"), ("val/pass@1", "held-out pass@1"),
           ("train/ess", "ESS e_B")]
 
@@ -82,15 +83,21 @@ def _mean_std(xs: list[float]) -> str:
 
 
 def _diagnosis(run: dict) -> str:
-    """What the logs show at the step with the lowest ESS (and overall extremes)."""
+    """What the logs show at the worst step: the lowest ESS, or where ESS stays 1 (on-policy: off-policy
+    data is not the cause) the largest gradient norm; and the run's extremes."""
     ess = run.get("train/ess", [])
     if not ess:
         return "no train/ess logged"
     step, low = min(ess, key=lambda p: p[1])
+    if low >= 0.9995 and run.get("train/grad_norm"):
+        step = max(run["train/grad_norm"], key=lambda p: p[1])[0]
+        head = f"ESS >= {low:.4f} on every step; largest grad_norm at step {step}"
+    else:
+        head = f"lowest ESS {low:.3f} at step {step}"
     at = {tag: dict(run.get(tag, [])).get(step) for tag in ("train/ratio_max", "train/kl_behavior",
                                                             "rollout/response_len", "train/grad_norm")}
     kl_max = max((v for _, v in run.get("train/kl_behavior", [])), default=float("nan"))
-    parts = [f"lowest ESS {low:.3f} at step {step}"]
+    parts = [head]
     parts += [f"{t.split('/')[1]} {v:.3g}" for t, v in at.items() if v is not None]
     parts.append(f"max kl_behavior over the run {kl_max:.3g}")
     reward = [v for _, v in run.get("rollout/reward_mean", [])]
@@ -243,16 +250,20 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
     letter = exp.axis.split()[-1]
 
     def breaking(lr: float, m: str) -> tuple[str, int | None]:
+        """The first level where BREAK of the seeds collapsed; a lower level with seeds missing (not run
+        or not summarized) could have broken first, so the answer stops there."""
         by_level = counts.get((lr, m), {})
-        ran = [lv for lv in levels if sum(by_level.get(lv, (0, 0, 0))[::2]) > 0]
-        if not ran:
+        if not any(sum(by_level.get(lv, (0, 0, 0))[::2]) for lv in levels):
             return "not run", None
-        for lv in ran:
-            done, coll, failed = by_level[lv]
+        for i, lv in enumerate(levels):
+            done, coll, failed = by_level.get(lv, (0, 0, 0))
             if coll + failed >= BREAK * scale.seeds:
                 where = f"{letter} = {lv} ({coll + failed}/{done + failed})"
-                return (where + ", on-policy: the learning rate breaks" if lv == levels[0] else where), lv
-        return f"none up to {letter} = {ran[-1]}", None
+                return (where + ", on-policy: the learning rate breaks" if lv == ON_POLICY[letter] else where), lv
+            if done + failed < scale.seeds:
+                below = f"none up to {letter} = {levels[i - 1]}, " if i else ""
+                return f"{below}{letter} = {lv} incomplete ({done + failed}/{scale.seeds} seeds)", None
+        return f"none up to {letter} = {levels[-1]}", None
 
     lines = [f"![{name}]({png.relative_to(results)})", "",
              f"Breaking point: the lowest {exp.axis} at which at least {BREAK * scale.seeds:.0f} of {scale.seeds} "

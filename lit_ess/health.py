@@ -9,7 +9,9 @@ broken sleep-mode sync showed as a mean IS ratio of 3e-7 and went unnoticed.)
 
 The alarm applies only where ESS 1 is exact: lag 0 on every row of the step (policy_lag_max = 0), an
 engine dtype equal to the trainer's (an engine that reports none, e.g. quantized or raw logprobs,
-never applies), and the sampling temperature equal to the train temperature.
+never applies; nor a trainer whose forward mixes dtypes: mixed precision, LoRA adapters kept in fp32
+on a 16-bit base), the sampling temperature equal to the train temperature, and no dropout in the
+trainer's forward (random masks: lag-0 ESS below 1 on a healthy run).
 """
 from __future__ import annotations
 
@@ -29,18 +31,18 @@ class ESSAlarm:
         self.warned = False
 
     def applies(self, lag_max: float, engine_dtype: str | None, trainer_dtype: str | None,
-                sample_temperature: float, train_temperature: float) -> bool:
-        """True when the step's ESS must be 1: lag 0, the same precision, the same temperature."""
+                sample_temperature: float, train_temperature: float, dropout: bool = False) -> bool:
+        """True when the step's ESS must be 1: lag 0, the same precision, the same temperature, no dropout."""
         return (self.threshold is not None and lag_max == 0 and engine_dtype is not None
-                and engine_dtype == trainer_dtype and sample_temperature == train_temperature)
+                and engine_dtype == trainer_dtype and sample_temperature == train_temperature and not dropout)
 
     def check(self, step: int, ess: float | None, ratio_mean: float | None, lag_max: float, *,
               engine_dtype: str | None, trainer_dtype: str | None, sample_temperature: float,
-              train_temperature: float) -> str | None:
+              train_temperature: float, dropout: bool = False) -> str | None:
         """Count a step whose ESS should be 1 and is below the threshold. Returns the message the first
         time (None otherwise); raises ESSAlarmError with it when `error` is set."""
         if ess is None or ess >= (self.threshold or 0) or not self.applies(
-                lag_max, engine_dtype, trainer_dtype, sample_temperature, train_temperature):
+                lag_max, engine_dtype, trainer_dtype, sample_temperature, train_temperature, dropout):
             return None
         self.count += 1
         ratio = "n/a" if ratio_mean is None else f"{ratio_mean:.3g}"

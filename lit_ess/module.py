@@ -47,7 +47,7 @@ from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
 from .rollout import RolloutBatch
-from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, lr_factor
+from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
 
 __all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
 
@@ -91,8 +91,9 @@ class PolicyModule(L.LightningModule):
             current weights (policy lag 0), by an engine whose logprobs match the trainer's precision
             (engine dtype = the trainer's: FSDP2's param_dtype, else model_dtype under a "32-true"
             Trainer; never under mixed precision, quantized or raw engine logprobs) at the train
-            temperature, must have ESS 1. Below this threshold lit-ess warns once with the numbers
-            (ESS, mean ratio, step) and counts the step in `train/ess_alarms`. None = off. GPU kernels
+            temperature, with no dropout in the trainer's forward (disable_dropout, lora.dropout 0) and
+            no fp32 LoRA adapters on a 16-bit base, must have ESS 1. Below this threshold lit-ess warns
+            once with the numbers (ESS, mean ratio, step) and counts the step in `train/ess_alarms`. None = off. GPU kernels
             of engine and trainer differ in bf16: lower it there if a healthy run warns.
         ess_alarm_error: stop the run at the first such step instead of warning (the engine is then
             almost surely not sampling with the trainer's weights: check the weight sync).
@@ -135,6 +136,8 @@ class PolicyModule(L.LightningModule):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
         self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
         self.compute_dtype: str | None = None      # forward dtype when a sharding callback casts (FSDP2's param_dtype)
+        self._has_dropout: bool | None = None      # the policy's forward has dropout (found at the first step)
+        self._warned_anchor = False                # P3O's kl_anchor on rows older than their proximal policy
         self.lora = lora
         self.strict_loading = lora is None         # a LoRA checkpoint holds the adapters, not the base
         if lora is not None:
@@ -310,6 +313,14 @@ class PolicyModule(L.LightningModule):
         """
         if self.objective.needs_proximal and batch.prox_version < 0:
             raise ValueError(_no_proximal(self.objective))
+        if (self.objective.proximal_stands_for_behavior and not self._warned_anchor and batch.rows
+                and int(batch.versions.min()) < batch.prox_version):
+            self._warned_anchor = True
+            rank_zero_warn(f"step {self.global_step}: rows sampled by the weights of step {int(batch.versions.min())} "
+                           f"are anchored at the proximal policy of step {batch.prox_version} ({type(self.objective).__name__}"
+                           f".kl_anchor: behavior_at_train_temperature): the trainer no longer holds their behaviour "
+                           f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
+                           f"max_staleness > steps_per_rollout - 1); warned once")
         sampling = batch.sampling
         mbs = batch.micro_batches(self.hparams.micro_batch_size)
         passes = self._same_count(mbs)
@@ -447,7 +458,8 @@ class PolicyModule(L.LightningModule):
             step, logs.get("train/ess"), logs.get("train/ratio_mean"), logs["train/policy_lag_max"],
             engine_dtype=sampling.get("engine_dtype"), trainer_dtype=self._trainer_dtype(),
             sample_temperature=sampling["temperature"],
-            train_temperature=self.hparams.train_temperature or sampling["temperature"])
+            train_temperature=self.hparams.train_temperature or sampling["temperature"],
+            dropout=self._dropout())
         if message:
             rank_zero_warn(message)
         logs["train/ess_alarms"] = float(self.ess_alarm.count)
@@ -455,15 +467,24 @@ class PolicyModule(L.LightningModule):
     def _trainer_dtype(self) -> str | None:
         """The dtype the trainer scores tokens in: FSDP2's param_dtype when it casts, else model_dtype under
         "32-true" and the dtype of a "*-true" precision; None under mixed precision (autocast runs some
-        operations in another dtype than others)."""
+        operations in another dtype than others), and for LoRA on a base below fp32 (peft keeps the
+        adapters in fp32; the engine gets them merged and rounded, or as its own LoRA kernels)."""
         precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
         if "mixed" in precision:
             return None
         if self.compute_dtype is not None:
-            return self.compute_dtype
-        if precision in ("32-true", "32"):
-            return self.hparams.model_dtype
-        return {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision)
+            dtype = self.compute_dtype
+        elif precision in ("32-true", "32"):
+            dtype = self.hparams.model_dtype
+        else:
+            dtype = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision)
+        return None if self.lora is not None and dtype not in ("float32", "float64") else dtype
+
+    def _dropout(self) -> bool:
+        """Whether the policy's forward drops units at random (then lag-0 ESS is below 1 on a healthy run)."""
+        if self._has_dropout is None:
+            self._has_dropout = has_dropout(self.policy)
+        return self._has_dropout
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps,     # cumulative across resumes

@@ -368,6 +368,12 @@ class Objective:
         """True when the objective's loss uses pi_prox (PolicyModule then requires them from the run)."""
         return False
 
+    @property
+    def proximal_stands_for_behavior(self) -> bool:
+        """True when the objective uses pi_prox as the behaviour weights scored by the trainer (P3O's
+        kl_anchor): exact only when no row is older than the phase's first step (sync, S = k - 1)."""
+        return False
+
     def __call__(
         self,
         logprobs: Tensor,
@@ -465,7 +471,7 @@ class P3O(Objective):
     over the vocabulary, so la_t comes from the trainer: the proximal logprobs (the weights that start
     the phase, scored at T_t by lit_ess.callbacks.ProximalLogprobs), which are theta_b's in sync mode
     (a phase is sampled with the weights of the step that trains its first batch). In async mode with
-    rows older than their phase's first step, the anchor is that newer policy at T_t. With T_s = T_t
+    rows older than their phase's first step, the anchor is that newer policy at T_t (warned once). With T_s = T_t
     and an engine at the trainer's precision, la_t = lb_t: the two anchors agree.
 
     Args:
@@ -493,6 +499,10 @@ class P3O(Objective):
     @property
     def needs_proximal(self) -> bool:
         return self.adaptive_kl and self.kl_anchor == "behavior_at_train_temperature"
+
+    @property
+    def proximal_stands_for_behavior(self) -> bool:
+        return self.needs_proximal
 
     def policy_loss(self, lp, lb, adv, mask, agg, ess=None, proximal_logprobs=None, **_):
         log_ratio = lp - lb

@@ -79,6 +79,17 @@ def disable_dropout(model: torch.nn.Module) -> None:
             setattr(config, attr, 0.0)
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """True when any dropout that disable_dropout would zero is on (LoRA's nn.Dropout included)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        if any(isinstance(v := getattr(module, a, None), float) and v > 0
+               for a in ("attention_dropout", "dropout", "hidden_dropout", "attn_dropout")):
+            return True
+    return False
+
+
 def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """(name, full tensor) for every entry of the state dict, in its fixed order, with Hugging Face
     names (wrapper prefixes are stripped by the wrappers' state-dict hooks). A DTensor shard (FSDP2)

@@ -21,6 +21,22 @@ def test_apply_sets_dotted_keys():
     assert cfg == {"data": {"init_args": {"sampling": {"temperature": 0.6}}}, "model": {"init_args": {"lr": 1e-3}}}
 
 
+def test_a_runs_config_shares_no_list_with_its_cell(tmp_path):
+    """The temperature cells add ExportHF to their callbacks; that list was the cells' shared PROXIMAL list,
+    so every later run with ProximalLogprobs exported its weights into those cells' folders."""
+    from experiments.run import cell_config
+
+    cells = [c for c in EXPERIMENTS["temperature"].cells if c.label.endswith("_anchor")]
+    cfgs = [cell_config("temperature", c, 0, tmp_path, tmp_path / c.label, FULL) for c in cells]
+    decoupled = next(c for c in EXPERIMENTS["stress_k"].cells if c.method == "decoupled")
+    later = cell_config("stress_k", decoupled, 0, tmp_path, tmp_path / "d", FULL)
+    assert [cb["class_path"].rsplit(".", 1)[1] for cb in later["trainer"]["callbacks"]] == ["WeightSync",
+                                                                                          "ProximalLogprobs"]
+    for c, cfg in zip(cells, cfgs):
+        exports = [cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("ExportHF")]
+        assert [e["init_args"]["dirpath"] for e in exports] == [str(tmp_path / c.label / "final")]
+
+
 def test_stress_cells_cover_every_method_rate_and_level():
     for name, letter in (("stress_k", "k"), ("stress_s", "S")):
         cells = EXPERIMENTS[name].cells
@@ -51,6 +67,9 @@ def test_breaking_point_is_the_first_level_where_two_of_three_seeds_collapse(tmp
         if c.method == "decoupled" and cell_lr(c) == LR and c.level == 1:   # only k = 1 run, no collapse
             for s in range(3):
                 _summary(tmp_path / "stress_k" / c.label / f"seed{s}", 0.7)
+        if c.method == "p3o_no_kl" and cell_lr(c) == LR:     # k = 1: one seed (collapsed), two missing
+            for s, v in enumerate([low] if c.level == 1 else [low, low, 0.7]):
+                _summary(tmp_path / "stress_k" / c.label / f"seed{s}", v)
     page = write_report(tmp_path, tmp_path / "out", FULL, "test").read_text()
     rows = {}
     for line in page.splitlines():                  # the first table with a method's row: breaking points
@@ -58,7 +77,8 @@ def test_breaking_point_is_the_first_level_where_two_of_three_seeds_collapse(tmp
             rows.setdefault(line.split(" | ")[0][2:], line)
     assert f"| k = {top} (2/3) |" in rows["p3o"]
     assert "k = 1 (3/3), on-policy: the learning rate breaks" in rows["grpo_tis"]
-    assert "| none up to k = 1 |" in rows["decoupled"]
+    assert f"| none up to k = 1, k = {top} incomplete (0/3 seeds) |" in rows["decoupled"]
+    assert "| k = 1 incomplete (1/3 seeds) |" in rows["p3o_no_kl"]      # not k = 48: k = 1 may break first
     assert "## Stress: staleness S" in page and "Not run yet" in page
     assert (tmp_path / "out" / "img" / "experiments" / "stress_k.png").stat().st_size > 10_000
 

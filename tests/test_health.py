@@ -55,3 +55,24 @@ def test_the_trainers_dtype_follows_precision_and_fsdp2s_cast(tiny_model_dir):
         assert m._trainer_dtype() == want, precision
     m._trainer, m.compute_dtype = SimpleNamespace(precision="32-true"), "float16"   # FSDP2 param_dtype float16
     assert m._trainer_dtype() == "float16"
+
+
+def test_dropout_or_fp32_adapters_on_a_16_bit_base_are_not_exact(tiny_model_dir):
+    """A healthy lag-0 step under LoRA dropout (random masks) or with peft's fp32 adapters on a bf16 base
+    has ESS below 1: not counted, not warned (it was, and with ess_alarm_error stopped a healthy run)."""
+    from lit_ess.lora import LoRA
+    from lit_ess.module import PolicyModule
+
+    logs = {"train/ess": 0.99, "train/ratio_mean": 1.0, "train/policy_lag_max": 0.0}
+    for kw, exact in (({}, True), ({"lora": LoRA(rank=4)}, True), ({"lora": LoRA(rank=4, dropout=0.1)}, False),
+                      ({"lora": LoRA(rank=4), "model_dtype": "bfloat16"}, False)):
+        m = PolicyModule(tiny_model_dir, ess_alarm_error=True, **kw)
+        m.configure_model()
+        sampling = {"engine_dtype": m.hparams.model_dtype, "temperature": 1.0}
+        if exact:
+            with pytest.raises(RuntimeError, match="below ess_alarm=0.999"):
+                m._check_ess(dict(logs), sampling, step=1)
+        else:
+            out = dict(logs)
+            m._check_ess(out, sampling, step=1)
+            assert out["train/ess_alarms"] == 0.0, kw

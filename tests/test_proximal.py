@@ -135,3 +135,23 @@ def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model
     extra = {"mode": "async", "max_staleness": 2} if mode == "async" else {}
     fit(tiny_model_dir, module, [WeightSync(), ProximalLogprobs(), check], steps=4, **extra)
     assert check.checked == 2
+
+
+def test_p3o_anchor_on_rows_older_than_their_proximal_policy_warns_once(tiny_model_dir, phase):
+    """P3O's kl_anchor stands for the behaviour weights at the train temperature; rows sampled before the
+    phase's first step (async, or max_staleness > k - 1) get the newer proximal policy instead: said once."""
+    import warnings
+
+    from lit_ess.objectives import P3O
+
+    m = PolicyModule(tiny_model_dir, objective=P3O(kl_anchor="behavior_at_train_temperature"))
+    m.configure_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                           # rows of the proximal step itself: silent
+        m.accumulate_gradients(replace(phase[0], prox_version=0))
+    with pytest.warns(UserWarning, match=r"rows sampled by the weights of step 0 are anchored at the proximal "
+                                         r"policy of step 2 \(P3O\.kl_anchor: behavior_at_train_temperature\)"):
+        m.accumulate_gradients(replace(phase[0], prox_version=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                           # once
+        m.accumulate_gradients(replace(phase[0], prox_version=2))
