@@ -74,9 +74,9 @@ LR = 2.0e-4                 # every experiment's learning rate
 HIGH_LR = 5.0e-4            # the stress experiments' second one (1e-3 collapsed on-policy in the pilot)
 # Levels: k = 48 trains the whole 48-step run on the warm start's samples; in sync mode the lag grows
 # by one step every two, so a 48-step run reaches lag 24 at most and any S >= 24 is the same run.
-# 7 methods x 2 rates x 3 seeds x (2 + 2) levels = 168 runs (S = 0 is k = 1).
+# 7 methods x 2 rates x 3 seeds x (2 + 3) levels = 210 runs (S = 0 is k = 1).
 K_LEVELS = (1, 48)          # steps per rollout; the per-step batch stays the same (prompts x k per rollout)
-S_LEVELS = (8, 24)          # staleness with k = 1; S = 0 is stress_k's k = 1 run
+S_LEVELS = (4, 8, 24)      # staleness with k = 1; S = 0 is stress_k's k = 1 run
 
 
 def lr_tag(lr: float) -> str:
