@@ -219,6 +219,11 @@ def temperature(cell: Cell) -> float:
     return float(cell.overrides.get(TEMPERATURE, 1.0))
 
 
+def base_folder(temp: float) -> str:
+    """The warm start's held-out evaluation at `temp`, under the runs' or the summaries' `_base/`."""
+    return "val" if temp == 1.0 else f"val_T{temp}"
+
+
 def cell_lr(cell: Cell) -> float:
     return float(cell.overrides.get("model.init_args.lr", LR))
 

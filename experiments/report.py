@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .cells import EXPERIMENTS, Scale, cell_lr, lr_tag, temperature
+from .cells import EXPERIMENTS, Scale, base_folder, cell_lr, lr_tag, temperature
 
 COLLAPSE = 0.10
 BREAK = 2 / 3
@@ -108,7 +108,7 @@ def _diagnosis(run: dict) -> str:
 
 def _base(summaries: Path, temp: float) -> float | None:
     """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet)."""
-    d = summaries / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
+    d = summaries / "_base" / base_folder(temp)
     return _final(read_curves(d / "curves.csv"), "val/pass@1") if (d / "curves.csv").exists() else None
 
 

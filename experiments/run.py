@@ -36,7 +36,7 @@ import yaml
 
 from lit_ess.console import quiet_console
 
-from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, temperature
+from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, base_folder, temperature
 from .report import read_csv, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def prepare_base(out: Path, scale: Scale, threads: int | None = None) -> Path:
 
 
 def base_dir(out: Path, temp: float) -> Path:
-    return out / "_base" / ("val" if temp == 1.0 else f"val_T{temp}")
+    return out / "_base" / base_folder(temp)
 
 
 def validate(model: Path, d: Path, scale: Scale, temp: float, threads: int | None = None) -> None:

@@ -534,18 +534,14 @@ def _old_logprobs(old: str, lp: Tensor, lb: Tensor, proximal_logprobs: Tensor | 
     return lp.detach() if proximal_logprobs is None else proximal_logprobs.detach()
 
 
-def _check_old(obj: "Objective") -> None:
-    if obj.old not in OLD_POLICIES:
-        raise ValueError(f"{obj.name}: old={obj.old!r} is not one of {OLD_POLICIES}")
-
-
 class _ClipsAroundOld(Objective):
     """The clipped objectives' `old` switch (each declares the field, so its positional order stays):
     checked at construction; "proximal" asks the run for the trainer's proximal logprobs."""
 
     def __post_init__(self):
         super().__post_init__()
-        _check_old(self)
+        if self.old not in OLD_POLICIES:
+            raise ValueError(f"{self.name}: old={self.old!r} is not one of {OLD_POLICIES}")
 
     @property
     def needs_proximal(self) -> bool:

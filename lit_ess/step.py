@@ -64,13 +64,16 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float | None)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+DROPOUT_ATTRS = ("attention_dropout", "dropout", "hidden_dropout", "attn_dropout")   # floats HF layers drop with
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Set every dropout probability to 0: `nn.Dropout` modules and the float `attention_dropout` /
     `dropout` attributes that Hugging Face attention layers pass to their functional dropout."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
-        for attr in ("attention_dropout", "dropout", "hidden_dropout", "attn_dropout"):
+        for attr in DROPOUT_ATTRS:
             if isinstance(getattr(module, attr, None), float):
                 setattr(module, attr, 0.0)
     config = getattr(model, "config", None)
@@ -85,7 +88,7 @@ def has_dropout(model: torch.nn.Module) -> bool:
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
         if any(isinstance(v := getattr(module, a, None), float) and v > 0
-               for a in ("attention_dropout", "dropout", "hidden_dropout", "attn_dropout")):
+               for a in DROPOUT_ATTRS):
             return True
     return False
 
