@@ -49,7 +49,7 @@ from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
-from lit_ess.health import ESSAlarmError  # noqa: E402
+from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError  # noqa: E402
 
 # the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
@@ -185,7 +185,7 @@ def main(args: list[str] | None = None) -> None:
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(_explain(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-    except (WorkerError, RankFailed, ESSAlarmError) as e:     # a fault found mid-run: what and where, exit 1
+    except (WorkerError, RankFailed, ESSAlarmError, NonFiniteError) as e:     # a fault found mid-run: what and where, exit 1
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(str(e), code=1)

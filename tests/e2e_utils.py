@@ -219,3 +219,46 @@ class SaveSyncPayloads(L.Callback):
                for mode, payload in (("merged", merged_weights), ("adapter", adapter_weights))}
         if trainer.is_global_zero:
             torch.save(got, self.path)
+
+
+def nan_model_copy(src: str, dst: Path, tensor: str = "model.layers.0.mlp.up_proj.weight") -> Path:
+    """A copy of the model folder `src` with one NaN written into `tensor`."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    weights[tensor].view(-1)[0] = float("nan")
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+class NaNGradients(L.Callback):
+    """Every gradient of one weight becomes NaN from optimizer step `from_step` on (the weights stay
+    finite: each step is skipped for a non-finite gradient norm, and the step count no longer moves)."""
+
+    def __init__(self, from_step: int = 0):
+        self.from_step = from_step
+
+    def on_train_start(self, trainer, pl_module):
+        import torch
+
+        next(p for p in pl_module.policy.parameters() if p.requires_grad).register_hook(
+            lambda g: torch.full_like(g, float("nan")) if trainer.global_step >= self.from_step else g)
+
+
+class NaNWeightAfterStep(L.Callback):
+    """Writes a NaN into one policy weight at the end of step `step` (before the weights are pushed
+    to the engine: list it before WeightSync)."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import torch
+
+        if trainer.global_step - 1 == self.step:
+            with torch.no_grad():
+                dict(pl_module.policy.named_parameters())["model.layers.0.mlp.up_proj.weight"].view(-1)[0] = float("nan")
