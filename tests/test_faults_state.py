@@ -96,3 +96,69 @@ def test_a_nan_weight_mid_run_is_one_line_with_the_hf_engine(tiny_model_dir, tmp
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
     line = fault_line(res)
     assert f"weight {NAN_TENSOR} (NaN) is not finite" in line, line
+
+
+# ---------------------------------------------------------------- length limits
+
+
+def test_prompt_budget_against_the_model_length():
+    from lit_ess.engines.base import prompt_budget
+
+    limit = (256, "the model's max_position_embeddings")
+    assert prompt_budget(None, 6, limit) == 250                   # null: the room the model length leaves
+    assert prompt_budget(250, 6, limit) == 250                    # 250 + 6 = 256 fits exactly
+    assert prompt_budget(512, 6, None) == 512                     # a model that does not say
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=251 \+ sampling.max_new_tokens=6 = 257 exceeds the "
+                                         r"model's max_position_embeddings = 256"):
+        prompt_budget(251, 6, limit)
+    with pytest.raises(ValueError, match="sampling.max_new_tokens=256 leaves no room"):
+        prompt_budget(None, 256, limit)
+    with pytest.raises(ValueError, match="max_prompt_tokens must be >= 1"):
+        prompt_budget(0, 6, limit)
+
+
+def test_vllm_max_model_len_is_the_engine_limit(tiny_model_dir):
+    from lit_ess.engines import HFConfig, VLLMConfig
+
+    assert HFConfig().model_len(tiny_model_dir) == (256, "the model's max_position_embeddings")
+    assert VLLMConfig().model_len(tiny_model_dir) == (256, "the model's max_position_embeddings")
+    assert VLLMConfig(max_model_len=64).model_len(tiny_model_dir) == (64, "engine.max_model_len")
+
+
+def _long_prompt_file(tmp_path) -> str:
+    """Short arithmetic prompts and one of 303 tokens (the tiny model's byte tokenizer: a token a digit)."""
+    import json
+
+    rows = [(f"{i}+{i}=", str(2 * i)) for i in range(7)] + [("9" * 300 + "+1=", "1")]
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p, "answer": a}) for p, a in rows))
+    return str(f)
+
+
+@pytest.mark.e2e
+def test_a_prompt_longer_than_max_model_len_is_refused_at_start_with_vllm(tiny_model_dir, tmp_path):
+    """max_prompt_tokens (512) + max_new_tokens above the engine's max_model_len (64): one line naming both
+    knobs before the engine starts (main: the 303-token prompt, under max_prompt_tokens, kills the run
+    with a bare vLLM traceback)."""
+    source = {"class_path": "lit_ess.datamodules.HFPrompts", "init_args": {"path": _long_prompt_file(tmp_path)}}
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="VLLMConfig", max_steps=2, prompts=8, samples=2,
+                    extra_data={"source": source, "max_prompt_tokens": 512})
+    cfg["data"]["init_args"]["engine"]["init_args"] = {"max_model_len": 64}
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
+    line = fault_line(res, code=2)
+    assert "max_prompt_tokens=512 + sampling.max_new_tokens=6 = 518 exceeds engine.max_model_len = 64" in line, line
+
+
+@pytest.mark.e2e
+def test_a_prompt_longer_than_the_model_is_skipped_and_counted(tiny_model_dir, tmp_path):
+    """max_prompt_tokens left null: the 303-token prompt does not fit the tiny model's 256 positions and is
+    skipped and counted in rollout/skipped_long_prompts, the run ends normally (main: max_prompt_tokens
+    512 let it through, sampled past the model's positions)."""
+    from e2e_utils import scalars
+
+    source = {"class_path": "lit_ess.datamodules.HFPrompts", "init_args": {"path": _long_prompt_file(tmp_path)}}
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, prompts=8, samples=2,
+                    extra_data={"source": source})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert scalars(tmp_path)["rollout/skipped_long_prompts"][-1][1] >= 1

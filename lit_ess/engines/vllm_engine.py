@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..console import harmless_stderr_dropped, verbose
 from ..lora import is_adapter_payload, write_adapter
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda,
+from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, position_limit,
+                   require_cuda,
                    visible_devices)
 
 
@@ -80,7 +81,8 @@ class VLLMConfig(EngineConfig):
         gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take; None = 0.1 on
             CPU, 0.4 on CUDA (colocated with the trainer).
         kv_cache_gib: KV-cache size on the CPU backend, in GiB.
-        max_model_len: longest prompt + completion; None = the model's.
+        max_model_len: longest prompt + completion; None = the model's (max_position_embeddings).
+            data.max_prompt_tokens + sampling.max_new_tokens must fit it (checked at start).
         enforce_eager: no CUDA graphs / compilation (fast start; needed for in-place reloads on CPU).
         seed: the engine's own seed (each request also gets a derived seed from the sampling seed).
         behavior_logprobs: "processed" (vLLM's processed logprobs: the distribution it sampled from,
@@ -124,6 +126,8 @@ class VLLMConfig(EngineConfig):
     def __post_init__(self):
         if self.behavior_logprobs not in ("processed", "raw"):
             raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 or null, got {self.max_model_len}")
         if self.transport not in ("shared_memory", "nccl"):
             raise ValueError(f"transport={self.transport!r} is not one of ('shared_memory', 'nccl')")
         if self.bucket_mb <= 0:
@@ -163,6 +167,12 @@ class VLLMConfig(EngineConfig):
         """GPU workers of the engine: tensor x pipeline parallel size."""
         kw = self.vllm_kwargs
         return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+
+    def model_len(self, model_path: str) -> tuple[int, str] | None:
+        model = position_limit(model_path)
+        if self.max_model_len is not None and (model is None or self.max_model_len < model[0]):
+            return self.max_model_len, "engine.max_model_len"
+        return model
 
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)
