@@ -43,7 +43,7 @@ import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
-from lit_ess.checkpoint import AtomicCheckpointIO, resolve_resume  # noqa: E402
+from lit_ess.checkpoint import AtomicCheckpointIO, lock_folder, resolve_resume  # noqa: E402
 from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
@@ -129,13 +129,21 @@ class LitESSCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def before_fit(self) -> None:
-        """`--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
+        """Hold the ModelCheckpoint folders for this run (a second run into one refuses to start).
+        `--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
         (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over. Then the checks
         that must come before the run starts: a folder of shards against the module (`_check_shards`),
         the engine against lora.sync: adapter (`_check_adapter_sync`)."""
         args = self.config_init[self.subcommand]
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        for d in dirs if self.trainer.is_global_zero else []:     # one run per folder (lit_ess.checkpoint.lock_folder)
+            try:
+                notice = lock_folder(d)
+            except ValueError as e:
+                _fail(str(e), traceback=False)
+            if notice:
+                print(f"lit-ess: {notice}", file=sys.stderr)
         if args.get("ckpt_path") == "last" and dirs:      # no dirs: Lightning's own search (the logger's folder)
             try:
                 args["ckpt_path"], notice = resolve_resume("last", dirs)
