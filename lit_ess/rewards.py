@@ -93,6 +93,8 @@ def resolve_reward(name: str) -> Callable[[str, str], float]:
             fn = getattr(importlib.import_module(mod), attr)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"reward {name!r} cannot be imported: {e}") from None
+        except Exception as e:            # the module's own code failed: a syntax error, an error at import
+            raise ValueError(f"reward {name!r} cannot be imported: {where_it_failed(e)}") from None
         if not callable(fn):
             raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function of (completion, answer)")
         try:
@@ -103,6 +105,18 @@ def resolve_reward(name: str) -> Callable[[str, str], float]:
             pass                          # no signature to inspect (a builtin): its calls will tell
         return fn
     raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)} or 'module:function'")
+
+
+def where_it_failed(e: Exception) -> str:
+    """`file, line N: Error: message` for an exception raised while a module was imported: a
+    SyntaxError's own position, else the innermost frame of the traceback outside importlib."""
+    import traceback
+
+    if isinstance(e, SyntaxError):
+        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<frozen")]
+    where = f"{frames[-1].filename}, line {frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(e).__name__}: {e}"
 
 
 class RewardError(ValueError):
