@@ -343,8 +343,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_rank, self.trainer.world_size
 
     def teardown(self, stage: str) -> None:
-        if self.executor is not None:
-            self.executor.close()
+        if self.executor is not None:            # an interrupted run (Ctrl-C, SIGTERM) stops its worker at once
+            self.executor.close(grace=1.0 if self.trainer is not None and self.trainer.interrupted else 60.0)
             self.executor = None
         self.submitted = {}          # their requests stay in self.requests and are generated again
 

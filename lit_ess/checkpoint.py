@@ -49,6 +49,8 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from .lifetime import alive
+
 TMP_SUFFIX = ".tmp"
 SHARDED_META = "meta.pt"           # Lightning's name for the non-tensor state of a sharded checkpoint
 
@@ -76,6 +78,8 @@ def atomic_save(obj: Any, path: Path) -> None:
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         cause = e if isinstance(e, OSError) else e.__context__      # torch.save re-raises a failed write
+        if isinstance(cause, KeyboardInterrupt):                     # Ctrl-C during the write: a Ctrl-C
+            raise KeyboardInterrupt from e
         if isinstance(cause, OSError):                                # as a RuntimeError about positions
             raise OSError(cause.errno, f"checkpoint {path} not written ({cause.strerror}); the previous one "
                                        f"is kept") from e
@@ -160,7 +164,7 @@ def lock_folder(folder: str | Path) -> str | None:
         if host != socket.gethostname():
             raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid} on {host}; {lock}): "
                              f"give this run its own dirpath, or remove the lock if that run is gone")
-        if _alive(pid):
+        if alive(pid):
             raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid}): give this run its own "
                              f"dirpath, or stop that run first")
         notice = f"checkpoint folder {folder}: taking over the lock of pid {pid}, which is no longer running"
@@ -169,16 +173,6 @@ def lock_folder(folder: str | Path) -> str | None:
     os.replace(tmp, lock)
     atexit.register(_unlock, lock, me)
     return notice
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:          # another user's live process
-        return True
-    return True
 
 
 def _unlock(lock: Path, me: str) -> None:

@@ -172,7 +172,10 @@ class RewardScorer:
         if self._pool is None:
             import multiprocessing as mp
 
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            from .lifetime import die_with_parent
+
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                             initializer=die_with_parent)        # never outlives the run
             try:
                 self._pool.submit(_warm_up, self.fn).result(timeout=self.startup_timeout)
             except (FutureTimeout, BrokenProcessPool) as e:

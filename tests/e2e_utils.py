@@ -262,3 +262,31 @@ class NaNWeightAfterStep(L.Callback):
         if trainer.global_step - 1 == self.step:
             with torch.no_grad():
                 dict(pl_module.policy.named_parameters())["model.layers.0.mlp.up_proj.weight"].view(-1)[0] = float("nan")
+
+
+class KillRankAt(L.Callback):
+    """kill -9 of this process on rank `rank` after optimizer step `step` (a rank that dies mid-run;
+    rank 0 is the launcher)."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import signal
+
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def session_processes(sid: int) -> list[int]:
+    """The pids of the live processes of session `sid` (a run started with start_new_session)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out

@@ -52,7 +52,7 @@ class RolloutExecutor(Protocol):
 
     def restore(self, reward_counters: dict) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, grace: float = 60.0) -> None: ...       # grace: seconds a worker may take to finish
 
 
 class InlineExecutor:
@@ -92,6 +92,6 @@ class InlineExecutor:
         out, self.done = self.done, []
         return out
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         if self.worker is not None:
             self.worker.close()
