@@ -290,9 +290,9 @@ class ISCorrection:
             raise ValueError(f"correction.mode={self.mode!r} is not one of ('truncate', 'mask', 'reject')")
         check("correction.high", self.high, gt=0)
         check("correction.low", self.low, ge=0, null=True)
-        low = self.low if self.low is not None or self.mode == "truncate" else 1 / self.high if self.high > 0 else None
-        if not self.high > 0 or (low is not None and not 0 <= low <= self.high):
-            raise ValueError(f"correction bounds must satisfy 0 <= low <= high, high > 0; got low={self.low} "
+        low = self.low if self.low is not None or self.mode == "truncate" else 1 / self.high
+        if low is not None and not low <= self.high:
+            raise ValueError(f"correction bounds must satisfy 0 <= low <= high; got low={self.low} "
                              f"(in effect {low}), high={self.high}")
 
     def __call__(self, log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
