@@ -41,7 +41,8 @@ from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_se
 from lit_ess.rewards import RewardError, as_score
 from lit_ess.rollout.batch import RolloutBatch, Row, collate
 
-from .base import Action, EnvConfig, Environment, Example, Message, Step
+from .base import Action, Environment, Example, Message, Step
+from .config import EnvConfig
 from .tokens import EpisodeTokens
 
 TRUNCATIONS = ("turns", "tokens")
