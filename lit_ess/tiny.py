@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden-size", type=int, default=192, help=f"a multiple of the head size, {HEAD_DIM}")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="bytes", choices=["bytes", "bpe_chat"],
+                   help="bytes: no merges, no chat template; bpe_chat: BPE with merges and a ChatML template")
     a = p.parse_args(argv)
     if a.hidden_size < HEAD_DIM or a.hidden_size % HEAD_DIM or a.num_layers < 1:
         bad = f"--num-layers {a.num_layers} must be >= 1" if a.num_layers < 1 else (
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     heads = a.hidden_size // HEAD_DIM
     path = build_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers,
-                            num_heads=heads, num_kv_heads=heads, seed=a.seed)
+                            num_heads=heads, num_kv_heads=heads, seed=a.seed, tokenizer=a.tokenizer)
     print(f"wrote {path} (vocab {json.loads((path / 'config.json').read_text())['vocab_size']})")
 
 

@@ -218,7 +218,7 @@ class Flaky(Environment):
 
     def reset(self, example):
         self.how = example.answer
-        return example.prompt
+        return 42 if self.how == "bad reset" else example.prompt
 
     def step(self, action):
         if self.how == "raise":
@@ -229,6 +229,8 @@ class Flaky(Environment):
             return Step(reward=math.nan, done=True)
         if self.how == "none":
             return None
+        if self.how == "bad observation":
+            return Step(observation=[{"role": "user"}])
         if self.how == "late":
             if action.token_ids[-1] == 51:
                 raise ValueError("late failure")
@@ -239,20 +241,23 @@ class Flaky(Environment):
 
 
 def test_failing_steps_end_their_episode_with_reward_0_and_are_counted(byte_tok):
-    hows = ["ok", "raise", "hang", "nan", "none"]
-    engine = ScriptedEngine({i: [[50, 51]] for i in range(5)}, byte_tok.eos_token_id)
+    hows = ["ok", "raise", "hang", "nan", "none", "bad observation"]
+    engine = ScriptedEngine({i: [[50, 51]] for i in range(6)}, byte_tok.eos_token_id)
     runner = EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky", step_timeout=0.5, max_error_rate=1.0), byte_tok)
     t0 = time.perf_counter()
     with pytest.warns(UserWarning, match="failed in an episode"):
         eps = runner.run(engine, [Example("q", h) for h in hows], 1, S)
     assert time.perf_counter() - t0 < 2.5                                  # the hung step did not stall the batch
-    assert [e.reward for e in eps] == [1.0, 0.0, 0.0, 0.0, 0.0]
-    assert [(e.env_errors, e.env_timeouts) for e in eps] == [(0, 0), (1, 0), (0, 1), (1, 0), (1, 0)]
+    assert [e.reward for e in eps] == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [(e.env_errors, e.env_timeouts) for e in eps] == [(0, 0), (1, 0), (0, 1), (1, 0), (1, 0), (1, 0)]
     assert "tool server down" in eps[1].error and "reward returned nan" in eps[3].error and "not a Step" in eps[4].error
-    assert runner.state_dict() == {"errors": 3, "timeouts": 1}
+    assert "not text or chat messages" in eps[5].error
+    assert runner.state_dict() == {"errors": 4, "timeouts": 1}
     stats = episode_stats(eps)
-    assert (stats["rollout/env_errors"], stats["rollout/env_timeouts"]) == (3.0, 1.0)
-    assert stats["rollout/env_seconds"] > 0.5 / 5
+    assert (stats["rollout/env_errors"], stats["rollout/env_timeouts"]) == (4.0, 1.0)
+    assert stats["rollout/env_seconds"] > 0.5 / 6
+    with pytest.raises(ValueError, match="reset returned 42, not text or a list of"):
+        runner.run(engine, [Example("q", "bad reset")], 1, S)
 
 
 def test_an_error_after_a_rewarded_step_zeroes_the_episode(byte_tok):

@@ -22,6 +22,12 @@ Message = dict[str, str]
 Observation = Union[str, list[Message]]
 
 
+def is_observation(obs) -> bool:
+    """Text, or a list of {'role', 'content'} messages of text."""
+    return isinstance(obs, str) or isinstance(obs, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obs)
+
+
 class Example(Protocol):
     """What an environment reads of a prompt-source example (lit_ess.datamodules.prompts.Example)."""
     prompt: str

@@ -22,7 +22,8 @@ reward 0, counted (env_errors, env_timeouts); a run in which more than `max_erro
 fail raises EnvError. Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt
 included); an episode stopped by one is truncated and counted (truncated = "turns" or "tokens"): a turn
 that would pass the token budget is cut at it (a prefix of a sample is a sample: its logprobs stay
-exact), an observation that would reach it is dropped.
+exact) and not stepped, an observation that would reach it is dropped. The reward is then what the
+steps so far gave.
 
 `collate_episodes` turns episodes into a RolloutBatch whose completion mask is the episodes' token mask.
 """
@@ -41,7 +42,7 @@ from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_se
 from lit_ess.rewards import RewardError, as_score
 from lit_ess.rollout.batch import RolloutBatch, Row, collate
 
-from .base import Action, Environment, Example, Message, Step
+from .base import Action, Environment, Example, Message, Step, is_observation
 from .config import EnvConfig
 from .tokens import EpisodeTokens
 
@@ -183,6 +184,9 @@ class EpisodeRunner:
         except Exception as e:
             raise ValueError(f"environment {self.config.env!r} cannot start an episode from {example!r}: "
                              f"{type(e).__name__}: {e}") from None
+        if not is_observation(obs):
+            raise ValueError(f"environment {self.config.env!r}: reset returned {obs!r}, not text or a list of "
+                             f"{{'role', 'content'}} messages")
         role = env.observation_role
         history = self.tokens.messages(obs, role) if self.tokens.chat else []
         return _Live(env, Episode(self.tokens.prompt(obs, role), start_version=version), history, key)
@@ -239,8 +243,9 @@ class EpisodeRunner:
             reward, bad = as_score(value.reward)
             if bad is not None:
                 status, value = "error", ValueError(f"step's reward {bad}")
-            elif not value.done and value.observation is None:
-                status, value = "error", ValueError("step returned no observation for an episode that is not done")
+            elif not value.done and not is_observation(value.observation):
+                status, value = "error", ValueError(f"step returned the observation {value.observation!r} for an "
+                                                    f"episode that is not done, not text or chat messages")
         if status != "ok":
             self._fail(x, status, value)
             return False

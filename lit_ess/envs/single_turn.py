@@ -3,6 +3,9 @@
 `reset` returns the example's prompt as it is (the runner encodes it as every prompt is encoded,
 lit_ess.datamodules.prompts.encode_prompt), `step` scores the completion with the reward and ends the
 episode. Its episodes sample exactly what the single-turn rollout samples (same engine call, same seeds).
+The reward runs in the step's thread, timed by the runner's step_timeout: a reward that RewardScorer
+runs in a worker process (math_verify, whose sympy calls cannot be interrupted) would keep a timed-out
+thread busy here.
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def render_chat(tokenizer, messages: list[Message], generation: bool) -> list[in
 
 
 class TemplateError(ValueError):
-    """The tokenizer's chat template cannot give token-in-token-out observation deltas."""
+    """The tokenizer (its chat template, or the lack of one) cannot give token-in-token-out observation
+    tokens for what the environment answers."""
 
 
 class EpisodeTokens:
@@ -54,11 +55,7 @@ class EpisodeTokens:
 
     def messages(self, obs: Observation, role: str) -> list[Message]:
         """An observation as chat messages (text becomes one message of `role`)."""
-        if isinstance(obs, str):
-            return [{"role": role, "content": obs}]
-        if not (isinstance(obs, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in obs)):
-            raise ValueError(f"an observation must be text or a list of {{'role', 'content'}} messages, got {obs!r}")
-        return list(obs)
+        return [{"role": role, "content": obs}] if isinstance(obs, str) else list(obs)
 
     def text(self, obs: Observation) -> str:
         """An observation as the completions table shows it."""
@@ -69,16 +66,16 @@ class EpisodeTokens:
         if isinstance(obs, str):
             return encode_prompt(self.tok, obs)
         if not self.chat:
-            raise ValueError("the environment's first observation is chat messages, but the tokenizer has no chat "
-                             "template: return text")
+            raise TemplateError("the environment's first observation is chat messages, but the tokenizer has no "
+                                "chat template: return text")
         return render_chat(self.tok, self.messages(obs, role), generation=True)
 
     def observation(self, history: list[Message], obs: Observation, role: str, turn_ids: list[int]) -> list[int]:
         """Ids to append after the policy's turn `turn_ids` (the last message of `history`, for a chat model)."""
         if not self.chat:
             if not isinstance(obs, str):
-                raise ValueError("the environment answered with chat messages, but the tokenizer has no chat "
-                                 "template: return text")
+                raise TemplateError("the environment answered with chat messages, but the tokenizer has no chat "
+                                    "template: return text")
             return list(self.tok(obs, add_special_tokens=False)["input_ids"])
         before = render_chat(self.tok, history, generation=False)
         after = render_chat(self.tok, history + self.messages(obs, role), generation=True)
