@@ -165,6 +165,26 @@ def test_single_turn_episodes_batch_as_the_single_turn_rollout(byte_tok, tiny_mo
     assert got.completion_texts == want.completion_texts
 
 
+def test_plain_multiturn_episodes_are_on_policy_with_the_hf_engine(byte_tok, tiny_model_dir):
+    """A real engine over turns, plain tokenizer: behaviour logprobs equal the trainer's on the assembled
+    sequences, and the environment's tokens sit between the turns with mask 0."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_ess.engines import HFConfig
+    from lit_ess.logprobs import sequence_logprobs
+
+    engine = HFConfig().build(tiny_model_dir)
+    cfg = EnvConfig(env="retry_arithmetic", max_turns=3, max_episode_tokens=64)
+    eps = EpisodeRunner(cfg, byte_tok).run(engine, Arithmetic(digits=1, size=2, seed=0).examples, 2, S)
+    assert sum(e.turns for e in eps) > len(eps) and all(e.env_tokens > 0 for e in eps if e.turns > 1)
+    batch = collate_episodes(eps, [1.0] * 4, [0, 0, 1, 1], [""] * 4, byte_tok.pad_token_id)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    m = batch.completion_mask
+    assert (lp - batch.behavior_logprobs)[m].abs().max() < 1e-5
+
+
 def test_calculator_episode(byte_tok):
     tok, eos = byte_tok, byte_tok.eos_token_id
     call, answer = ids(tok, "calc(37*85)") + [eos], ids(tok, "3145") + [eos]
