@@ -44,7 +44,7 @@ class FSDP2(L.Callback):
             (non-reentrant checkpoint wrapper applied before sharding).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only;
             the gather and clipping of CPU shards need a CPU backend beside NCCL: set
-            ModelParallelStrategy's process_group_backend: "cuda:nccl,cpu:gloo"; checked on paper).
+            ModelParallelStrategy's process_group_backend: "cuda:nccl,cpu:gloo").
     """
 
     def __init__(self, param_dtype: Literal["float32", "bfloat16", "float16"] | None = None,
