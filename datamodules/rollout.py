@@ -113,7 +113,9 @@ def val_chunks(examples: list, size: int, rank: int, world: int) -> list[list]:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Args:
+    """One rollout batch per optimizer step, from a versioned buffer of generated phases.
+
+    Args:
         model_path: the policy's Hugging Face folder (linked from the model by the CLI).
         source: where prompts come from (default: 2-digit addition).
         engine: the rollout engine's typed config: lit_ess.engines.VLLMConfig (vLLM, the default) or
