@@ -17,7 +17,9 @@ from lit_ess.knobs import check
 
 
 class StepProgressBar(ProgressBar):
-    """Args:
+    """One progress bar over optimizer steps, across epochs.
+
+    Args:
         refresh_rate: redraw every this many optimizer steps (0 = off).
     """
 

@@ -19,7 +19,9 @@ log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 
 
 class ModelSummary(LightningModelSummary):
-    """Args:
+    """Lightning's table of modules and parameters, without an uncounted FLOPs column.
+
+    Args:
         max_depth: depth of nested modules listed (0 = no table, -1 = every depth).
     """
 
