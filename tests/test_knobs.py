@@ -1,9 +1,9 @@
 """Every numeric knob of every typed config class is checked where it is declared.
 
 The classes are found, not listed: the constructors the CLI builds (PolicyModule, SFTModule, their data
-modules, every callback of lit_ess.callbacks, the ESS alarm) and, recursively, every lit_ess class their
-parameters are annotated with, with all its subclasses (objectives, corrections, engine configs,
-sampling, LoRA, prompt sources). Each int / float parameter (bare, Optional, in a tuple or a list) is
+modules, every callback of lit_ess.callbacks, the ESS alarm, the environments and their config) and,
+recursively, every lit_ess class their parameters are annotated with, each with all its subclasses
+(objectives, corrections, engine configs, sampling, LoRA, prompt sources). Each int / float parameter (bare, Optional, in a tuple or a list) is
 tried at 0, a negative, NaN and +-inf (None too when it is Optional): the constructor either refuses
 with a one-line ValueError naming the knob, or the value is listed in DOCUMENTED with the phrase of the
 class's docstring that gives it its meaning. A new numeric field without a rule fails here.
@@ -23,12 +23,13 @@ import pytest
 import lit_ess.callbacks
 from lit_ess.datamodules import RolloutDataModule
 from lit_ess.datamodules.sft import SFTDataModule
+from lit_ess.envs import EnvConfig, Environment
 from lit_ess.health import ESSAlarm
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import CISPO, DAPO, GRPO, GSPO, DecoupledPPO
 from lit_ess.sft import SFTModule
 
-ROOTS = [PolicyModule, SFTModule, RolloutDataModule, SFTDataModule, ESSAlarm,
+ROOTS = [PolicyModule, SFTModule, RolloutDataModule, SFTDataModule, ESSAlarm, EnvConfig, Environment,
          *(getattr(lit_ess.callbacks, name) for name in lit_ess.callbacks.__all__)]
 
 # (class, knob, value) -> the phrase of the class's docstring that gives the value its meaning
@@ -55,7 +56,7 @@ DOCUMENTED = {
     ("StepProgressBar", "refresh_rate", 0): "(0 = off)",
     ("ModelSummary", "max_depth", 0): "(0 = no table, -1 = every depth)",
     ("ModelSummary", "max_depth", -1): "(0 = no table, -1 = every depth)",
-    ("WeightSync", "every_n_steps", None): "every_n_steps: gone",
+    ("WeightSync", "every_n_steps", None): "every_n_steps: not used",
     ("Objective", "entropy_coef", 0): "(0 = off)",
     ("Objective", "ref_kl_coef", 0): "(0 = off;",
     ("Objective", "norm_len", None): "None = the rollout's max_new_tokens",
@@ -74,6 +75,9 @@ DOCUMENTED = {
     ("LoRA", "dropout", 0): "dropout: dropout on the adapter's input, in [0, 1) (0 = none)",
     ("Arithmetic", "seed", 0): "seed: draws the example pool (an integer >= 0)",
     ("HFPrompts", "limit", None): "None = all",
+    ("EnvConfig", "max_episode_tokens", None): "None: no budget of its own",
+    ("EnvConfig", "max_error_rate", 0): "(1.0: never; 0.0: at the first)",
+    ("Calculator", "max_calls", 0): "(>= 0; 0 = a call ends the episode with reward 0)",
 }
 # knobs a message names as the user writes them: ESSAlarm(threshold) is built from PolicyModule's ess_alarm
 SPELLED = {("ESSAlarm", "threshold"): "ess_alarm"}
@@ -135,7 +139,7 @@ def _subclasses(cls: type) -> list[type]:
 def knob_classes() -> list[type]:
     """The roots and every lit_ess class reachable through constructor annotations, with subclasses;
     private (_Name) and abstract classes left out."""
-    seen, queue = [], list(ROOTS)
+    seen, queue = [], [c for root in ROOTS for c in (root, *_subclasses(root))]
     while queue:
         cls = queue.pop(0)
         if cls in seen:
@@ -203,7 +207,7 @@ def test_the_walk_finds_every_kind_of_config():
     assert {"PolicyModule", "SFTModule", "RolloutDataModule", "SFTDataModule", "ESSAlarm", "P3O", "GRPO", "DAPO",
             "GSPO", "CISPO", "DecoupledPPO", "REINFORCE", "ISCorrection", "LoRA", "VLLMConfig", "HFConfig",
             "SamplingConfig", "Arithmetic", "HFPrompts", "LogCompletions", "RatioDashboard", "StepProgressBar",
-            "ModelSummary", "WeightSync"} <= names, names
+            "ModelSummary", "WeightSync", "EnvConfig", "RetryArithmetic", "Calculator"} <= names, names
     from lit_ess.objectives import OBJECTIVE_CLASSES
 
     assert set(OBJECTIVE_CLASSES) <= set(CLASSES)
