@@ -290,3 +290,20 @@ def test_seq_mean_token_sum_norm_refuses_a_zero_length():
     assert aggregate(x, m, "seq-mean-token-sum-norm").item() == pytest.approx(6 / (2 * 3))     # None = T
     with pytest.raises(ValueError, match="^norm_len must be >= 1 or null, got 0$"):       # was silently T
         aggregate(x, m, "seq-mean-token-sum-norm", norm_len=0)
+
+
+def test_clip_gradients_refuses_a_norm_that_would_negate_or_zero_the_gradient():
+    import torch
+
+    from lit_ess.step import clip_gradients
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    for bad in (-1.0, 0.0):                          # clip_grad_norm_ would scale g = [3, 4] by bad / 5
+        w.grad = torch.tensor([3.0, 4.0])
+        with pytest.raises(ValueError, match=r"^max_grad_norm must be > 0 or null, got .*: use null for no clipping$"):
+            clip_gradients([w], bad)
+        assert w.grad.tolist() == [3.0, 4.0]
+    assert clip_gradients([w], 1.0).item() == pytest.approx(5.0)
+    assert w.grad.tolist() == pytest.approx([0.6, 0.8])
+    w.grad = torch.tensor([3.0, 4.0])
+    assert clip_gradients([w], None).item() == pytest.approx(5.0) and w.grad.tolist() == [3.0, 4.0]
