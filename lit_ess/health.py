@@ -28,6 +28,8 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
+from .knobs import check
+
 
 class NonFiniteError(RuntimeError):
     """Non-finite weights, or too many consecutive steps with a non-finite loss or gradient norm."""
@@ -50,8 +52,7 @@ class SkippedSteps:
     consecutive skipped one raises NonFiniteError with the step and what to check."""
 
     def __init__(self, bound: int = 10):
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
-            raise ValueError(f"max_consecutive_skipped_steps must be an integer >= 1, got {bound!r}")
+        check("model.max_consecutive_skipped_steps", bound, ge=1, integer=True)
         self.bound, self.consecutive = bound, 0
 
     def update(self, skipped: bool, step: int, grad_norm: float) -> None:
@@ -69,11 +70,11 @@ class ESSAlarmError(RuntimeError):
 
 
 class ESSAlarm:
-    """Counts the lag-0 steps whose ESS is below `threshold` (None = off); warns once, or raises with `error`."""
+    """Counts the lag-0 steps whose ESS is below `threshold` (in (0, 1]; None = off); warns once, or raises
+    with `error`."""
 
     def __init__(self, threshold: float | None = 0.999, error: bool = False):
-        if threshold is not None and not 0 < threshold <= 1:
-            raise ValueError(f"ess_alarm must be in (0, 1] or null, got {threshold}")
+        check("ess_alarm", threshold, gt=0, le=1, null=True)
         self.threshold, self.error = threshold, error
         self.count = 0                    # cumulative, kept in checkpoints by PolicyModule
         self.warned = False
@@ -89,7 +90,7 @@ class ESSAlarm:
               train_temperature: float, dropout: bool = False) -> str | None:
         """Count a step whose ESS should be 1 and is below the threshold. Returns the message the first
         time (None otherwise); raises ESSAlarmError with it when `error` is set."""
-        if ess is None or ess >= (self.threshold or 0) or not self.applies(
+        if ess is None or self.threshold is None or ess >= self.threshold or not self.applies(
                 lag_max, engine_dtype, trainer_dtype, sample_temperature, train_temperature, dropout):
             return None
         self.count += 1

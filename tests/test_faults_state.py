@@ -113,8 +113,6 @@ def test_prompt_budget_against_the_model_length():
         prompt_budget(251, 6, limit)
     with pytest.raises(ValueError, match="sampling.max_new_tokens=256 leaves no room"):
         prompt_budget(None, 256, limit)
-    with pytest.raises(ValueError, match="max_prompt_tokens must be >= 1"):
-        prompt_budget(0, 6, limit)
 
 
 def test_vllm_max_model_len_is_the_engine_limit(tiny_model_dir):
