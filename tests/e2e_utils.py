@@ -158,7 +158,6 @@ def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float =
 def kill_when_rewritten(cfg: Path, target: Path, env: dict | None = None, timeout: float = 300) -> None:
     """Start `lit-ess fit --config cfg` and SIGKILL its process group the moment `target` (a checkpoint
     file) changes after its first version appeared: while it is being rewritten, if it ever is in place."""
-    import signal
     import time
 
     env = dict(env or os.environ, PYTHONPATH=pythonpath())
@@ -180,11 +179,7 @@ def kill_when_rewritten(cfg: Path, target: Path, env: dict | None = None, timeou
                 break
             time.sleep(0.0005)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_session(proc)
     assert first is not None and time.time() < deadline, f"{target} was not rewritten before the run ended"
 
 
@@ -276,6 +271,17 @@ class KillRankAt(L.Callback):
 
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of the session `proc` leads (started with start_new_session) and reap it."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def session_processes(sid: int) -> list[int]:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from e2e_utils import pythonpath, rl_config, session_processes, write_config
+from e2e_utils import kill_session, pythonpath, rl_config, session_processes, write_config
 
 
 def _two_rank_async(model_dir, out, **kw):
@@ -35,11 +35,7 @@ def _run(cfg, out, act=None):
         time.sleep(2.0)
         left = session_processes(proc.pid)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_session(proc)
     err.seek(0)
     return proc.returncode, err.read(), left
 

@@ -10,9 +10,8 @@ import sys
 import time
 
 import pytest
-import torch
 
-from e2e_utils import cli, pythonpath, rl_config, write_config
+from e2e_utils import cli, kill_session, pythonpath, rl_config, write_config
 from test_faults_input import _checkpoint
 from test_faults_state import fault_line
 
@@ -101,5 +100,4 @@ def test_a_second_run_into_one_checkpoint_folder_refuses_to_start(tiny_model_dir
         line = fault_line(res, code=2)
         assert f"checkpoint folder {tmp_path / 'ckpt'} is in use by another run (pid {first.pid})" in line, line
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+        kill_session(first)
