@@ -95,7 +95,7 @@ def test_a_nan_weight_mid_run_is_one_line_with_the_hf_engine(tiny_model_dir, tmp
     cfg["trainer"]["callbacks"].insert(0, {"class_path": "e2e_utils.NaNWeightAfterStep", "init_args": {"step": 0}})
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
     line = fault_line(res)
-    assert f"weight {NAN_TENSOR} (NaN) is not finite" in line, line
+    assert line.startswith("lit-ess: error: hf engine:") and f"weight {NAN_TENSOR} (NaN) is not finite" in line, line
 
 
 # ---------------------------------------------------------------- length limits
