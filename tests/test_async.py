@@ -91,7 +91,8 @@ def test_async_with_staleness_zero_equals_sync(tiny_model_dir):
 
 
 def _batch(versions):
-    rows = [Row([1, 2], [3], [-0.5], 1.0, 1.0, v, i, "p", "c") for i, v in enumerate(versions)]
+    rows = [Row(prompt=[1, 2], completion=[3], logprobs=[-0.5], advantage=1.0, reward=1.0, version=v, prompt_id=i,
+                prompt_text="p", completion_text="c") for i, v in enumerate(versions)]
     return collate(rows, 0, phase=0, index=0)
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from lit_ess.rollout import RankFailed, WorkerError
+from lit_ess.rollout import RankFailed, WorkerError, WorkerProcess
 from test_async import make_dm, weights
 
 
@@ -111,7 +111,7 @@ def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir, placement
         dm.push_weights(weights(0), 0)
         for step in range(6):
             dm.next_batch(step)
-            if step == 2 and dm.executor.__class__.__name__ == "WorkerProcess" and (placement == "dedicated" or r == 1):
+            if step == 2 and isinstance(dm.executor, WorkerProcess) and (placement == "dedicated" or r == 1):
                 os.kill(dm.executor.proc.pid, 9)
             if dm.wants_weights(step + 1):
                 dm.push_weights(weights(step + 1), step + 1)
