@@ -6,8 +6,8 @@
 One schedule, whatever runs the engine: a phase is submitted as soon as the newest weights may
 generate it (the buffer's admission rule, lit_ess/rollout/buffer.py: no row is ever trained more
 than `max_staleness` steps after the weights that sampled it), and the trainer takes one batch per
-step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll) decides
-where the work runs:
+step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll, drain)
+decides where the work runs:
 * `mode: sync`: in the trainer's process, at submission (generation blocks training). With the
   default S = steps_per_rollout - 1 a phase is admitted when the trainer needs it, with the weights of
   the step that trains its first batch: exactly on-policy for one step per rollout. A larger S
@@ -30,7 +30,8 @@ and the ranks' batches never overlap. Async on W ranks has two placements:
   the whole phase in one engine call and sends each rank its share directly
   (lit_ess/rollout/receiver.py); rank 0 plans and submits every phase, the other ranks receive.
 The executor carries the placement (lit_ess/rollout/executor.py `build_executor`): this module runs the
-same schedule under both, asking the executor whether this rank plans and what it submits for a phase.
+same schedule under both, asking the executor whether this rank plans (`plans`) and what it submits for
+a phase (`phase_request`).
 The ranks wait for their data together (lit_ess/rollout/ranks.py `in_step`): a worker that fails stops
 every rank in the same round, with its error. Whether new weights are needed is decided together too
 (`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
