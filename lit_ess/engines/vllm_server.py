@@ -229,7 +229,8 @@ class LaunchedServer:
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds until GET /health answers 200; one-line errors if the process exits or time runs out."""
-        import httpx
+        import urllib.error
+        import urllib.request
 
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
@@ -237,9 +238,10 @@ class LaunchedServer:
                 raise RuntimeError(f"the vLLM server for {self.url} exited with code {rc} during start-up: "
                                    f"{self.last_line()!r} (log: {self.log_file})")
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
         self.stop()
@@ -281,8 +283,6 @@ class VLLMServerEngine(RolloutEngine):
     """Rollouts on vLLM servers for `model_path` with the settings of `config`."""
 
     def __init__(self, model_path: str, config: VLLMServerConfig | None = None):
-        import httpx
-
         c = self.config = config if config is not None else VLLMServerConfig()
         self.model_path, self.version, self.closed = str(model_path), 0, False
         self.startup_seconds, self.pushes = 0.0, 0
@@ -294,7 +294,7 @@ class VLLMServerEngine(RolloutEngine):
         self.loop = asyncio.new_event_loop()       # the HTTP client's, in its own thread: callable from any thread
         self.thread = threading.Thread(target=self.loop.run_forever, name="lit-ess-vllm-server-client", daemon=True)
         self.thread.start()
-        self.client = self._run(self._make_client(httpx))
+        self.client = self._run(self._make_client())
         self.server: LaunchedServer | None = None
         atexit.register(self.close)
         t0 = time.perf_counter()
@@ -315,12 +315,12 @@ class VLLMServerEngine(RolloutEngine):
             raise
         self.startup_seconds = time.perf_counter() - t0
 
-    async def _make_client(self, httpx):
-        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request
-        limits = httpx.Limits(max_connections=self.config.max_concurrency,
-                              max_keepalive_connections=self.config.max_concurrency, keepalive_expiry=2.0)
+    async def _make_client(self):
+        import aiohttp
+
         self.slots = asyncio.Semaphore(self.config.max_concurrency)
-        return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(self.config.control_timeout))
+        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_concurrency, keepalive_timeout=2.0))
 
     def _run(self, coro):
         """Run `coro` on the client's event loop (its own thread) and wait for its result."""
@@ -337,42 +337,52 @@ class VLLMServerEngine(RolloutEngine):
         log = f"; server log: {self.server.log_file}" if self.server is not None and self.server.url == url else ""
         return f"vLLM server {url}{log}"
 
-    async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
-                    what: str | None = None) -> dict:
-        """One HTTP call; its JSON body (or {}), or a ServerError naming the URL and the call."""
-        import httpx
+    async def _request(self, url: str, method: str, route: str, body: dict | None, timeout: float,
+                       call: str) -> tuple[int, str]:
+        """One HTTP call: its status and text, or a ServerError naming the URL and the call."""
+        import aiohttp
 
-        call = what or f"{method} {route}"
-        timeout = timeout if timeout is not None else self.config.control_timeout
+        async def once():
+            async with self.client.request(method, url + route, json=body,
+                                           timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status, await r.text()
+
         try:
             try:
-                r = await self.client.request(method, url + route, json=body, timeout=timeout)
-            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+                return await once()
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
                 # a kept-alive connection the server closed as the request left: once more, on a new one
                 # (every call here may run twice: a seeded sample comes back the same, a reload loads the same)
-                r = await self.client.request(method, url + route, json=body, timeout=timeout)
-        except httpx.TimeoutException:
+                return await once()
+        except asyncio.TimeoutError:
             raise ServerError(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s") from None
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             raise ServerError(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise ServerError(f"{self._where(url)}: {call} answered HTTP {r.status_code}: {r.text[:300]!r}")
-        return r.json() if r.content else {}
+
+    async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
+                    what: str | None = None, ok: tuple[int, ...] = (200,)) -> tuple[int, dict]:
+        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty)."""
+        call = what or f"{method} {route}"
+        status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
+        if status not in ok:
+            raise ServerError(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
+        try:
+            return status, json.loads(text) if text else {}
+        except json.JSONDecodeError:
+            raise ServerError(f"{self._where(url)}: {call} answered no JSON: {text[:300]!r}") from None
 
     async def _check_server(self, url: str) -> None:
         """Refuse a server lit-ess cannot use, with the flag to add."""
         fix = "start it with `python -m lit_ess.engines.vllm_server serve --model MODEL_DIR`, or add"
-        version = (await self._call(url, "GET", "/version", timeout=self.config.startup_timeout)).get("version", "?")
+        version = (await self._call(url, "GET", "/version", timeout=self.config.startup_timeout))[1].get("version", "?")
         if not str(version).startswith(VLLM_SERIES):
             raise ServerError(f"{self._where(url)} runs vLLM {version}; lit-ess speaks the routes of vLLM "
                               f"{VLLM_SERIES}x: install that release there (pyproject.toml pins it)")
-        r = await self.client.get(url + "/server_info", params={"config_format": "json"}, timeout=self.config.control_timeout)
-        if r.status_code == 404:
+        status, info = await self._call(url, "GET", "/server_info?config_format=json", ok=(200, 404))
+        if status == 404:
             raise ServerError(f"{self._where(url)} has no dev routes (GET /server_info: 404): {fix} the environment "
                               f"variable VLLM_SERVER_DEV_MODE=1 to its start")
-        if r.status_code != 200:
-            raise ServerError(f"{self._where(url)}: GET /server_info answered HTTP {r.status_code}: {r.text[:300]!r}")
-        vc = r.json()["vllm_config"]
+        vc = info["vllm_config"]
         m = vc["model_config"]
         if (vc.get("device_config") or {}).get("device") == "cpu" and (vc.get("scheduler_config") or {}).get("enable_chunked_prefill"):
             raise ServerError(f"{self._where(url)} splits prefills on CPU, where vLLM 0.32 crashes on seeded requests "
@@ -388,19 +398,17 @@ class VLLMServerEngine(RolloutEngine):
                               f"engine.max_model_len is {self.config.max_model_len}: {fix} --max-model-len "
                               f"{self.config.max_model_len}")
         want = served_model_name(self.model_path)
-        names = [str(d.get("id")) for d in (await self._call(url, "GET", "/v1/models")).get("data", [])]
+        names = [str(d.get("id")) for d in (await self._call(url, "GET", "/v1/models"))[1].get("data", [])]
         if not any(same_model(name, want) for name in names):
             raise ServerError(f"{self._where(url)} serves {names}, whose config.json and tokenizer are not those of "
                               f"{self.model_path} (or cannot be read here): {fix} --served-model-name {want}")
         probe = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "logprobs": 0}}
-        r = await self.client.post(url + "/inference/v1/generate", json=probe, timeout=self.config.request_timeout)
-        if r.status_code == 403:
+        status, _ = await self._call(url, "POST", "/inference/v1/generate", probe, self.config.request_timeout,
+                                     ok=(200, 403))
+        if status == 403:
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
-        if r.status_code != 200:
-            raise ServerError(f"{self._where(url)}: POST /inference/v1/generate answered HTTP {r.status_code}: "
-                              f"{r.text[:300]!r}")
-        if (await self._call(url, "GET", "/weight_info")).get("weight_version") == "default":
+        if (await self._call(url, "GET", "/weight_info"))[1].get("weight_version") == "default":
             await self._call(url, "POST", "/update_weight_version", {"new_version": "0"})   # the weights it started with
 
     # ---- generation ----
@@ -424,7 +432,7 @@ class VLLMServerEngine(RolloutEngine):
             url = min(self.urls, key=self.outstanding.__getitem__)        # least outstanding requests
             self.outstanding[url] += 1
             try:
-                out = await self._call(url, "POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
+                _, out = await self._call(url, "POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
                                        timeout=self.config.request_timeout,
                                        what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
             finally:
@@ -492,13 +500,13 @@ class VLLMServerEngine(RolloutEngine):
                              {"method": "reload_weights", "kwargs": {"weights_path": folder}},
                              what=f"POST /collective_rpc reload_weights from {folder}")
             await self._call(url, "POST", "/update_weight_version", {"new_version": str(version)})
-            reset = await self._call(url, "POST", "/reset_prefix_cache")
+            _, reset = await self._call(url, "POST", "/reset_prefix_cache")
             if reset.get("success") is not True:
                 raise ServerError(f"{self._where(url)}: POST /reset_prefix_cache answered {reset}: the prefix cache of "
                                   f"the old weights would be reused")
         finally:
             await self._call(url, "POST", "/resume")
-        label = (await self._call(url, "GET", "/weight_info")).get("weight_version")
+        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
         if label != str(version):
             raise ServerError(f"{self._where(url)}: GET /weight_info says version {label!r} after pushing {version}: "
                               f"another client updates this server")
@@ -510,7 +518,7 @@ class VLLMServerEngine(RolloutEngine):
         self.closed = True
         atexit.unregister(self.close)
         if self.client is not None and self.loop.is_running():
-            self._run(self.client.aclose())
+            self._run(self.client.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         if self.server is not None:
