@@ -18,7 +18,7 @@ from test_engines import PROMPTS, max_logprob_gap
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
-from lit_ess.engines.vllm_server import ServerError, served_model_name, server_command
+from lit_ess.engines.vllm_server import ServerError, free_port, served_model_name, server_command
 
 
 # ---- fast: knobs, command, identity checks against faked answers ----
@@ -163,9 +163,25 @@ def test_the_launched_server_dies_with_its_parent(tmp_path):
         pytest.fail("the server outlived the process that launched it")
 
 
-def test_serve_without_a_command_says_how():
-    res = subprocess.run([sys.executable, "-m", "lit_ess.engines.vllm_server"], capture_output=True, text=True)
-    assert res.returncode == 2 and "serve --model DIR" in res.stderr
+def test_serve_names_a_missing_model_folder(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "lit_ess.engines.serve", "--model", str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "--model" in res.stderr and "config.json" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.e2e
+def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir, tmp_path):
+    """The documented command with a flag vLLM refuses: the server exits during start-up, and `serve`
+    says so in one line that names its log file, where vLLM's own message is."""
+    log = tmp_path / "server.log"
+    res = subprocess.run([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port",
+                          str(free_port()), "--log-file", str(log), "--no-such-vllm-flag"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "exited with code" in last and f"(log: {log})" in last
+    assert "--no-such-vllm-flag" in log.read_text()
 
 
 # ---- one real server for the module ----

@@ -21,11 +21,10 @@ start, with the vLLM version, processed logprobs, the dtype and the model (`mode
 server that fails a check is refused with the flag to add. The dev routes are not guarded by
 `--api-key`: bind servers to a private interface (a launched server listens on 127.0.0.1).
 
-A server for other machines: `python -m lit_ess.engines.vllm_server serve --model DIR --port P`.
+A server for other machines: `python -m lit_ess.engines.serve --model DIR --port P` (lit_ess/engines/serve.py).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import hashlib
@@ -62,7 +61,7 @@ class VLLMServerConfig(EngineConfig):
 
     Args:
         urls: base URLs of running servers (`http://host:port`), each started with the flags of
-            `python -m lit_ess.engines.vllm_server serve` (the same model folder, dev mode, scale-out
+            `python -m lit_ess.engines.serve` (the same model folder, dev mode, scale-out
             routes, processed logprobs). None or [] = launch one server on this machine.
         dtype: the servers' precision: float32, bfloat16, float16 or auto. Launched servers get it as
             --dtype; servers by URL must run it (checked at start).
@@ -128,7 +127,7 @@ class VLLMServerConfig(EngineConfig):
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.urls and (self.port is not None or self.server_args or self.log_file):
             raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
-                             "elsewhere: start them with `python -m lit_ess.engines.vllm_server serve`")
+                             "elsewhere: start them with `python -m lit_ess.engines.serve`")
 
     def exact_dtype(self) -> str | None:
         if self.dtype == "auto" or any(a.split("=")[0] in ("--quantization", "-q", "--kv-cache-dtype")
@@ -373,7 +372,7 @@ class VLLMServerEngine(RolloutEngine):
 
     async def _check_server(self, url: str) -> None:
         """Refuse a server lit-ess cannot use, with the flag to add."""
-        fix = "start it with `python -m lit_ess.engines.vllm_server serve --model MODEL_DIR`, or add"
+        fix = "start it with `python -m lit_ess.engines.serve --model MODEL_DIR`, or add"
         version = (await self._call(url, "GET", "/version", timeout=self.config.startup_timeout))[1].get("version", "?")
         if not str(version).startswith(VLLM_SERIES):
             raise ServerError(f"{self._where(url)} runs vLLM {version}; lit-ess speaks the routes of vLLM "
@@ -529,47 +528,3 @@ class VLLMServerEngine(RolloutEngine):
         elif self.weights_path is not None:
             shutil.rmtree(self.weights_path, ignore_errors=True)
         self.weights_path = None
-
-def serve(argv: list[str] | None = None) -> int:
-    """`python -m lit_ess.engines.vllm_server serve --model DIR --port P`: a server lit-ess can use from
-    another machine (engine.urls), with exactly the launched server's flags; prints its URL when ready."""
-    p = argparse.ArgumentParser(prog="python -m lit_ess.engines.vllm_server serve",
-                                description="Start a vLLM server for lit-ess's VLLMServerConfig(urls=[...]).")
-    p.add_argument("--model", required=True, help="the model folder the trainer starts from (model.model_path)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface to listen on; the weight routes are unauthenticated: use a private one")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--log-file", default=None, help="server output (default: a file in the temp folder)")
-    args, extra = p.parse_known_args(argv)
-    c = VLLMServerConfig(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-                         gpu_memory_utilization=args.gpu_memory_utilization, server_args=extra)
-    url = f"http://{args.host}:{args.port}"
-    server = LaunchedServer(server_command(args.model, c, args.host, args.port), server_env(c), args.log_file, url)
-    print(f"starting vLLM for {args.model} (log: {server.log_file})", flush=True)
-    try:
-        seconds = server.wait_ready(args.startup_timeout)
-        print(f"ready in {seconds:.0f} s: {url}   (engine: {{class_path: lit_ess.engines.VLLMServerConfig, "
-              f"init_args: {{urls: [{url}], dtype: {args.dtype}}}}})", flush=True)
-        return server.proc.wait()
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        server.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "serve":
-        print("usage: python -m lit_ess.engines.vllm_server serve --model DIR [--port P] [--host H] "
-              "[--dtype float32] [--max-model-len N] [extra vLLM flags]", file=sys.stderr)
-        return 2
-    return serve(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
