@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,6 +53,27 @@ def test_launch_command_has_the_flags_of_the_design(tiny_model_dir):
                  "--block-size 32", "--logprobs-mode processed_logprobs", "--enable-scale-out", "--port 8123",
                  "--host 127.0.0.1", f"--served-model-name {served_model_name(tiny_model_dir)}"):
         assert flag in line, flag
+
+
+def test_demo_server_config_is_the_demo_with_a_launched_server(tiny_model_dir):
+    """configs/demo_server.yaml parses as lit-ess fit parses it, every knob in --print_config, and differs
+    from configs/demo.yaml only in the engine and the output folders."""
+    import dataclasses
+
+    import yaml
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    res = cli(["fit", "--config", str(configs / "demo_server.yaml"), "--model.init_args.model_path", tiny_model_dir,
+               "--print_config"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    engine = yaml.safe_load(res.stdout)["data"]["init_args"]["engine"]
+    assert engine["class_path"] == "lit_ess.engines.VLLMServerConfig"
+    assert set(engine["init_args"]) == {f.name for f in dataclasses.fields(VLLMServerConfig)}
+    assert engine["init_args"]["urls"] is None                              # launched here
+    demo, server = (yaml.safe_load((configs / f).read_text()) for f in ("demo.yaml", "demo_server.yaml"))
+    assert {k: v for k, v in server["data"]["init_args"].items() if k != "engine"} == \
+        {k: v for k, v in demo["data"]["init_args"].items() if k != "engine"}
+    assert server["model"] == demo["model"]
 
 
 class FakeVLLM(BaseHTTPRequestHandler):
