@@ -15,17 +15,19 @@ trainer's forward (random masks: lag-0 ESS below 1 on a healthy run).
 """
 from __future__ import annotations
 
+from .knobs import check
+
 
 class ESSAlarmError(RuntimeError):
     """The lag-0 ESS alarm with model.ess_alarm_error: true."""
 
 
 class ESSAlarm:
-    """Counts the lag-0 steps whose ESS is below `threshold` (None = off); warns once, or raises with `error`."""
+    """Counts the lag-0 steps whose ESS is below `threshold` (in (0, 1]; None = off); warns once, or raises
+    with `error`."""
 
     def __init__(self, threshold: float | None = 0.999, error: bool = False):
-        if threshold is not None and not 0 < threshold <= 1:
-            raise ValueError(f"ess_alarm must be in (0, 1] or null, got {threshold}")
+        check("ess_alarm", threshold, gt=0, le=1, null=True)
         self.threshold, self.error = threshold, error
         self.count = 0                    # cumulative, kept in checkpoints by PolicyModule
         self.warned = False
@@ -41,7 +43,7 @@ class ESSAlarm:
               train_temperature: float, dropout: bool = False) -> str | None:
         """Count a step whose ESS should be 1 and is below the threshold. Returns the message the first
         time (None otherwise); raises ESSAlarmError with it when `error` is set."""
-        if ess is None or ess >= (self.threshold or 0) or not self.applies(
+        if ess is None or self.threshold is None or ess >= self.threshold or not self.applies(
                 lag_max, engine_dtype, trainer_dtype, sample_temperature, train_temperature, dropout):
             return None
         self.count += 1
