@@ -45,6 +45,7 @@ from typing import Iterable, Literal
 import torch
 from torch import Tensor
 
+from ..knobs import check
 from ..lora import is_adapter_payload
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed
 from .vllm_engine import adapter_root, remove_orphan_adapter_dirs
@@ -71,7 +72,7 @@ class VLLMServerConfig(EngineConfig):
             None = 0.1 on CPU, 0.4 on CUDA (as the in-process engine).
         kv_cache_gib: launched server on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).
         enforce_eager: launched server: no CUDA graphs / compilation (faster start).
-        seed: launched server: the engine's own seed (each request also gets a derived seed).
+        seed: launched server: the engine's own seed, an integer >= 0 (each request also gets a derived seed).
         port: launched server: its port on 127.0.0.1; None = a free one.
         server_args: launched server: more command-line flags, as they are (e.g. ["--max-num-seqs", "512"]).
         log_file: launched server: where its output goes; None = a file in the temp folder. Every error
@@ -110,21 +111,16 @@ class VLLMServerConfig(EngineConfig):
                 raise ValueError(f"urls: {url!r} is not a base URL such as http://10.0.0.5:8000")
         if self.urls and len(set(self.urls)) != len(self.urls):
             raise ValueError(f"urls lists a server twice: {self.urls}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 or null (the model's), got {self.max_model_len}")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1] or null, got {self.gpu_memory_utilization}")
-        if self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if self.port is not None and not 0 < self.port < 65536:
-            raise ValueError(f"port must be in [1, 65535] or null (a free one), got {self.port}")
+        check("VLLMServerConfig.max_model_len", self.max_model_len, ge=2, integer=True, null=True)
+        check("VLLMServerConfig.gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1, null=True)
+        check("VLLMServerConfig.kv_cache_gib", self.kv_cache_gib, gt=0)
+        check("VLLMServerConfig.seed", self.seed, ge=0, integer=True)
+        check("VLLMServerConfig.port", self.port, ge=1, le=65535, integer=True, null=True)
         if not all(isinstance(a, str) for a in self.server_args):
-            raise ValueError(f"server_args must be strings (command-line flags), got {self.server_args}")
+            raise ValueError(f"VLLMServerConfig.server_args must be strings (command-line flags), got {self.server_args}")
         for knob in ("startup_timeout", "request_timeout", "control_timeout"):
-            if getattr(self, knob) <= 0:
-                raise ValueError(f"{knob} must be > 0 seconds, got {getattr(self, knob)}")
-        if self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+            check(f"VLLMServerConfig.{knob}", getattr(self, knob), gt=0, hint=" (seconds)")
+        check("VLLMServerConfig.max_concurrency", self.max_concurrency, ge=1, integer=True)
         if self.urls and (self.port is not None or self.server_args or self.log_file):
             raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
                              "elsewhere: start them with `python -m lit_ess.engines.serve`")
