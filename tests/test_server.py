@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -19,7 +20,8 @@ from test_engines import PROMPTS, max_logprob_gap
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
-from lit_ess.engines.vllm_server import ServerError, free_port, served_model_name, server_command
+from lit_ess.engines.vllm_engine import adapter_root
+from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
 
 
 # ---- fast: knobs, command, identity checks against faked answers ----
@@ -79,12 +81,14 @@ def test_demo_server_config_is_the_demo_with_a_launched_server(tiny_model_dir):
 class FakeVLLM(BaseHTTPRequestHandler):
     """A vLLM 0.32 server's answers to the start-up checks; `answers` (a class attribute) overrides them."""
     answers: dict = {}
+    hits: list = []
 
     def log_message(self, *args):
         pass
 
     def _answer(self):
         route = self.path.split("?")[0]
+        self.hits.append(self.path)
         if route in self.answers:
             code, body = self.answers[route]
         else:
@@ -110,6 +114,7 @@ def fake_server(tiny_model_dir):
         "/v1/models": {"data": [{"id": served_model_name(tiny_model_dir)}]},
         "/inference/v1/generate": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]},
                                                 "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}}
+    FakeVLLM.hits = []
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -118,9 +123,27 @@ def fake_server(tiny_model_dir):
 
 
 def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
+    orphan = tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{2**22 + 12345}-", dir=adapter_root())   # no such process
     engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    assert not os.path.exists(orphan)                        # weights left by a run killed with kill -9
     groups = engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
     assert [[(c.token_ids, c.logprobs, c.version) for c in g] for g in groups] == [[([5], [-1.0], 0)] * 2]
+    engine.close()
+    assert not os.path.exists(engine.weights_root)
+
+
+def test_a_refused_prefix_cache_reset_fails_the_update_and_still_resumes(fake_server, tiny_model_dir):
+    """/reset_prefix_cache answers 200 with success false while requests run: the update must not
+    pass as done (stale KV would be reused), and the server must not stay paused."""
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": False}), "/weight_info": (200, {"weight_version": "0"})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ServerError, match=r"POST /reset_prefix_cache answered \{'success': False\}") as e:
+        engine.load_weights(model.state_dict().items(), version=3)
+    assert "\n" not in str(e.value) and fake_server in str(e.value)
+    calls = [h.split("?")[0] for h in FakeVLLM.hits]
+    assert calls[-5:] == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
+    assert engine.version == 0 and os.listdir(engine.weights_root) == []     # the refused folder is not kept
     engine.close()
 
 
