@@ -453,7 +453,8 @@ class VLLMServerEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Write the weights as safetensors into a new folder of weights_dir (renamed into place when
-        whole), make every server reload them, label them `version`, reset its prefix cache, check."""
+        whole), make every server reload them, label them `version`, reset its prefix cache, check.
+        The whole state dict is held in host memory while the file is written (one file)."""
         it = iter(named_tensors)
         first = next(it, None)
         if first is not None and is_adapter_payload([first[0]]):
