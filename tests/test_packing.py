@@ -10,11 +10,15 @@ from lit_ess.packing import pack, packed_logprobs, plan_micro_batches, plan_rank
 SAMPLING = [dict(temperature=1.0, top_k=-1, top_p=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_dir):
+def load(path, attn="sdpa"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load(tiny_model_dir)
 
 
 def batch(prompts=(3, 7, 1, 12, 5, 2), completions=(9, 1, 14, 4, 0, 6), seed=0):
@@ -35,10 +39,13 @@ def finite_sum(lp, comp):
     return torch.where(comp & lp.isfinite(), lp, 0).sum()
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("width", [None, 12])
 @pytest.mark.parametrize("sampling", SAMPLING)
-def test_packed_equals_padded(model, sampling, width):
-    """Logprobs, entropies and gradients of packed rows equal the padded batch's on completion tokens."""
+def test_packed_equals_padded(tiny_model_dir, sampling, width, attn):
+    """Logprobs, entropies and gradients of packed rows equal the padded batch's on completion tokens
+    (width None: one [1, N] line; 12: lines of <= 12 tokens, rows longer than that alone)."""
+    model = load(tiny_model_dir, attn)
     ids, mask, comp = batch()
     grads = []
     outs = []
