@@ -85,7 +85,7 @@ def _pick(texts: list[str], idx) -> list[str]:
     return [texts[i] for i in idx] if texts else []
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Row:
     """One sampled completion with its prompt, before padding."""
     prompt: list[int]
