@@ -20,7 +20,8 @@ Packing: the rows of a micro-batch laid end to end, `[R, W]` with `position_ids`
 every row start. transformers 5.19 (masking_utils.find_packed_sequence_indices) turns position ids that
 restart into a block-diagonal causal mask for sdpa, eager and flex_attention when `attention_mask` is
 None and no cache is used (`use_cache=False`: with a cache, the default of most configs, the packed rows
-silently attend to each other), and into flash-attention's varlen `cu_seq_lens` on GPU.
+silently attend to each other), and into flash-attention's varlen `cu_seq_lens` on GPU. On CPU,
+flex_attention (torch 2.13) has no backward: scoring only.
 R = 1 is padding-free; with `width` (e.g. the micro-batch's longest row) rows are first-fit into lines of
 at most `width` tokens, so attention costs at most what the padded batch costs (a dense mask over one
 [1, N] line costs N^2, more than B T^2 once N > T B^(1/2)) while the MLPs and projections see (almost)
