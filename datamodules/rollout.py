@@ -58,6 +58,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rewards import resolve_reward
+from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutExecutor,
                              RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
@@ -162,6 +163,9 @@ class RolloutDataModule(L.LightningDataModule):
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`); >= 1.
+            None = the room the engine's model length leaves (engine.max_model_len, else the model's
+            max_position_embeddings, minus sampling.max_new_tokens); a value whose sum with
+            max_new_tokens exceeds that length is refused at start.
         seed: prompt order and row shuffling (an integer >= 0).
         val_source: held-out prompts for validation (None = no validation loop in fit; `lit-ess
             validate` needs it).
@@ -195,7 +199,7 @@ class RolloutDataModule(L.LightningDataModule):
         steps_per_epoch: int | None = None,
         advantage: Literal["zscore", "mean"] = "zscore",
         drop_degenerate: bool = False,
-        max_prompt_tokens: int = 512,
+        max_prompt_tokens: int | None = None,
         seed: int = 0,
         val_source: PromptSource | None = None,
         val_prompts: int = 64,
@@ -204,9 +208,10 @@ class RolloutDataModule(L.LightningDataModule):
     ):
         super().__init__()
         for name, value in (("prompts_per_rollout", prompts_per_rollout), ("samples_per_prompt", samples_per_prompt),
-                            ("steps_per_rollout", steps_per_rollout), ("max_prompt_tokens", max_prompt_tokens),
-                            ("val_prompts", val_prompts), ("val_samples", val_samples)):
+                            ("steps_per_rollout", steps_per_rollout), ("val_prompts", val_prompts),
+                            ("val_samples", val_samples)):
             check(f"data.{name}", value, ge=1, integer=True)
+        check("data.max_prompt_tokens", max_prompt_tokens, ge=1, integer=True, null=True)
         check("data.steps_per_epoch", steps_per_epoch, ge=1, integer=True, null=True)
         check("data.max_staleness", max_staleness, ge=0, integer=True, null=True)
         check("data.seed", seed, ge=0, integer=True)
@@ -241,6 +246,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.steps_per_epoch = steps_per_rollout if steps_per_epoch is None else steps_per_epoch
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
+        self.prompt_limit = max_prompt_tokens       # the longest prompt sampled; set in setup() (prompt_budget)
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
         self.val_sampling = _with_changes(sampling, val_sampling, "val_sampling") if val_sampling else None
         self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
@@ -291,6 +297,8 @@ class RolloutDataModule(L.LightningDataModule):
                              f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
                              f"{self.steps_per_rollout}: every step needs a row on every rank")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens,
+                                          self.engine_config.model_len(self.model_path))     # before the engine starts
         self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
 
@@ -308,8 +316,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_rank, self.trainer.world_size
 
     def teardown(self, stage: str) -> None:
-        if self.executor is not None:
-            self.executor.close()
+        if self.executor is not None:            # an interrupted run (Ctrl-C, SIGTERM) stops its worker at once
+            self.executor.close(grace=1.0 if self.trainer is not None and self.trainer.interrupted else 60.0)
             self.executor = None
         self.submitted = {}          # their requests stay in self.requests and are generated again
 
@@ -453,12 +461,12 @@ class RolloutDataModule(L.LightningDataModule):
         while len(examples) < k:
             for i, ex in self._next_examples(k - len(examples)):
                 ids = self.encode_prompt(ex.prompt)
-                if len(ids) > self.max_prompt_tokens:
+                if len(ids) > self.prompt_limit:
                     self.skipped_long_prompts += 1
                     streak += 1
                     if streak >= 2 * len(self.source):
                         raise ValueError(f"every prompt of the source is longer than max_prompt_tokens="
-                                         f"{self.max_prompt_tokens} tokens: raise max_prompt_tokens")
+                                         f"{self.prompt_limit} tokens: raise max_prompt_tokens")
                     continue
                 streak = 0
                 idx.append(i)

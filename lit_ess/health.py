@@ -12,10 +12,57 @@ engine dtype equal to the trainer's (an engine that reports none, e.g. quantized
 never applies; nor a trainer whose forward mixes dtypes: mixed precision, LoRA adapters kept in fp32
 on a 16-bit base), the sampling temperature equal to the train temperature, and no dropout in the
 trainer's forward (random masks: lag-0 ESS below 1 on a healthy run).
+
+Non-finite state. A NaN or inf in a weight makes every loss and gradient non-finite: each step is
+skipped (`train/skipped_steps`) and the run would go on forever without learning, or die in the
+engine's sampler. `first_nonfinite` names the first such tensor: the policy and the reference are
+checked once when the run starts (the loaded checkpoint's weights after a resume), and again when a
+step is skipped. `SkippedSteps` stops the run after `bound` consecutive skipped steps with finite
+weights (a gradient that is non-finite step after step): nothing non-finite reaches the weights, so
+no checkpoint holds one.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
 from .knobs import check
+
+
+class NonFiniteError(RuntimeError):
+    """Non-finite weights, or too many consecutive steps with a non-finite loss or gradient norm."""
+
+
+def first_nonfinite(named: Iterable[tuple[str, Tensor]]) -> str | None:
+    """The name of the first tensor holding a NaN or inf (and which), or None. A DTensor shard (FSDP2)
+    is checked locally: the caller combines the ranks' answers."""
+    for name, t in named:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{name} ({'NaN' if bool(t.isnan().any()) else 'inf'})"
+    return None
+
+
+class SkippedSteps:
+    """Counts consecutive skipped optimizer steps and stops the run at `bound` of them.
+
+    `update(skipped, step)` after every step: a finite step resets the count; the `bound`-th
+    consecutive skipped one raises NonFiniteError with the step and what to check."""
+
+    def __init__(self, bound: int = 10):
+        check("model.max_consecutive_skipped_steps", bound, ge=1, integer=True)
+        self.bound, self.consecutive = bound, 0
+
+    def update(self, skipped: bool, step: int, grad_norm: float) -> None:
+        self.consecutive = self.consecutive + 1 if skipped else 0
+        if self.consecutive >= self.bound:
+            raise NonFiniteError(
+                f"{self.consecutive} consecutive steps skipped at optimizer step {step} for a non-finite loss or "
+                f"gradient norm (last: {grad_norm}) with finite weights (max_consecutive_skipped_steps={self.bound}): the run "
+                f"is not learning; check the rewards, the learning rate and the precision (no checkpoint was "
+                f"written from non-finite weights)")
 
 
 class ESSAlarmError(RuntimeError):

@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from .health import ESSAlarm
+from .health import ESSAlarm, NonFiniteError, SkippedSteps, first_nonfinite
 from .knobs import check
 from .logprobs import sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
@@ -77,6 +77,10 @@ class PolicyModule(L.LightningModule):
         max_grad_norm: clip the global gradient norm to this value, > 0; None = no clipping (0 and -1,
             "off" in some frameworks, are refused: clip_grad_norm_ would zero or negate every gradient).
             A step whose gradient norm is not finite is skipped and counted in `train/skipped_steps`.
+        max_consecutive_skipped_steps: stop the run (one line, exit 1) after this many consecutive skipped
+            steps (>= 1). A transient overflow skips a step or two; ten in a row with finite weights is a
+            run that no longer learns. Non-finite weights stop the run at once, naming the tensor: they are
+            checked when the run starts (policy, reference, a resumed checkpoint's) and at a skipped step.
         micro_batch_size: rows per forward/backward, >= 1 (None = the whole step at once).
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
@@ -124,6 +128,7 @@ class PolicyModule(L.LightningModule):
         lora: LoRA | None = None,
         ess_alarm: float | None = 0.999,
         ess_alarm_error: bool = False,
+        max_consecutive_skipped_steps: int = 10,
     ):
         super().__init__()
         check("model.lr", lr, gt=0)
@@ -148,6 +153,7 @@ class PolicyModule(L.LightningModule):
         if lora is not None and not isinstance(lora, LoRA):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
         self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
+        self.skip_guard = SkippedSteps(max_consecutive_skipped_steps)   # validates the bound
         self.compute_dtype: str | None = None      # forward dtype when a sharding callback casts (FSDP2's param_dtype)
         self._has_dropout: bool | None = None      # the policy's forward has dropout (found at the first step)
         self._warned_anchor = False                # P3O's kl_anchor on rows older than their proximal policy
@@ -261,6 +267,34 @@ class PolicyModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         check_gradients_synchronised(self)
+        h, ckpt = self.hparams, self._trainer.ckpt_path if self._trainer is not None else None
+        self.check_weights(f"in the checkpoint {ckpt}" if ckpt else f"in model_path={h.model_path!r}",
+                           f"in ref_model_path={h.ref_model_path or h.model_path!r}")
+
+    def check_weights(self, policy_source: str, ref_source: str) -> None:
+        """Stop with one line naming the first non-finite weight of the policy or the reference
+        (lit_ess.health.first_nonfinite). Each rank checks its own shards; a finding on any rank stops
+        every rank (a collective: every rank calls it)."""
+        for what, model, where in (("policy", self.policy, policy_source), ("reference model", self.ref_policy, ref_source)):
+            if model is None:
+                continue
+            bad = first_nonfinite(model.named_parameters())
+            if self._world():
+                flag = torch.tensor([float(bad is not None)], device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                bad = bad or ("a weight on another rank" if flag.item() else None)
+            if bad:
+                raise NonFiniteError(f"{what} weight {bad} is not finite {where}: every loss and gradient would be "
+                                     f"NaN; use finite weights")
+
+    def _count_skipped(self, grad_norm: Tensor, step: int) -> None:
+        """A step with a non-finite gradient norm was skipped: count it, stop at once on non-finite weights,
+        and after max_consecutive_skipped_steps in a row (lit_ess.health.SkippedSteps)."""
+        skipped = not bool(torch.isfinite(grad_norm))
+        if skipped:
+            self.skipped_steps += 1
+            self.check_weights(f"after step {step}", f"after step {step}")
+        self.skip_guard.update(skipped, step, float(grad_norm))
 
     def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
@@ -447,9 +481,8 @@ class PolicyModule(L.LightningModule):
         if torch.isfinite(grad_norm):
             opt.step()
             sched.step()
-        else:
-            self.skipped_steps += 1
         opt.zero_grad(set_to_none=True)
+        self._count_skipped(grad_norm, step_before)
         train_seconds = time.perf_counter() - t0
 
         per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),

@@ -48,6 +48,7 @@ DOCUMENTED = {
     ("RolloutDataModule", "max_reward_error_rate", 0): "0.0: stop at the first failure",
     ("RolloutDataModule", "max_staleness", 0): "(0 = on-policy, with steps_per_rollout 1)",
     ("RolloutDataModule", "max_staleness", None): "None = steps_per_rollout - 1",
+    ("RolloutDataModule", "max_prompt_tokens", None): "None = the room the engine's model length leaves",
     ("RolloutDataModule", "steps_per_epoch", None): "steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout",
     ("RolloutDataModule", "seed", 0): "seed: prompt order and row shuffling (an integer >= 0)",
     ("SFTDataModule", "label_noise", 0): "(0 = none)",

@@ -24,7 +24,8 @@ from torch import Tensor
 from ..console import harmless_stderr_dropped, verbose
 from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda,
+from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, position_limit,
+                   require_cuda,
                    visible_devices)
 
 
@@ -81,7 +82,8 @@ class VLLMConfig(EngineConfig):
         gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take, in (0, 1]; None = 0.1 on
             CPU, 0.4 on CUDA (colocated with the trainer).
         kv_cache_gib: KV-cache size on the CPU backend, in GiB (> 0).
-        max_model_len: longest prompt + completion, >= 1; None = the model's.
+        max_model_len: longest prompt + completion, >= 1; None = the model's (max_position_embeddings).
+            data.max_prompt_tokens + sampling.max_new_tokens must fit it (checked at start).
         enforce_eager: no CUDA graphs / compilation (fast start; needed for in-place reloads on CPU).
         seed: the engine's own seed, an integer >= 0 (each request also gets a derived seed from the sampling seed).
         behavior_logprobs: "processed" (vLLM's processed logprobs: the distribution it sampled from,
@@ -168,6 +170,12 @@ class VLLMConfig(EngineConfig):
         """GPU workers of the engine: tensor x pipeline parallel size."""
         kw = self.vllm_kwargs
         return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
+
+    def model_len(self, model_path: str) -> tuple[int, str] | None:
+        model = position_limit(model_path)
+        if self.max_model_len is not None and (model is None or self.max_model_len < model[0]):
+            return self.max_model_len, "engine.max_model_len"
+        return model
 
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)

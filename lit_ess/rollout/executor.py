@@ -62,7 +62,7 @@ class RolloutExecutor(Protocol):
 
     def restore(self, reward_counters: dict) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, grace: float = 60.0) -> None: ...       # grace: seconds a worker may take to finish
 
 
 class OwnShare:
@@ -115,6 +115,6 @@ class InlineExecutor(OwnShare):
         out, self.done = self.done, []
         return out
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         if self.worker is not None:
             self.worker.close()

@@ -13,7 +13,7 @@ default (the trainer copies into a slot no queued request names; the worker's en
 `reload_weights`, then resets and checks its prefix cache), or vLLM's NCCL weight transfer on GPUs.
 Transport messages share the request queue, so the worker applies them in order with the requests.
 The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for dedicated
-GPUs). It exits when told to, or when it finds the trainer process gone (kill -9).
+GPUs). It exits when told to, and the kernel stops it when the trainer process ends (lit_ess.lifetime).
 
 A progress watchdog: the worker reports each stage it begins (loading weights, sampling, scoring a
 request) and each result. When a request is in flight and the worker has sent nothing for
@@ -181,15 +181,16 @@ class WorkerProcess(OwnShare):
         if not self.started:
             raise WorkerError(f"the rollout worker did not start within {timeout:.0f} s")
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         """Stop the worker: it finishes the request it is on, skips the queued ones, and exits; unread
-        results are drained meanwhile (a child cannot exit while its queue's pipe is full)."""
+        results are drained meanwhile (a child cannot exit while its queue's pipe is full). After `grace`
+        seconds (an interrupted run: 1) it is killed."""
         atexit.unregister(self.close)
         if self.proc is None:
             return
         self.stop.set()
         self.requests.put(("stop", -1, None, None))               # wakes a worker waiting for requests
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + grace
         while self.proc.is_alive() and time.monotonic() < deadline:
             try:
                 self.results.get(timeout=0.1)
@@ -215,7 +216,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     import threading
 
     from lit_ess.console import quiet_console
+    from lit_ess.lifetime import die_with_parent
 
+    die_with_parent()                    # a trainer killed or stopped takes its worker with it at once
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
         worker = RolloutWorker(config, in_process=False)

@@ -207,7 +207,7 @@ class ShareReceiver:
             self.received = _newest(self.received, out)
             return out
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         """Stop listening. A reader still waiting for the worker to connect is woken by a bare connection
         (its handshake fails, it sees `closed`); one reading a connection ends when the worker closes it
         (a daemon thread: it never holds the process)."""
