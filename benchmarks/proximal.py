@@ -31,9 +31,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.callbacks import ProximalLogprobs
+from lit_ess.engines import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import DecoupledPPO
-from lit_ess.rollout import RolloutBatch
+from lit_ess.rollout import Proximal, RolloutBatch
 from lit_ess.tiny import build_tiny_model
 
 
@@ -46,7 +47,7 @@ def make_batch(vocab: int, rows: int, prompt: int, new: int, phase: int, index: 
                         behavior_logprobs=torch.where(comp, -torch.rand(rows, prompt + new, generator=g) * 5, 0.0),
                         advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows),
                         versions=torch.zeros(rows, dtype=torch.long), prompt_ids=torch.arange(rows),
-                        sampling={"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": new},
+                        sampling=SamplingConfig(max_new_tokens=new),
                         stats={"rollout/reward_mean": 0.0}, phase=phase, index=index, max_staleness=10**9)
 
 
@@ -84,7 +85,7 @@ class OwnProximal(ProximalLogprobs):
     """Today's shortcut: every batch is its own proximal policy (lp.detach()), no forward."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        batch.prox_version = trainer.global_step
+        batch.proximal = Proximal(trainer.global_step, "own_pass")
 
 
 class Timer(L.Callback):

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 import lightning as L
 import torch.distributed as dist
 
-from lit_ess.rollout import RolloutBatch
+from lit_ess.rollout import Proximal, RolloutBatch
 
 
 @runtime_checkable
@@ -58,14 +58,14 @@ class ProximalLogprobs(L.Callback):
             raise RuntimeError(f"ProximalLogprobs needs a data module with waiting_batches (a RolloutDataModule) and a "
                                f"module with score_proximal (a PolicyModule), got {type(dm).__name__} and "
                                f"{type(pl_module).__name__}")
-        starts = batch.prox_version < 0                # no step has scored this batch's phase yet
+        starts = batch.proximal is None                # no step has scored this batch's phase yet
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if not (starts or several):
             return
         t0 = time.perf_counter()
-        waiting = [b for b in dm.waiting_batches(batch.phase) if b.prox_version < 0] if starts else []
+        waiting = [b for b in dm.waiting_batches(batch.phase) if b.proximal is None] if starts else []
         if starts:
-            batch.prox_version = trainer.global_step    # its own gradient pass gives pi_prox
+            batch.proximal = Proximal(trainer.global_step, "own_pass")
         pl_module.score_proximal(waiting, pad=batch)    # every rank, every step: the forwards are collectives
         if starts:
             self.scored_phases += 1

@@ -35,7 +35,6 @@ from typing import Iterator, Literal, NamedTuple
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
@@ -46,7 +45,8 @@ from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_ada
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
-from .rollout import RolloutBatch
+from .engines import SamplingConfig
+from .rollout import Proximal, RolloutBatch
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
 
 __all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
@@ -204,7 +204,7 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     # ------------------------------------------------------------------ step
-    def _score(self, model, mb: RolloutBatch, sampling: dict, with_grad: bool,
+    def _score(self, model, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool,
                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """(logprobs [b, T], entropy [b, T] or None) of `model` on the micro-batch, processed as the
         engine sampled: logits / T -> top-k -> top-p, with T = train_temperature or the rollout's.
@@ -212,17 +212,17 @@ class PolicyModule(L.LightningModule):
         The policy and the reference model are both scored here, so with reference == policy the
         reference KL is exactly 0 whatever the sampling settings.
         """
-        T = self.hparams.train_temperature or sampling["temperature"]
+        T = self.hparams.train_temperature or sampling.temperature
         with torch.enable_grad() if with_grad else torch.no_grad():
             return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                     T, sampling["top_k"], sampling["top_p"], with_entropy=with_entropy)
+                                     T, sampling.top_k, sampling.top_p, with_entropy=with_entropy)
 
-    def _forward(self, mb: RolloutBatch, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool) -> tuple[Tensor, Tensor | None]:
         """(logprobs, entropy or None) of the policy on the micro-batch."""
         return self._score(self.policy, mb, sampling, with_grad,
                            with_entropy=with_grad and bool(self.objective.entropy_coef))
 
-    def _reference(self, mb: RolloutBatch, sampling: dict) -> Tensor | None:
+    def _reference(self, mb: RolloutBatch, sampling: SamplingConfig) -> Tensor | None:
         """Reference logprobs for ref_kl_coef: the reference model's, or with LoRA (no reference model)
         the base model's, scored with the adapters switched off; None without a reference penalty."""
         if self.ref_policy is not None:
@@ -264,7 +264,7 @@ class PolicyModule(L.LightningModule):
         """Store on each batch its proximal logprobs: the policy's logprobs with the current weights,
 
             prox_logprobs [B, T] = policy(batch) in micro-batches of micro_batch_size rows, no grad
-            prox_version         = this optimizer step
+            proximal             = Proximal(this optimizer step, "scored")
 
         scored exactly as the gradient pass scores (`_forward`: train temperature, top-k, top-p, LoRA
         adapters on), on each batch's own device. A collective under FSDP2: every rank must call it,
@@ -278,19 +278,19 @@ class PolicyModule(L.LightningModule):
             jobs += [(b, start, mb) for start, mb in zip(range(0, b.rows, size), b.micro_batches(size))]
         passes = self._same_count([mb for _, _, mb in jobs], pad=pad.micro_batches(self.hparams.micro_batch_size)[0])
         for i, (mb, weight) in enumerate(passes):
-            lp = self._forward(move_data_to_device(mb, self.device), mb.sampling, False)[0]
+            lp = self._forward(mb.to(self.device), mb.sampling, False)[0]
             if weight:
                 b, start, _ = jobs[i]
                 b.prox_logprobs[start:start + mb.rows, :lp.shape[1]] = lp.to(b.prox_logprobs)
         for b in batches:
-            b.prox_version = self.global_step
+            b.proximal = Proximal(self.global_step, "scored")
 
     def _proximal(self, mb: RolloutBatch, lp: Tensor) -> Tensor | None:
-        """log pi_prox of the micro-batch [b, T]: scored at its phase's first step, or for the batch trained
-        at that step, this pass's own lp.detach(); None when the run computes none."""
-        if mb.prox_logprobs is not None:
-            return mb.prox_logprobs
-        return lp.detach() if mb.prox_version == self.global_step else None
+        """log pi_prox of the micro-batch [b, T] (`mb.proximal` says where it comes from); None when no step
+        scored its phase."""
+        if mb.proximal is None:
+            return None
+        return lp.detach() if mb.proximal.source == "own_pass" else mb.prox_logprobs
 
     def _step_counts(self, mbs: list[RolloutBatch]) -> StepCounts:
         """The step's completion tokens N and sequences over all micro-batches and ranks, and n_r, this
@@ -311,13 +311,13 @@ class PolicyModule(L.LightningModule):
             gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
             metrics          combined over micro-batches and ranks by lit_ess.metrics.RULES (`step_metrics`)
         """
-        if self.objective.needs_proximal and batch.prox_version < 0:
+        if self.objective.needs_proximal and batch.proximal is None:
             raise ValueError(_no_proximal(self.objective))
         if (self.objective.proximal_stands_for_behavior and not self._warned_anchor and batch.rows
-                and int(batch.versions.min()) < batch.prox_version):
+                and int(batch.versions.min()) < batch.proximal.step):
             self._warned_anchor = True
             rank_zero_warn(f"step {self.global_step}: rows sampled by the weights of step {int(batch.versions.min())} "
-                           f"are anchored at the proximal policy of step {batch.prox_version} ({type(self.objective).__name__}"
+                           f"are anchored at the proximal policy of step {batch.proximal.step} ({type(self.objective).__name__}"
                            f".kl_anchor: behavior_at_train_temperature): the trainer no longer holds their behaviour "
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
                            f"max_staleness > steps_per_rollout - 1); warned once")
@@ -332,7 +332,7 @@ class PolicyModule(L.LightningModule):
         return self.step_metrics(metrics, log_ratio, mask, counts, step_ess, several=len(mbs) > 1)
 
     @torch.no_grad()
-    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: dict) -> Tensor:
+    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig) -> Tensor:
         """e_B of the whole step, before any gradient: a no-grad forward of every micro-batch.
 
             rho_t = exp(lp_t - lb_t)                   lp, lb: [b, T] of each micro-batch
@@ -350,7 +350,7 @@ class PolicyModule(L.LightningModule):
                 stats = s if stats is None else stats.merge(s)
         return (stats.all_reduce() if self._world() else stats).value()
 
-    def gradient_pass(self, passes: list[tuple[RolloutBatch, float]], sampling: dict, counts: StepCounts,
+    def gradient_pass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig, counts: StepCounts,
                       step_ess: Tensor | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """Forward, objective and backward of each micro-batch; gradients add up in .grad.
 
@@ -377,7 +377,7 @@ class PolicyModule(L.LightningModule):
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
                                  proximal_logprobs=self._proximal(mb, lp), ref_logprobs=ref, entropy=ent,
-                                 num_tokens=counts.tokens, num_seqs=counts.seqs, norm_len=sampling["max_new_tokens"])
+                                 num_tokens=counts.tokens, num_seqs=counts.seqs, norm_len=sampling.max_new_tokens)
             loss = out.loss * (scale * weight)
             if self._trainer is not None:
                 self.manual_backward(loss)
@@ -445,20 +445,20 @@ class PolicyModule(L.LightningModule):
                     "perf/train_seconds": train_seconds, **batch.stats}
         logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
-        self._check_ess(logs, batch.sampling, step_before)
+        self._check_ess(logs, batch.sampling, batch.engine_dtype, step_before)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
-    def _check_ess(self, logs: dict[str, float], sampling: dict, step: int) -> None:
+    def _check_ess(self, logs: dict[str, float], sampling: SamplingConfig, engine_dtype: str | None, step: int) -> None:
         """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:
         warns once (rank 0), or raises with ess_alarm_error; logs the cumulative count."""
         if self.ess_alarm.threshold is None:
             return
         message = self.ess_alarm.check(
             step, logs.get("train/ess"), logs.get("train/ratio_mean"), logs["train/policy_lag_max"],
-            engine_dtype=sampling.get("engine_dtype"), trainer_dtype=self._trainer_dtype(),
-            sample_temperature=sampling["temperature"],
-            train_temperature=self.hparams.train_temperature or sampling["temperature"],
+            engine_dtype=engine_dtype, trainer_dtype=self._trainer_dtype(),
+            sample_temperature=sampling.temperature,
+            train_temperature=self.hparams.train_temperature or sampling.temperature,
             dropout=self._dropout())
         if message:
             rank_zero_warn(message)

@@ -15,12 +15,13 @@ import torch
 import torch.multiprocessing as mp
 
 from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
+from lit_ess.engines import SamplingConfig
 from lit_ess.objectives import P3O, ess_stats
 from lit_ess.rollout import Row, collate
 
 pytestmark = pytest.mark.dist
 
-SAMPLING = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 6}
+SAMPLING = SamplingConfig(temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=6)
 
 
 def _free_port() -> int:
@@ -38,7 +39,7 @@ def _batch(rows: int = 6):
         out.append(Row(torch.randint(3, 200, (P,), generator=g).tolist(), torch.randint(3, 200, (C,), generator=g).tolist(),
                        (-5.5 + 0.5 * torch.randn(C, generator=g)).tolist(), float(torch.randn((), generator=g)), 0.0, 0, i,
                        "", ""))
-    return collate(out, pad_id=0, sampling=dict(SAMPLING))
+    return collate(out, pad_id=0, sampling=SAMPLING)
 
 
 class RecordingP3O(P3O):

@@ -1,7 +1,7 @@
 """The lag-0 ESS alarm (issue 18, item 6): when it applies, once-only warning, the count, the error switch."""
 import pytest
 
-from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig
 from lit_ess.health import ESSAlarm
 
 EXACT = dict(engine_dtype="float32", trainer_dtype="float32", sample_temperature=1.0, train_temperature=1.0)
@@ -68,11 +68,11 @@ def test_dropout_or_fp32_adapters_on_a_16_bit_base_are_not_exact(tiny_model_dir)
                       ({"lora": LoRA(rank=4), "model_dtype": "bfloat16"}, False)):
         m = PolicyModule(tiny_model_dir, ess_alarm_error=True, **kw)
         m.configure_model()
-        sampling = {"engine_dtype": m.hparams.model_dtype, "temperature": 1.0}
+        sampling, engine_dtype = SamplingConfig(temperature=1.0), m.hparams.model_dtype
         if exact:
             with pytest.raises(RuntimeError, match="below ess_alarm=0.999"):
-                m._check_ess(dict(logs), sampling, step=1)
+                m._check_ess(dict(logs), sampling, engine_dtype, step=1)
         else:
             out = dict(logs)
-            m._check_ess(out, sampling, step=1)
+            m._check_ess(out, sampling, engine_dtype, step=1)
             assert out["train/ess_alarms"] == 0.0, kw

@@ -66,7 +66,7 @@ def test_entropy_bonus_and_reference_kl_run_through_the_module(tiny_model_dir, s
 
 
 def _with_sampling(batch, **sampling):
-    return replace(batch, sampling={**batch.sampling, **sampling})
+    return replace(batch, sampling=replace(batch.sampling, **sampling))
 
 
 @pytest.mark.parametrize("sampling, train_temperature", [
@@ -109,7 +109,7 @@ def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, object
         rho = (lp - b.behavior_logprobs).exp()
         adv = b.advantages[:, None]
         surr = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
-        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b.sampling["max_new_tokens"])
+        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b.sampling.max_new_tokens)
         assert m_full["policy_loss"] == pytest.approx(float(want.detach()), rel=1e-5)
 
 

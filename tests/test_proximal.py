@@ -13,7 +13,7 @@ from lit_ess.logprobs import sequence_logprobs
 from lit_ess.lora import LoRA
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, DecoupledPPO
-from lit_ess.rollout import RolloutBuffer
+from lit_ess.rollout import Proximal, RolloutBuffer
 
 
 def data(model_dir, k=2, **kw):
@@ -55,9 +55,9 @@ def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_mo
         b0, b1 = (replace(b) for b in phase)
         if scored:
             m.score_proximal([b0, b1], pad=b0)
-            assert b0.prox_version == b1.prox_version == 0 and b1.prox_logprobs.shape == b1.behavior_logprobs.shape
+            assert b0.proximal == b1.proximal == Proximal(0, "scored") and b1.prox_logprobs.shape == b1.behavior_logprobs.shape
         else:
-            b0.prox_version = 0                    # what ProximalLogprobs does for the batch it is about to train
+            b0.proximal = Proximal(0, "own_pass")  # what ProximalLogprobs does for the batch it is about to train
         m.accumulate_gradients(b0)
         assert len(m.objective.seen) == 3
         for lp, prox in m.objective.seen:
@@ -77,17 +77,17 @@ def test_an_objective_that_needs_them_names_the_callback(tiny_model_dir, phase):
 
 
 def test_select_and_the_buffer_state_keep_them(phase):
-    b = replace(phase[1], prox_logprobs=torch.randn(phase[1].behavior_logprobs.shape), prox_version=7)
+    b = replace(phase[1], prox_logprobs=torch.randn(phase[1].behavior_logprobs.shape), proximal=Proximal(7, "scored"))
     part = b.select([1, 3])
     width = part.input_ids.shape[1]
-    assert torch.equal(part.prox_logprobs, b.prox_logprobs[[1, 3], :width]) and part.prox_version == 7
+    assert torch.equal(part.prox_logprobs, b.prox_logprobs[[1, 3], :width]) and part.proximal == Proximal(7, "scored")
     buf = RolloutBuffer(2, 1)
     buf.put(0, [replace(phase[0]), b])
     buf.take(0)
     again = RolloutBuffer(2, 1)
     again.load_state_dict(buf.state_dict())            # a mid-phase checkpoint
     (kept,) = again.waiting(0)
-    assert torch.equal(kept.prox_logprobs, b.prox_logprobs) and kept.prox_version == 7
+    assert torch.equal(kept.prox_logprobs, b.prox_logprobs) and kept.proximal == Proximal(7, "scored")
 
 
 def fit(model_dir, module, callbacks, steps, k=2, **data_kw):
@@ -107,9 +107,9 @@ class CheckProximal(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step
         if batch.index == 0:
-            assert batch.prox_version == step and batch.prox_logprobs is None
+            assert batch.proximal == Proximal(step, "own_pass") and batch.prox_logprobs is None
             (waiting,) = trainer.datamodule.waiting_batches(batch.phase)
-            assert waiting.prox_version == step and waiting.prox_logprobs is not None
+            assert waiting.proximal == Proximal(step, "scored") and waiting.prox_logprobs is not None
             self.weights = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
             return
         from transformers import AutoModelForCausalLM
@@ -119,7 +119,7 @@ class CheckProximal(L.Callback):
         m = batch.completion_mask
         want, _ = sequence_logprobs(start.eval(), batch.input_ids, batch.attention_mask, m)
         now, _ = sequence_logprobs(pl_module.policy, batch.input_ids, batch.attention_mask, m)
-        assert batch.prox_version == step - 1
+        assert batch.proximal == Proximal(step - 1, "scored")
         assert torch.allclose(batch.prox_logprobs[m], want[m], atol=1e-5)
         assert (now[m] - want[m]).abs().max() > 1e-3                     # the first step really moved the policy
         self.checked += 1
@@ -148,10 +148,10 @@ def test_p3o_anchor_on_rows_older_than_their_proximal_policy_warns_once(tiny_mod
     m.configure_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")                           # rows of the proximal step itself: silent
-        m.accumulate_gradients(replace(phase[0], prox_version=0))
+        m.accumulate_gradients(replace(phase[0], proximal=Proximal(0, "own_pass")))
     with pytest.warns(UserWarning, match=r"rows sampled by the weights of step 0 are anchored at the proximal "
                                          r"policy of step 2 \(P3O\.kl_anchor: behavior_at_train_temperature\)"):
-        m.accumulate_gradients(replace(phase[0], prox_version=2))
+        m.accumulate_gradients(replace(phase[0], proximal=Proximal(2, "own_pass")))
     with warnings.catch_warnings():
         warnings.simplefilter("error")                           # once
-        m.accumulate_gradients(replace(phase[0], prox_version=2))
+        m.accumulate_gradients(replace(phase[0], proximal=Proximal(2, "own_pass")))

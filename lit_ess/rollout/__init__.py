@@ -1,6 +1,6 @@
 """The rollout layer: the worker that turns prompts into scored, batched samples, the versioned buffer
 the trainer reads from, and the worker's process for asynchronous training."""
-from .batch import RolloutBatch, Row, collate
+from .batch import Proximal, RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
 from .executor import InlineExecutor, RolloutExecutor, WorkerError
 from .process import WorkerProcess
@@ -9,5 +9,5 @@ from .receiver import ShareReceiver
 from .worker import EvalRequest, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor", "ShareReceiver", "TorchRanks",
-           "in_step", "PhaseResult", "PhaseShares", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
+           "in_step", "PhaseResult", "PhaseShares", "Proximal", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
            "WorkerError", "WorkerProcess", "collate"]
