@@ -18,11 +18,11 @@ zero-weighted extra passes), since every pass under FSDP is a collective. Every 
 combined over micro-batches and ranks by its rule in lit_ess.metrics.RULES (sum, token-weighted mean,
 mean over ranks, min, max, pooled std).
 
-Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase): with
-lit_ess.callbacks.ProximalLogprobs, `score_proximal` scores the phase's waiting batches once, no grad,
-when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same weights,
-same forward). Every objective receives them; one that needs them (`objective.needs_proximal`) stops
-the run at its first step without them, naming the callback.
+Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase), when the
+objective uses them (`objective.needs_proximal`): `score_phase` scores the phase's waiting batches once,
+no grad, when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same
+weights, same forward). The waiting batches come from the data side (lit_ess.rollout.RolloutData), which
+RolloutDataModule hands over at setup (`attach_rollouts`).
 
 Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
 temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py).
@@ -46,7 +46,7 @@ from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
 from .engines import SamplingConfig
-from .rollout import Proximal, RolloutBatch
+from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
 
 __all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
@@ -147,6 +147,8 @@ class PolicyModule(L.LightningModule):
         self.policy = None
         self.ref_policy = None
         self.skipped_steps = 0
+        self.rollouts: RolloutData | None = None    # the data side (attach_rollouts), None without a data module
+        self.weights_due = False                    # this step's weight push decision (push_due), for WeightSync
         self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
         self.val_reward, self.val_length = MeanMetric(), MeanMetric()   # reduced over ranks at epoch end
         self.val_pass = PassAtK()
@@ -202,6 +204,12 @@ class PolicyModule(L.LightningModule):
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def attach_rollouts(self, data: RolloutData) -> None:
+        """The data side this module trains from (lit_ess.rollout.RolloutData): the waiting batches of a
+        phase for proximal scoring, and the weight-push decision. RolloutDataModule.setup hands itself
+        over, once per stage."""
+        self.rollouts = data
 
     # ------------------------------------------------------------------ step
     def _score(self, model, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool,
@@ -312,7 +320,7 @@ class PolicyModule(L.LightningModule):
             metrics          combined over micro-batches and ranks by lit_ess.metrics.RULES (`step_metrics`)
         """
         if self.objective.needs_proximal and batch.proximal is None:
-            raise ValueError(_no_proximal(self.objective))
+            raise ValueError(_no_proximal(self.objective, "this batch has none (batch.proximal is None)"))
         if (self.objective.proximal_stands_for_behavior and not self._warned_anchor and batch.rows
                 and int(batch.versions.min()) < batch.proximal.step):
             self._warned_anchor = True
@@ -418,26 +426,21 @@ class PolicyModule(L.LightningModule):
         return metrics, ess
 
     def training_step(self, batch: RolloutBatch, batch_idx: int):
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
-        step_before = self.global_step
-        lag = step_before - batch.versions.float()
-        if float(lag.max()) > batch.max_staleness:
-            raise RuntimeError(f"step {step_before} got rows sampled at step {int(batch.versions.min())}, older than "
-                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
-                               f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
-        t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
-        metrics, _ = self.accumulate_gradients(batch)
+        """One RL iteration, in the order of lit_ess/reference.py:
 
-        grad_norm = self._clip_and_norm()
-        lr = sched.get_last_lr()[0]                  # the rate this step is taken with
-        if torch.isfinite(grad_norm):
-            opt.step()
-            sched.step()
-        else:
-            self.skipped_steps += 1
-        opt.zero_grad(set_to_none=True)
+            batch        the step's rows, refused when older than max_staleness         (`check_batch`)
+            proximal     log pi_prox of the batch's phase, when the objective uses it   (`score_phase`)
+            update       gradients of every micro-batch, clip, one optimizer step       (`update`)
+            weight push  does the engine generate before the next step? (`push_due`; WeightSync pushes)
+
+        then the step's metrics, combined over ranks, are logged."""
+        step = self.global_step
+        lag = self.check_batch(batch)                                      # [B] policy lag of each row
+        proximal_seconds = self.score_phase(batch)
+        t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
+        metrics, grad_norm, lr = self.update(batch)
         train_seconds = time.perf_counter() - t0
+        self.weights_due = self.push_due()
 
         per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
                     "train/lr": lr, "train/batch_rows": float(batch.rows),
@@ -445,9 +448,74 @@ class PolicyModule(L.LightningModule):
                     "perf/train_seconds": train_seconds, **batch.stats}
         logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
-        self._check_ess(logs, batch.sampling, batch.engine_dtype, step_before)
+        if proximal_seconds is not None:
+            logs["perf/proximal_seconds"] = proximal_seconds              # this rank's (rank 0's is written)
+        self._check_ess(logs, batch.sampling, batch.engine_dtype, step)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
+
+    def check_batch(self, batch: RolloutBatch) -> Tensor:
+        """The policy lag of each row, [B] (optimizer steps since the weights that sampled it); a row older
+        than the batch's max_staleness stops the run."""
+        step = self.global_step
+        lag = step - batch.versions.float()
+        if float(lag.max()) > batch.max_staleness:
+            raise RuntimeError(f"step {step} got rows sampled at step {int(batch.versions.min())}, older than "
+                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
+                               f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
+        return lag
+
+    def score_phase(self, batch: RolloutBatch) -> float | None:
+        """Proximal logprobs log pi_prox, when the objective uses them (`objective.needs_proximal`): once per
+        rollout phase, with the weights of the step that starts training it (verl's and TRL's "old"
+        policy; in async mode the weights of the step that first trains the phase, as AReaL does).
+
+            the batch trained now, its phase's first:  Proximal(step, "own_pass"): its gradient pass's
+                                                       lp.detach() (same weights, same forward: no extra pass)
+            the phase's waiting batches:               scored now, no grad (`score_proximal`); the data side
+                                                       keeps them in its checkpoint, so a mid-phase resume
+                                                       keeps them
+
+        A phase's first batch is the first of its batches served (index 0, or a later one when the
+        staleness filter dropped the first). Cost: k - 1 no-grad forwards per phase of k steps
+        (benchmarks/proximal.py). With several ranks every rank scores at every step (the forwards are
+        collectives). Returns the seconds spent when this step starts a phase, else None."""
+        starts = batch.proximal is None
+        if not self.objective.needs_proximal or not (starts or self._world()):
+            return None
+        if self.rollouts is None:
+            raise ValueError(_no_proximal(self.objective, "no data module attached its phases (attach_rollouts)"))
+        t0 = time.perf_counter()
+        waiting = [b for b in self.rollouts.waiting_batches(batch.phase) if b.proximal is None] if starts else []
+        if starts:
+            batch.proximal = Proximal(self.global_step, "own_pass")
+        self.score_proximal(waiting, pad=batch)       # every rank, every step: the forwards are collectives
+        return time.perf_counter() - t0 if starts else None
+
+    def update(self, batch: RolloutBatch) -> tuple[dict[str, float], Tensor, float]:
+        """The step's gradients (`accumulate_gradients`), clipped, and one optimizer step; a step whose
+        gradient norm is not finite is skipped and counted. Returns (the step's metrics over all ranks,
+        ||g|| before clipping, the learning rate the step is taken with)."""
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        metrics, _ = self.accumulate_gradients(batch)
+        grad_norm = self._clip_and_norm()
+        lr = sched.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            opt.step()
+            sched.step()
+        else:
+            self.skipped_steps += 1
+        opt.zero_grad(set_to_none=True)
+        return metrics, grad_norm, lr
+
+    def push_due(self) -> bool:
+        """Whether the engine generates before the next step and so needs this step's weights (the data
+        side decides, the same on every rank: `wants_weights`); false when the run ends here.
+        lit_ess.callbacks.WeightSync pushes when it is true."""
+        step = self.global_step
+        if self.rollouts is None or 0 <= self.trainer.max_steps <= step:
+            return False
+        return self.rollouts.wants_weights(step)
 
     def _check_ess(self, logs: dict[str, float], sampling: SamplingConfig, engine_dtype: str | None, step: int) -> None:
         """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:
@@ -578,9 +646,9 @@ def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadat
             del state[k]
 
 
-def _no_proximal(objective: Objective) -> str:
-    return (f"objective {type(objective).__name__} uses the trainer's proximal logprobs, which this run does not "
-            f"compute: add lit_ess.callbacks.ProximalLogprobs to trainer.callbacks")
+def _no_proximal(objective: Objective, why: str) -> str:
+    return (f"objective {type(objective).__name__} uses the trainer's proximal logprobs, which training_step scores "
+            f"from the data side's waiting batches (lit_ess.rollout.RolloutData, e.g. RolloutDataModule): {why}")
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

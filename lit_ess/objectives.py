@@ -26,10 +26,17 @@ step is split into micro-batches pass `num_tokens` (and `num_seqs`) of the full 
 micro-batch losses add up to the step loss.
 
 `proximal_logprobs` (log pi_prox, [B, T]) are the trainer's own logprobs of the tokens with the weights
-that start the rollout phase (verl's and TRL's "old" logprobs; PolicyModule gets them from
-lit_ess.callbacks.ProximalLogprobs). Objectives that use them (`needs_proximal`: DecoupledPPO, GRPO/DAPO/
-GSPO with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`) take a call without
-them to be the first step on its data, where pi_prox is the current policy: lp.detach().
+that start the rollout phase (verl's and TRL's "old" logprobs; PolicyModule scores them once per phase,
+`PolicyModule.score_phase`). Objectives that use them (`needs_proximal`: DecoupledPPO, GRPO/DAPO/GSPO
+with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`, any objective with a
+`correction`) take a call without them to be the first step on its data, where pi_prox is the current
+policy: lp.detach().
+
+The clipped objectives (GRPO, DAPO, GSPO) take their ratio r = pi_theta / pi_old against the policy
+named by `old`:
+    behavior   pi_b, the sampler's logprobs (verl's bypass mode; the default)
+    proximal   pi_prox (verl's and TRL's default): the clip acts from the phase's second step on, and
+               the sampler mismatch pi_prox / pi_b is left to `correction`.
 """
 from __future__ import annotations
 
@@ -264,7 +271,7 @@ class ISCorrection:
     So that the mismatch is counted once, the objective's own ratio is then taken against pi_prox
     instead of pi_b (GRPO/DAPO/GSPO/CISPO clip r = pi_theta / pi_prox, DecoupledPPO's behaviour weight
     becomes c), as TRL and verl do. P3O keeps rho = pi_theta / pi_b for its ESS and cap: its weight is
-    min(rho, e_B) * c. pi_prox is the objective's `proximal_logprobs` when the trainer gives them, else
+    min(rho, e_B) * c. pi_prox is the objective's `proximal_logprobs` (PolicyModule gives them), else
     the current policy before the update (detached): the trainer's own logprobs, exact for the first
     step after a rollout; with several steps per rollout (or async) w then also holds staleness.
 
@@ -365,8 +372,9 @@ class Objective:
 
     @property
     def needs_proximal(self) -> bool:
-        """True when the objective's loss uses pi_prox (PolicyModule then requires them from the run)."""
-        return False
+        """True when the loss uses pi_prox: a correction (its weight is pi_prox / pi_b), or the objective's
+        own terms (subclasses). PolicyModule then scores them once per rollout phase."""
+        return self.correction is not None
 
     @property
     def proximal_stands_for_behavior(self) -> bool:
@@ -469,7 +477,7 @@ class P3O(Objective):
     no pull toward another temperature. The engine returns log pi_b(y_t) for the sampled token only,
     and log pi_b'(y) = (T_s / T_t)(log pi_b(y) + log Z_s) - log Z_t needs both partition functions
     over the vocabulary, so la_t comes from the trainer: the proximal logprobs (the weights that start
-    the phase, scored at T_t by lit_ess.callbacks.ProximalLogprobs), which are theta_b's in sync mode
+    the phase, scored at T_t by PolicyModule.score_phase), which are theta_b's in sync mode
     (a phase is sampled with the weights of the step that trains its first batch). In async mode with
     rows older than their phase's first step, the anchor is that newer policy at T_t (warned once). With T_s = T_t
     and an engine at the trainer's precision, la_t = lb_t: the two anchors agree.
@@ -480,7 +488,7 @@ class P3O(Objective):
         adaptive_kl: add the (1 - e_B) KL term (ablation). False: the policy-gradient term alone.
         kl_anchor: the KL term's reference. "behavior": the sampler's pi_b (the paper's).
             "behavior_at_train_temperature": the behaviour weights scored by the trainer at its own
-            temperature (see above; needs lit_ess.callbacks.ProximalLogprobs).
+            temperature (see above; the trainer's proximal logprobs).
     """
 
     ess_cap: bool = True
@@ -498,11 +506,11 @@ class P3O(Objective):
 
     @property
     def needs_proximal(self) -> bool:
-        return self.adaptive_kl and self.kl_anchor == "behavior_at_train_temperature"
+        return super().needs_proximal or self.proximal_stands_for_behavior
 
     @property
     def proximal_stands_for_behavior(self) -> bool:
-        return self.needs_proximal
+        return self.adaptive_kl and self.kl_anchor == "behavior_at_train_temperature"
 
     def policy_loss(self, lp, lb, adv, mask, agg, ess=None, proximal_logprobs=None, **_):
         log_ratio = lp - lb
@@ -545,7 +553,7 @@ class _ClipsAroundOld(Objective):
 
     @property
     def needs_proximal(self) -> bool:
-        return self.old == "proximal"
+        return super().needs_proximal or self.old == "proximal"
 
 
 def _ppo_clip_loss(lp, old, lb, adv, mask, agg, clip_low: float, clip_high: float):
@@ -568,11 +576,8 @@ class GRPO(_ClipsAroundOld):
 
     Args:
         clip_eps: clip range epsilon.
-        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
-            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
-            that start the rollout phase (verl's and TRL's default; needs
-            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
-            sampler mismatch pi_prox / pi_b is left to `correction`.
+        old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
+            module's docstring.
     """
 
     clip_eps: float = 0.2
@@ -591,11 +596,8 @@ class DAPO(_ClipsAroundOld):
     Args:
         clip_low: lower clip, r >= 1 - clip_low.
         clip_high: upper clip, r <= 1 + clip_high.
-        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
-            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
-            that start the rollout phase (verl's and TRL's default; needs
-            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
-            sampler mismatch pi_prox / pi_b is left to `correction`.
+        old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
+            module's docstring.
     """
 
     clip_low: float = 0.2
@@ -619,11 +621,8 @@ class GSPO(_ClipsAroundOld):
     Args:
         clip_low: lower clip of the sequence ratio.
         clip_high: upper clip of the sequence ratio.
-        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
-            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
-            that start the rollout phase (verl's and TRL's default; needs
-            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
-            sampler mismatch pi_prox / pi_b is left to `correction`.
+        old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
+            module's docstring.
     """
 
     clip_low: float = 3e-4
@@ -678,7 +677,7 @@ class DecoupledPPO(Objective):
         r = pi_theta / pi_prox
 
     pi_prox is the trainer's own policy with the weights that start the rollout phase (PolicyModule
-    requires lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on. A
+    scores it once per phase): the clip acts from the phase's second step on. A
     direct call without `proximal_logprobs` takes the detached current logprobs, exact for the phase's
     first step (the policy just before this update is the proximal policy); with them alone the clip
     never acts and the loss is token-level truncated IS with cap behavior_cap.

@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, aggregate,
-                                k3)
+from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, ISCorrection,
+                                aggregate, k3)
 
 LN2, LN4 = math.log(2), math.log(4)
 
@@ -277,6 +277,9 @@ def test_objectives_say_whether_they_need_proximal_logprobs():
     assert GRPO(old="proximal").needs_proximal and GSPO(old="proximal").needs_proximal
     assert P3O(kl_anchor="behavior_at_train_temperature").needs_proximal
     assert not P3O(kl_anchor="behavior_at_train_temperature", adaptive_kl=False).needs_proximal
+    for cls in (P3O, GRPO, DAPO, GSPO, CISPO, REINFORCE):            # a correction weighs pi_prox / pi_b
+        assert cls(correction=ISCorrection()).needs_proximal, cls.__name__
+    assert not P3O(correction=ISCorrection()).proximal_stands_for_behavior    # the anchor stays pi_b
     with pytest.raises(ValueError, match="old='pi_b' is not one of"):
         DAPO(old="pi_b")
     with pytest.raises(ValueError, match="kl_anchor='proximal' is not one of"):

@@ -2,6 +2,7 @@
 the trainer reads from, and the worker's process for asynchronous training."""
 from .batch import Proximal, RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
+from .data import RolloutConsumer, RolloutData
 from .executor import InlineExecutor, RolloutExecutor, WorkerError
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
@@ -9,5 +10,5 @@ from .receiver import ShareReceiver
 from .worker import EvalRequest, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor", "ShareReceiver", "TorchRanks",
-           "in_step", "PhaseResult", "PhaseShares", "Proximal", "RolloutBatch", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
+           "in_step", "PhaseResult", "PhaseShares", "Proximal", "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
            "WorkerError", "WorkerProcess", "collate"]
