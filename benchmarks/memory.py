@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, rows: int, tokens:
         opt.step()
         held = state_bytes(policy, opt)                 # params + grads + AdamW moments, all present now
         opt.zero_grad(set_to_none=True)
-        losses.append(metrics["loss"])
+        losses.append(metrics["train/loss"])
     peak = _status_kib("VmHWM")
     results[rank] = {"state_bytes": held, "rss_baseline_kib": baseline, "rss_before_steps_kib": before_steps,
                      "rss_peak_steps_kib": peak, "rss_peak_steps_over_baseline_kib": peak - baseline,

@@ -25,7 +25,8 @@ weights, same forward). The waiting batches come from the data side (lit_ess.rol
 RolloutDataModule hands over at setup (`attach_rollouts`).
 
 Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
-temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py).
+temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py, which
+decides from the facts the step declares: `step_facts`).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from .health import ESSAlarm
+from .health import ESSAlarm, StepFacts
 from .logprobs import sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
@@ -135,7 +136,7 @@ class PolicyModule(L.LightningModule):
         if lora is not None and not isinstance(lora, LoRA):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
         self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
-        self.compute_dtype: str | None = None      # forward dtype when a sharding callback casts (FSDP2's param_dtype)
+        self.cast_dtype: str | None = None         # forward dtype when a sharding callback casts (cast_forward)
         self._has_dropout: bool | None = None      # the policy's forward has dropout (found at the first step)
         self._warned_anchor = False                # P3O's kl_anchor on rows older than their proximal policy
         self.lora = lora
@@ -407,19 +408,19 @@ class PolicyModule(L.LightningModule):
         fraction) are taken again over all of this rank's tokens at once: the parameters did not change
         within the step. Then every key is combined over ranks by its rule (lit_ess.metrics.RULES;
         token_mean keys weighted by n_r / N). An objective that does not use the ESS still logs it
-        (`ess`), as a diagnostic of how off-policy its data was. `self.last_step` keeps the step's token
+        (`train/ess`), as a diagnostic of how off-policy its data was. `self.last_step` keeps the step's token
         log-ratios and capped weights min(rho, e_B) for the ratio dashboard.
         """
-        ess = step_ess if step_ess is not None else local.get("ess")
+        ess = step_ess if step_ess is not None else local.get("train/ess")
         if several:          # one micro-batch: the objective's ratio statistics are already the step's
             local.update({k: v.double() for k, v in ratio_metrics(log_ratio[None], mask[None], ess).items()})
         share = counts.local_tokens / counts.tokens.clamp(min=1.0)
-        metrics = reduce_over_ranks(local, share, self.device, prefix="train/")
+        metrics = reduce_over_ranks(local, share, self.device)
         if not self.objective.needs_ess:       # diagnostic: how off-policy was the data (every rank reduces)
             st = ess_stats(log_ratio, mask)
             st = st.all_reduce() if self._world() else st
             if mask.any() or self._world():
-                metrics["ess"] = float(st.value())
+                metrics["train/ess"] = float(st.value())
         self.last_step = {"log_ratio": log_ratio[mask].float().cpu()}
         if ess is not None:
             self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess.float().cpu())
@@ -446,11 +447,11 @@ class PolicyModule(L.LightningModule):
                     "train/lr": lr, "train/batch_rows": float(batch.rows),
                     "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
                     "perf/train_seconds": train_seconds, **batch.stats}
-        logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
+        logs = dict(metrics)                                              # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
         if proximal_seconds is not None:
             logs["perf/proximal_seconds"] = proximal_seconds              # this rank's (rank 0's is written)
-        self._check_ess(logs, batch.sampling, batch.engine_dtype, step)
+        self._check_ess(logs, self.step_facts(batch.sampling, batch.engine_dtype, logs["train/policy_lag_max"]), step)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
@@ -517,36 +518,30 @@ class PolicyModule(L.LightningModule):
             return False
         return self.rollouts.wants_weights(step)
 
-    def _check_ess(self, logs: dict[str, float], sampling: SamplingConfig, engine_dtype: str | None, step: int) -> None:
+    def step_facts(self, sampling: SamplingConfig, engine_dtype: str | None, lag_max: float) -> StepFacts:
+        """What this step declares for the ESS alarm (lit_ess.health.exact_on_policy): the batch's sampling
+        settings and engine dtype, the step's largest lag (over ranks), and the trainer's precision,
+        stored dtype, FSDP2 cast, LoRA and dropout."""
+        return StepFacts(lag_max=lag_max, engine_dtype=engine_dtype,
+                         precision=str(self._trainer.precision) if self._trainer is not None else "32-true",
+                         model_dtype=self.hparams.model_dtype, cast_dtype=self.cast_dtype, lora=self.lora is not None,
+                         dropout=self._dropout(), sample_temperature=sampling.temperature,
+                         train_temperature=self.hparams.train_temperature or sampling.temperature)
+
+    def _check_ess(self, logs: dict[str, float], facts: StepFacts, step: int) -> None:
         """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:
         warns once (rank 0), or raises with ess_alarm_error; logs the cumulative count."""
         if self.ess_alarm.threshold is None:
             return
-        message = self.ess_alarm.check(
-            step, logs.get("train/ess"), logs.get("train/ratio_mean"), logs["train/policy_lag_max"],
-            engine_dtype=engine_dtype, trainer_dtype=self._trainer_dtype(),
-            sample_temperature=sampling.temperature,
-            train_temperature=self.hparams.train_temperature or sampling.temperature,
-            dropout=self._dropout())
+        message = self.ess_alarm.check(step, logs.get("train/ess"), logs.get("train/ratio_mean"), facts)
         if message:
             rank_zero_warn(message)
         logs["train/ess_alarms"] = float(self.ess_alarm.count)
 
-    def _trainer_dtype(self) -> str | None:
-        """The dtype the trainer scores tokens in: FSDP2's param_dtype when it casts, else model_dtype under
-        "32-true" and the dtype of a "*-true" precision; None under mixed precision (autocast runs some
-        operations in another dtype than others), and for LoRA on a base below fp32 (peft keeps the
-        adapters in fp32; the engine gets them merged and rounded, or as its own LoRA kernels)."""
-        precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
-        if "mixed" in precision:
-            return None
-        if self.compute_dtype is not None:
-            dtype = self.compute_dtype
-        elif precision in ("32-true", "32"):
-            dtype = self.hparams.model_dtype
-        else:
-            dtype = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision)
-        return None if self.lora is not None and dtype not in ("float32", "float64") else dtype
+    def cast_forward(self, dtype: str | None) -> None:
+        """A sharding callback casts the forward to `dtype` (lit_ess.callbacks.FSDP2's param_dtype; None: no
+        cast): a fact of the ESS alarm (`step_facts`)."""
+        self.cast_dtype = dtype
 
     def _dropout(self) -> bool:
         """Whether the policy's forward drops units at random (then lag-0 ESS is below 1 on a healthy run)."""

@@ -58,7 +58,7 @@ METRIC_LOG_RATIO_CLAMP = 80.0
 @dataclass
 class ObjectiveOutput:
     loss: Tensor                       # differentiable scalar
-    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars, by their logged names (train/...)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,20 +229,20 @@ def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) ->
         rho = lr.clamp(-METRIC_LOG_RATIO_CLAMP, METRIC_LOG_RATIO_CLAMP).exp()
         q = torch.quantile(rho, torch.tensor([0.05, 0.5, 0.95], device=rho.device))
         out = {
-            "ratio_mean": rho.mean(),
-            "ratio_min": rho.min(),
-            "ratio_max": rho.max(),
-            "ratio_p05": q[0],
-            "ratio_p50": q[1],
-            "ratio_p95": q[2],
-            "log_ratio_abs_max": lr.abs().max(),
-            "kl_behavior": k3(lr).mean(),
-            "approx_kl": 0.5 * (lr * lr).mean(),
+            "train/ratio_mean": rho.mean(),
+            "train/ratio_min": rho.min(),
+            "train/ratio_max": rho.max(),
+            "train/ratio_p05": q[0],
+            "train/ratio_p50": q[1],
+            "train/ratio_p95": q[2],
+            "train/log_ratio_abs_max": lr.abs().max(),
+            "train/kl_behavior": k3(lr).mean(),
+            "train/approx_kl": 0.5 * (lr * lr).mean(),
         }
         if ess is not None:
-            out["ess"] = ess.detach().float()
+            out["train/ess"] = ess.detach().float()
             # rho > e_B, with a 1e-5 margin in log space so float noise at e_B = 1 does not count
-            out["capped_frac"] = (lr > torch.log(ess.float()) + 1e-5).float().mean()
+            out["train/capped_frac"] = (lr > torch.log(ess.float()) + 1e-5).float().mean()
         return out
 
 
@@ -315,7 +315,7 @@ class ISCorrection:
                 c = torch.where(inside, w if self.mode == "mask" else torch.ones_like(w), torch.zeros_like(w))
             c = c * m
             n = m.sum().clamp(min=1)
-            metrics = {"is_weight_mean": c.sum() / n, "is_outside_frac": (~inside & mask.bool()).float().sum() / n}
+            metrics = {"train/is_weight_mean": c.sum() / n, "train/is_outside_frac": (~inside & mask.bool()).float().sum() / n}
         return c, metrics
 
 
@@ -425,18 +425,18 @@ class Objective:
             if self.rebase_on_correction:
                 metrics.update(ratio_metrics(lp - lb, valid))      # the ratio statistics stay against pi_b
             metrics.update(correction)
-        metrics["policy_loss"] = loss.detach()
+        metrics["train/policy_loss"] = loss.detach()
         if self.entropy_coef:
             ent_term = agg(ent)
             loss = loss - self.entropy_coef * ent_term
-            metrics["entropy"] = ent_term.detach()
+            metrics["train/entropy"] = ent_term.detach()
         if self.ref_kl_coef:
             ref_kl = agg(k3(lp - ref))
             loss = loss + self.ref_kl_coef * ref_kl
-            metrics["kl_ref"] = ref_kl.detach()
-        metrics["nonfinite_tokens"] = dropped.float()
-        metrics["tokens"] = valid.sum().float()
-        metrics["loss"] = loss.detach()
+            metrics["train/kl_ref"] = ref_kl.detach()
+        metrics["train/nonfinite_tokens"] = dropped.float()
+        metrics["train/tokens"] = valid.sum().float()
+        metrics["train/loss"] = loss.detach()
         return ObjectiveOutput(loss, metrics)
 
     def policy_loss(self, lp, lb, adv, mask, agg, **extra) -> tuple[Tensor, dict[str, Tensor]]:
@@ -449,8 +449,8 @@ def _clip_fractions(ratio: Tensor, adv: Tensor, mask: Tensor, low: float, high: 
     n = m.sum().clamp(min=1)
     low_hit = ((ratio < low) & (adv < 0)).float() * m
     high_hit = ((ratio > high) & (adv > 0)).float() * m
-    return {"clip_ratio_low": low_hit.sum() / n, "clip_ratio_high": high_hit.sum() / n,
-            "clip_ratio": (low_hit + high_hit).sum() / n}
+    return {"train/clip_ratio_low": low_hit.sum() / n, "train/clip_ratio_high": high_hit.sum() / n,
+            "train/clip_ratio": (low_hit + high_hit).sum() / n}
 
 
 @dataclass
@@ -526,8 +526,8 @@ class P3O(Objective):
         loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)
         if not self.ess_cap:
-            metrics.pop("capped_frac", None)                     # nothing is capped
-        metrics["kl_term"] = kl.detach()
+            metrics.pop("train/capped_frac", None)                     # nothing is capped
+        metrics["train/kl_term"] = kl.detach()
         return loss, metrics
 
 
@@ -664,7 +664,7 @@ class CISPO(Objective):
         low = None if self.clip_low is None else 1 - self.clip_low
         weight = rho.clamp(min=low, max=1 + self.clip_high)
         metrics = ratio_metrics(log_ratio, mask)
-        metrics["capped_frac"] = ((rho > 1 + self.clip_high) & mask).float().sum() / mask.sum().clamp(min=1)
+        metrics["train/capped_frac"] = ((rho > 1 + self.clip_high) & mask).float().sum() / mask.sum().clamp(min=1)
         return agg(-weight * lp * adv), metrics
 
 
@@ -703,7 +703,7 @@ class DecoupledPPO(Objective):
         surr = torch.minimum(r * adv, r.clamp(low, high) * adv)
         metrics = ratio_metrics(lp - lb, mask)
         metrics.update(_clip_fractions(r.detach(), adv, mask, low, high))
-        metrics["behavior_capped_frac"] = ((prox - lb > math.log(self.behavior_cap)) & mask).float().sum() / mask.sum().clamp(min=1)
+        metrics["train/behavior_capped_frac"] = ((prox - lb > math.log(self.behavior_cap)) & mask).float().sum() / mask.sum().clamp(min=1)
         return agg(-behave_w * surr), metrics
 
 

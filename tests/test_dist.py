@@ -112,8 +112,8 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
     assert torch.allclose(got["ess"].double(), ref_ess.double(), atol=1e-6)
     for n, p in ref.policy.named_parameters():
         assert torch.allclose(got["grads"][n], p.grad, atol=1e-6, rtol=1e-4), n
-    for k in ("loss", "policy_loss", "kl_term", "ess", "tokens", "ratio_max", "ratio_min", "ratio_mean", "kl_behavior",
-              "capped_frac"):
+    for k in ("train/loss", "train/policy_loss", "train/kl_term", "train/ess", "train/tokens", "train/ratio_max",
+              "train/ratio_min", "train/ratio_mean", "train/kl_behavior", "train/capped_frac"):
         assert got["metrics"][k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
 
 
