@@ -7,7 +7,7 @@ The same prompts (2-digit addition, `Arithmetic(digits=2, size=10000, seed=0)`),
 * `long`: 16 prompts x 8 samples x 64 new tokens on vs_trl's 14.3M-parameter `long` model.
 
 Settings: `hf` (HFConfig), `vllm before` (KV blocks of 128 tokens, the CPU backend's default, and vLLM
-detokenizing every step, as lit-ess's engine did), `vllm blocks 128` (no detokenization), `vllm
+detokenizing every step), `vllm blocks 128` (no detokenization), `vllm
 default` (VLLMConfig(): blocks of 32, no detokenization). All engines live in this one process and
 generate in turn, --rounds times, so a busy phase of the machine hits them all. Reported per setting:
 the median wall seconds and the median CPU seconds of the process (with OMP_NUM_THREADS=1, the work
@@ -53,7 +53,7 @@ def measure(model: str, prompts: int, samples: int, new_tokens: int, rounds: int
 
     plain = vllm.SamplingParams
 
-    def detokenizing(**k):                                              # the engine's call as it was
+    def detokenizing(**k):                                              # `vllm before`: vLLM detokenizes
         return plain(**{**k, "detokenize": True})
 
     wall, cpu, tokens = ({n: [] for n in engines} for _ in range(3))

@@ -14,7 +14,7 @@ folder: --model (default runs/demo/sft, made by `bash scripts/demo.sh`). When it
 script makes one once: `lit-ess-tiny` and the demo's SFT warm start (configs/demo_sft.yaml) for
 --sft-steps steps, into runs/bench/.
 
-Benchmarks whose file is absent (e.g. memory.py on an older branch) or whose optional dependency is
+Benchmarks whose file is absent (e.g. memory.py on a branch without it) or whose optional dependency is
 missing (vs_trl.py without TRL) are listed as skipped, with the reason.
 """
 from __future__ import annotations

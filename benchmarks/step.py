@@ -4,7 +4,7 @@
    same work (same model, same batch, same objective, clipping, AdamW). Goal: <= 1.10x the time.
 2. vLLM against transformers `generate` (the hf engine), generated tokens/s, on the 1.8M-parameter
    tiny model and on a 25M-parameter one (width 512, 8 layers). Goal: vLLM >= 5x. On 2 CPU cores
-   the ratio grows with the model (vLLM's per-step overhead dominates the tiny one): see README.
+   the ratio grows with the model (vLLM's per-step overhead dominates the tiny one): see docs/benchmarks.md.
 
     .venv/bin/python benchmarks/step.py [--steps 30 --rounds 3] [--out benchmarks/results/step.json]
 """

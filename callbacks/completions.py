@@ -30,7 +30,9 @@ def completions_table(batch: RolloutBatch, max_rows: int = 8, max_chars: int = 2
 
 
 class LogCompletions(L.Callback):
-    """Args:
+    """Sample completions of the step's batch as a table in TensorBoard's Text tab.
+
+    Args:
         every_n_steps: write a table every this many optimizer steps.
         max_rows: rows per table.
         max_chars: longer prompts and completions are cut to this many characters.

@@ -11,7 +11,9 @@ from lit_ess.lora import is_peft, merged_weights, peft_state
 
 
 class ExportHF(L.Callback):
-    """Args:
+    """Save the trained policy as a Hugging Face folder at the end of fit.
+
+    Args:
         dirpath: output folder; it can be used as `model_path` of a later run or by vLLM.
     """
 

@@ -34,7 +34,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class FSDP2(L.Callback):
-    """Args:
+    """Shard the policy (and a frozen reference) with FSDP2 under ModelParallelStrategy.
+
+    Args:
         param_dtype: dtype of parameters during forward/backward (None = as stored, no cast). With
             bfloat16 the trainer's log-probs are bf16: a mismatch with an fp32 engine that the ESS sees.
         reduce_dtype: dtype of the gradient reduce-scatter (None = param_dtype).
@@ -44,7 +46,7 @@ class FSDP2(L.Callback):
             (non-reentrant checkpoint wrapper applied before sharding).
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only;
             the gather and clipping of CPU shards need a CPU backend beside NCCL: set
-            ModelParallelStrategy's process_group_backend: "cuda:nccl,cpu:gloo"; checked on paper).
+            ModelParallelStrategy's process_group_backend: "cuda:nccl,cpu:gloo").
     """
 
     def __init__(self, param_dtype: Literal["float32", "bfloat16", "float16"] | None = None,

@@ -15,7 +15,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 
 class StepProgressBar(ProgressBar):
-    """Args:
+    """One progress bar over optimizer steps, across epochs.
+
+    Args:
         refresh_rate: redraw every this many optimizer steps (0 = off).
     """
 

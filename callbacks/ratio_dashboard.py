@@ -34,7 +34,9 @@ def _tensorboard(trainer):
 
 
 class RatioDashboard(L.Callback):
-    """Args:
+    """Histograms of the importance ratios and policy lag, and the custom-scalars layout.
+
+    Args:
         every_n_steps: histogram period in optimizer steps.
         max_values: at most this many token values per histogram (a random subset beyond it).
     """

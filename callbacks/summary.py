@@ -16,8 +16,9 @@ log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 
 
 class ModelSummary(LightningModelSummary):
-    """Args:
-        max_depth: depth of nested modules listed (0 = no table).
+    """Lightning's table of modules and parameters, without an uncounted FLOPs column.
+
+    Takes Lightning's `max_depth`: depth of nested modules listed (0 = no table).
     """
 
     @staticmethod

@@ -23,13 +23,13 @@ class WeightSync(L.Callback):
     side; logs `perf/weight_sync_seconds` on the step axis.
 
     Args:
-        every_n_steps: 1 or None (weights reach the engine whenever it generates next); any other value
-            stops with a message that says what to use.
+        every_n_steps: not used (weights are pushed when the engine generates next); 1 is accepted,
+            any other value stops with a message that says what to use.
     """
 
     def __init__(self, every_n_steps: int | None = None):
         if every_n_steps not in (None, 1):
-            raise ValueError(f"WeightSync.every_n_steps={every_n_steps} is gone: weights now reach the engine "
+            raise ValueError(f"WeightSync.every_n_steps={every_n_steps} is gone: weights reach the engine "
                              f"whenever it generates next. For deliberately stale data set "
                              f"data.steps_per_rollout, or data.mode: async with data.max_staleness")
         self.pushes = 0

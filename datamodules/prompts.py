@@ -18,25 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from lit_ess.envs.tokens import encode_prompt  # noqa: F401  (its home: the episodes' tokens)
+
 
 @dataclass(frozen=True)
 class Example:
     prompt: str
     answer: str
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt, the same for the RL rollouts and the SFT warm start: the chat template
-    (user turn + generation prompt) when the tokenizer has one, else the plain text after a bos."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
-            ids = [tokenizer.bos_token_id] + ids
-    return list(ids)
 
 
 class PromptOrder:

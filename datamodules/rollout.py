@@ -115,7 +115,9 @@ def val_chunks(examples: list, size: int, rank: int, world: int) -> list[list]:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Args:
+    """One rollout batch per optimizer step, from a versioned buffer of generated phases.
+
+    Args:
         model_path: the policy's Hugging Face folder (linked from the model by the CLI).
         source: where prompts come from (default: 2-digit addition).
         engine: the rollout engine's typed config: lit_ess.engines.VLLMConfig (vLLM, the default) or
@@ -592,8 +594,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _load_local_state(self, state: dict) -> None:
         if "buffer" not in state:
-            raise ValueError("this checkpoint's rollout state comes from lit-ess before the rollout buffer "
-                             "(lit-ess 0.1); resume it with that version or start a new run from its weights")
+            raise ValueError("this checkpoint's rollout state has no rollout buffer, which resuming needs; "
+                             "start a new run from its weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
         was, now = state.get("placement", "colocated"), "dedicated" if self.dedicated else "colocated"

@@ -25,7 +25,9 @@ class _Pairs(Dataset):
 
 
 class SFTDataModule(L.LightningDataModule):
-    """Args:
+    """(prompt, answer + eos) pairs from a prompt source, for the supervised warm start.
+
+    Args:
         model_path: tokenizer folder (linked from the model by the CLI).
         source: prompt source whose answers are the targets.
         batch_size: pairs per step.

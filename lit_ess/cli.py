@@ -14,7 +14,7 @@ typed configs too. `model_path` is linked from the model to the data module. The
 (lit_ess.callbacks.ModelSummary).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
-traceback). Forms of lit-ess 0.1 in the user's config files or command line are refused before
+traceback). Unsupported forms in the user's config files or command line are refused before
 parsing, with the form to write instead (lit_ess/config_check.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
 
 Checkpoints are written atomically and `--ckpt_path last` resumes from the newest readable one,

@@ -1,10 +1,10 @@
-"""The user's own inputs, read before jsonargparse parses them: forms lit-ess no longer reads.
+"""The user's own inputs, read before jsonargparse parses them: forms lit-ess does not read.
 
 `lit-ess` looks through the config files given with `--config` and the values given on the command line
-for what configs of lit-ess 0.1 said, and for class names of lit-ess that do not exist, and stops with
+for string objectives/engines, `*_kwargs` keys and lit-ess class names that do not exist, and stops with
 one line that names the value and gives the form to write instead. jsonargparse would report these in
 its own terms ("Option 'objective_kwargs' is not accepted", "Expected a dot import path string: grpo"),
-or worse, run from a checkout's root, import the folders callbacks/ and datamodules/ under their old
+or worse, run from a checkout's root, import the folders callbacks/ and datamodules/ under
 top-level names and go on with a second copy of every class.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from lit_ess.objectives import OBJECTIVE_CLASSES
 
 # the fields that take a class of ours: their module and the classes it has
 FIELDS = {"objective": ("lit_ess.objectives", OBJECTIVE_CLASSES), "engine": ("lit_ess.engines", (VLLMConfig, HFConfig))}
-# lit-ess 0.1 named objectives and engines by string: the class each name became
+# objectives and engines named by string: the class each name stands for
 OLD_NAMES = {"objective": {"p3o": "P3O", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "cispo": "CISPO",
                            "decoupled": "DecoupledPPO", "reinforce": "REINFORCE"},
              "engine": {"vllm": "VLLMConfig", "hf": "HFConfig"}}
@@ -89,7 +89,7 @@ def _ours(key: str) -> bool:
 
 def _our_folder(folder: str) -> bool:
     """True when the top-level name `folder` is not importable, or is this checkout's own folder (run
-    from the repository root): then `callbacks.X` means lit-ess's class under its old name. A user's
+    from the repository root): then `callbacks.X` means lit-ess's class under its folder's name. A user's
     own module named callbacks is left alone."""
     import importlib.util
     from pathlib import Path

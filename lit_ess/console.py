@@ -22,7 +22,7 @@ HARMLESS_LOGS: dict[str, tuple[str, ...]] = {
     "vllm.platforms.cpu": (
         r"Triton is not installed\. triton-cpu is expected",
         # On CPUs with AVX512-BF16 vLLM resets the Mamba SSM state cache dtype; our models have no
-        # Mamba layers, so the setting is never used (seen on an AMD EPYC here, not on the earlier CPU).
+        # Mamba layers, so the setting is never used (seen on an AMD EPYC).
         r"Reset SSM cache type to float32",),
     "vllm.config.vllm": (
         # lit-ess asks for eager mode on purpose (fast start, in-place weight reloads on CPU) ...
@@ -61,7 +61,7 @@ HARMLESS_LOGS: dict[str, tuple[str, ...]] = {
 HARMLESS_WARNINGS: tuple[str, ...] = (
     # vLLM's Triton dispatcher scans torch.distributed's attributes, touching a deprecated alias.
     r"`torch\.distributed\.reduce_op` is deprecated",
-    # Lightning 2.6 calls torch's old pytree API; fixed upstream, no effect on results.
+    # Lightning 2.6 calls torch's deprecated pytree API; no effect on results.
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     # lit-ess checkpoints the state after the optimizer step on purpose: `--ckpt_path last` then
     # continues exactly (tests/test_e2e.py::test_kill_and_resume_matches_uninterrupted).

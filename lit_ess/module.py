@@ -61,7 +61,9 @@ class StepCounts(NamedTuple):
 
 
 class PolicyModule(L.LightningModule):
-    """Args:
+    """The policy, the objective and one optimizer step per `training_step`.
+
+    Args:
         model_path: Hugging Face causal LM folder or name.
         objective: the objective and its hyper-parameters, a class of lit_ess.objectives: P3O (default),
             GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE. ref_kl_coef > 0 loads a frozen reference.

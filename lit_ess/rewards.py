@@ -83,16 +83,22 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
 IN_WORKER = {"math_verify"}
 
 
+def import_named(name: str, what: str):
+    """The object 'package.module:attr' names; a ValueError naming `what` and `name` when it cannot be
+    imported (a missing module, a typo in the attribute)."""
+    mod, attr = name.split(":", 1)
+    try:
+        return getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
+
+
 def resolve_reward(name: str) -> Callable[[str, str], float]:
     """A built-in name (exact_match, gsm8k, math_verify) or 'package.module:function'."""
     if name in REWARDS:
         return REWARDS[name]
     if ":" in name:
-        mod, attr = name.split(":", 1)
-        try:
-            fn = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {name!r} cannot be imported: {e}") from None
+        fn, attr = import_named(name, "reward"), name.split(":", 1)[1]
         if not callable(fn):
             raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function of (completion, answer)")
         try:
@@ -115,6 +121,11 @@ def _safe_score(fn, completion, answer):
         value = fn(completion, answer)
     except Exception as e:  # a reward bug must not kill the run at once; it is counted
         return 0.0, f"{type(e).__name__}: {e}"
+    return as_score(value)
+
+
+def as_score(value) -> tuple[float, str | None]:
+    """(value as a float, None), or (0.0, why) when it is not a finite number (None, a string, NaN, inf)."""
     if value is None or isinstance(value, (str, bytes)):
         return 0.0, f"returned {value!r}, not a number"
     try:

@@ -14,7 +14,9 @@ from .module import check_gradients_synchronised, full_weights
 
 
 class SFTModule(L.LightningModule):
-    """Args:
+    """Supervised fine-tuning on (prompt, answer) pairs: the warm start before RL.
+
+    Args:
         model_path: Hugging Face causal LM folder.
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.

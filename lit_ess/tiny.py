@@ -6,6 +6,11 @@ byte-level with no merges: every byte is one token, so any text round-trips and 
 256 bytes plus four special tokens (pad, bos, eos = <|endoftext|>, sep). The default network is a 4-layer Qwen2 of width 192 (about 2M
 parameters) with head size 64, which vLLM's CPU attention supports.
 
+`tokenizer="bpe_chat"` builds the model on a byte-level BPE *with merges* trained here on arithmetic
+conversations, and a ChatML chat template whose eos is <|im_end|>: the sampler can emit '5', '7', '9'
+as three ids where encoding the text '579' gives one, so decoding and re-encoding changes the ids
+(what the multi-turn token-in-token-out tests need; lit_ess/envs/episodes.py).
+
     python -m lit_ess.tiny runs/tiny            # or: lit-ess-tiny runs/tiny
 """
 from __future__ import annotations
@@ -44,6 +49,39 @@ def build_tokenizer():
     )
 
 
+CHAT_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_chat_tokenizer(vocab_size: int = 1024, seed: int = 0):
+    """Byte-level BPE with merges, trained on arithmetic conversations (numbers split from symbols, as
+    GPT-2's pre-tokenizer does, so frequent numbers such as '579' become one token), with a ChatML
+    template: pad = <|endoftext|>, eos = <|im_end|>, no bos."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(6000):
+        a, op, b = rng.randrange(100), rng.choice("+-*"), rng.randrange(100)
+        q, r = f"{a}{op}{b}=", str(a + b if op == "+" else a - b if op == "-" else a * b)
+        corpus.append(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\ncalc({a}{op}{b})<|im_end|>\n"
+                      f"<|im_start|>user\n{r}\nwrong\n{q}<|im_end|>\n<|im_start|>assistant\n{r}<|im_end|>\n")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=CHAT_SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                  model_max_length=512)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -56,8 +94,10 @@ def build_tiny_model(
     max_position_embeddings: int = 256,
     attention_dropout: float = 0.0,
     seed: int = 0,
+    tokenizer: str = "bytes",
 ) -> Path:
-    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return the path."""
+    """Write a randomly initialised tiny causal LM and its tokenizer to `out_dir`; return the path.
+    `tokenizer`: "bytes" (no merges, no chat template) or "bpe_chat" (`build_chat_tokenizer`)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if hidden_size % num_heads:
@@ -65,7 +105,10 @@ def build_tiny_model(
     classes = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}
     if arch not in classes:
         raise ValueError(f"arch={arch!r} is not one of {sorted(classes)}")
-    tok = build_tokenizer()
+    tokenizers = {"bytes": build_tokenizer, "bpe_chat": build_chat_tokenizer}
+    if tokenizer not in tokenizers:
+        raise ValueError(f"tokenizer={tokenizer!r} is not one of {sorted(tokenizers)}")
+    tok = tokenizers[tokenizer]()
     config_cls, model_cls = classes[arch]
     config = config_cls(
         vocab_size=len(tok),
@@ -105,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden-size", type=int, default=192, help=f"a multiple of the head size, {HEAD_DIM}")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="bytes", choices=["bytes", "bpe_chat"],
+                   help="bytes: no merges, no chat template; bpe_chat: BPE with merges and a ChatML template")
     a = p.parse_args(argv)
     if a.hidden_size < HEAD_DIM or a.hidden_size % HEAD_DIM or a.num_layers < 1:
         bad = f"--num-layers {a.num_layers} must be >= 1" if a.num_layers < 1 else (
@@ -114,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     heads = a.hidden_size // HEAD_DIM
     path = build_tiny_model(a.out_dir, arch=a.arch, hidden_size=a.hidden_size, num_layers=a.num_layers,
-                            num_heads=heads, num_kv_heads=heads, seed=a.seed)
+                            num_heads=heads, num_kv_heads=heads, seed=a.seed, tokenizer=a.tokenizer)
     print(f"wrote {path} (vocab {json.loads((path / 'config.json').read_text())['vocab_size']})")
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -103,3 +104,19 @@ def test_no_import_circle():
 
     circles = [c for n in sorted(graph) if (c := cycle_from(n))]
     assert not circles, " -> ".join(circles[0])
+
+
+def test_version_is_one_string():
+    """`lit_ess.__version__` is pyproject's version and the installed distribution's; the code names no
+    other lit-ess version (a docstring or error message about a release that does not exist misleads)."""
+    import importlib.metadata
+    import tomllib
+
+    import lit_ess
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert lit_ess.__version__ == version
+    assert importlib.metadata.version("lit-ess") == version
+    named = {(str(p.relative_to(ROOT)), v) for p in _modules().values()
+             for v in re.findall(r"lit-ess (\d+\.\d+(?:\.\d+)?)", p.read_text()) if not version.startswith(v)}
+    assert not named, f"versions named in the code that are not {version}: {sorted(named)}"

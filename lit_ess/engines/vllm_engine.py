@@ -38,7 +38,7 @@ def _configure_env(kv_cache_gib: float) -> None:
 
 
 def _colocated_rank_kwargs(kwargs: dict) -> dict:
-    """One engine per data-parallel rank on its own GPU (checked on paper: this machine has no GPU).
+    """One engine per data-parallel rank on its own GPU (the CPU test suite does not exercise it).
 
     vLLM's in-process executor always takes device index 0, so with several ranks every engine would
     land on cuda:0. Its `external_launcher` executor joins the trainer's process group instead and

@@ -35,7 +35,7 @@ Each side builds its own transport object from what the engine config asks for
   info, version)` message (`update_kind`): vLLM's receiver would load them into the model's weights by
   name, so the engine's workers take the broadcast into host tensors themselves, and the engine writes
   them as a peft folder and serves it as a LoRA request, as it does with adapters from shared memory
-  (VLLMEngine.receive_adapter; written and checked on paper: this machine has no GPU).
+  (VLLMEngine.receive_adapter; the CPU test suite does not exercise it).
 """
 from __future__ import annotations
 

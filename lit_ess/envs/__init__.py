@@ -1,0 +1,19 @@
+"""Multi-turn environments and episodes, token in, token out.
+
+    base.py         Environment (reset / step), Action, Step
+    config.py       EnvConfig: which environment (a built-in name or module:Class), the runner's limits
+    single_turn.py  SingleTurn: prompt -> completion -> reward as a one-turn environment
+    arithmetic.py   RetryArithmetic (feedback, retries) and Calculator (a tool call) on the arithmetic task
+    tokens.py       prompt and observation token ids (chat-template deltas), never re-encoding the policy's
+    episodes.py     EpisodeRunner (batched turns, timed environment steps, limits), Episode, collate_episodes
+"""
+from .arithmetic import Calculator, RetryArithmetic
+from .base import Action, Environment, Step
+from .config import EnvConfig, resolve_env
+from .episodes import EnvError, Episode, EpisodeRunner, collate_episodes, episode_stats, to_row
+from .single_turn import SingleTurn
+from .tokens import EpisodeTokens, TemplateError
+
+__all__ = ["Action", "Calculator", "EnvConfig", "EnvError", "Environment", "Episode", "EpisodeRunner", "EpisodeTokens",
+           "RetryArithmetic", "SingleTurn", "Step", "TemplateError", "collate_episodes", "episode_stats",
+           "resolve_env", "to_row"]

@@ -1,0 +1,69 @@
+"""The environment interface: gym-like, for text.
+
+An `Environment` plays one episode: `reset(example)` returns the first observation (the prompt) and
+`step(action)` takes the policy's turn (its text and its sampled token ids) and returns a `Step`: the
+next observation, a reward, and whether the episode is done. An observation is text, or a list of chat
+messages (`{"role": ..., "content": ...}`) for models with a chat template; text observations become
+one message of role `observation_role` there. Episode rewards add up the steps' rewards.
+
+An environment only answers: the episode runner (lit_ess/envs/episodes.py) owns the tokens, calls the
+engine, times every step and enforces the limits. One environment object plays one episode (a fresh one
+per sample), so it may keep the episode's state on `self`.
+
+Which environment plays, and the runner's limits: `EnvConfig` (config.py).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, Union
+
+Message = dict[str, str]
+Observation = Union[str, list[Message]]
+
+
+def is_observation(obs) -> bool:
+    """Text, or a list of {'role', 'content'} messages of text."""
+    return isinstance(obs, str) or isinstance(obs, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obs)
+
+
+class Example(Protocol):
+    """What an environment reads of a prompt-source example (lit_ess.datamodules.prompts.Example)."""
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Action:
+    """The policy's turn: its text (special tokens dropped) and the token ids the engine sampled."""
+    text: str
+    token_ids: list[int]
+    finish_reason: str             # "stop" (eos or a stop string) or "length" (max_new_tokens)
+
+
+@dataclass
+class Step:
+    """What an environment answers to a turn. `observation` is ignored when `done`."""
+    observation: Observation | None = None
+    reward: float = 0.0
+    done: bool = False
+    tool_calls: int = 0            # tool calls this turn made (for rollout/tool_calls)
+
+
+class Environment(ABC):
+    """One episode of a text environment. Subclasses take their settings as keyword arguments
+    (`EnvConfig.init_args`)."""
+
+    observation_role: ClassVar[str] = "user"      # the chat role of text observations
+
+    @abstractmethod
+    def reset(self, example: Example) -> Observation:
+        """Start the episode from a prompt-source example; return the first observation (the prompt)."""
+
+    @abstractmethod
+    def step(self, action: Action) -> Step:
+        """Answer the policy's turn."""
+
+    def close(self) -> None:
+        """Free what the episode holds (called once it ends, unless its last step timed out)."""

@@ -1,0 +1,78 @@
+"""Which environment plays the episodes, and the runner's limits, as plain values (`EnvConfig`): an
+environment is named as a reward is, by a built-in name or 'package.module:Class', so the config can
+travel to the worker process and build a fresh environment per episode there.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+from lit_ess.rewards import import_named
+
+from .arithmetic import Calculator, RetryArithmetic
+from .base import Environment
+from .single_turn import SingleTurn
+
+ENVIRONMENTS: dict[str, type[Environment]] = {
+    "single_turn": SingleTurn, "retry_arithmetic": RetryArithmetic, "calculator": Calculator}
+
+
+def resolve_env(name: str) -> type[Environment]:
+    """A built-in name (single_turn, retry_arithmetic, calculator) or 'package.module:Class'."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" not in name:
+        raise ValueError(f"unknown environment {name!r}; valid names: {', '.join(ENVIRONMENTS)} or 'module:Class'")
+    cls = import_named(name, "environment")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ValueError(f"environment {name!r} is a {type(cls).__name__}, not a subclass of "
+                         f"lit_ess.envs.Environment")
+    return cls
+
+
+@dataclass
+class EnvConfig:
+    """Which environment plays the episodes, and the runner's limits.
+
+    Args:
+        env: a built-in name (single_turn, retry_arithmetic, calculator) or 'package.module:Class'.
+        init_args: keyword arguments of its constructor (one environment per episode).
+        max_turns: policy turns per episode at most; an episode still running after them ends,
+            truncated, and is counted (rollout/truncated_turns).
+        max_episode_tokens: prompt + every turn + every observation, at most (the context); an episode
+            that would pass it ends, truncated at the budget, and is counted (rollout/truncated_tokens).
+            None: no budget of its own (the engine's context limit applies).
+        step_timeout: seconds an environment step may take; one that takes longer ends its episode with
+            reward 0 and is counted (rollout/env_timeouts). Python cannot stop a thread: a step that
+            can hang in C code for ever should do its work in a process of its own.
+        max_error_rate: a run in which more than this share of the episodes end by an environment
+            error or timeout raises EnvError (1.0: never).
+    """
+
+    env: str = "single_turn"
+    init_args: dict = field(default_factory=dict)
+    max_turns: int = 1
+    max_episode_tokens: int | None = None
+    step_timeout: float = 10.0
+    max_error_rate: float = 0.5
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
+            raise ValueError(f"env.max_episode_tokens must be >= 2 (a prompt token and a turn's) or null, got "
+                             f"{self.max_episode_tokens}")
+        if not self.step_timeout > 0:
+            raise ValueError(f"env.step_timeout must be > 0 seconds, got {self.step_timeout}")
+        if not 0 <= self.max_error_rate <= 1:
+            raise ValueError(f"env.max_error_rate must be in [0, 1], got {self.max_error_rate}")
+        cls = resolve_env(self.env)                 # a typo fails now, not after the engine starts
+        try:
+            inspect.signature(cls).bind(**self.init_args)
+        except TypeError as e:
+            raise ValueError(f"env.init_args {self.init_args} do not fit environment {self.env!r} "
+                             f"({cls.__name__}{inspect.signature(cls)}): {e}") from None
+
+    def make(self) -> Environment:
+        """A fresh environment for one episode."""
+        return resolve_env(self.env)(**self.init_args)

@@ -1,0 +1,339 @@
+"""Episodes, token in, token out: the policy and an environment take turns; the engine sees token ids.
+
+An episode is one token sequence
+
+    prompt | turn 1 | observation 1 | turn 2 | ... | turn K                 (completion = after the prompt)
+
+where each turn is the ids the engine sampled, kept as they are (never decoded and encoded again), and
+each observation is the environment's answer as tokens (lit_ess/envs/tokens.py). Per completion token:
+
+    mask       1 on the policy's sampled tokens, 0 on the environment's
+    logprobs   log pi_b of the policy's tokens (as the engine sampled them), 0.0 on the environment's
+    versions   the weight version that sampled the token's turn (-1 on the environment's)
+
+The episode always ends with a policy turn: a last observation (after `done`, or past a limit) is not
+appended, since no policy token would follow it.
+
+`EpisodeRunner.run` steps a batch of episodes together: one engine call per turn for every episode
+still running (the first turn is the single-turn rollout's call: n samples of each prompt, the same
+seeds), then every environment step at once, each in its own thread with `step_timeout`. A step that
+raises, times out, or returns something that is not a Step with a finite reward ends its episode with
+reward 0, counted (env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes
+fail raises EnvError. Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt
+included); an episode stopped by one is truncated and counted (truncated = "turns" or "tokens"): a turn
+that would pass the token budget is cut at it (a prefix of a sample is a sample: its logprobs stay
+exact) and not stepped, an observation that would reach it is dropped. The reward is then what the
+steps so far gave.
+
+`collate_episodes` turns episodes into a RolloutBatch whose completion mask is the episodes' token mask.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+
+import torch
+
+from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
+from lit_ess.rewards import RewardError, as_score
+from lit_ess.rollout.batch import RolloutBatch, Row, collate
+
+from .base import Action, Environment, Example, Message, Step, is_observation
+from .config import EnvConfig
+from .tokens import EpisodeTokens
+
+TRUNCATIONS = ("turns", "tokens")
+
+
+class EnvError(RewardError):
+    """Environment steps failed (raised, timed out, bad reward) in more than `max_error_rate` of a run's
+    episodes."""
+
+
+@dataclass
+class Episode:
+    """One finished episode: its tokens, per-token mask and behaviour logprobs, reward and counters."""
+    prompt_ids: list[int]
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)            # 1: sampled by the policy, 0: the environment's
+    logprobs: list[float] = field(default_factory=list)      # log pi_b on policy tokens, 0.0 elsewhere
+    turn_versions: list[int] = field(default_factory=list)   # weight version of each policy turn
+    turn_starts: list[int] = field(default_factory=list)     # where each policy turn starts in the completion
+    parts: list[tuple[str, str]] = field(default_factory=list)   # ("policy" | "env", text), in order
+    reward: float = 0.0
+    turns: int = 0
+    env_tokens: int = 0
+    env_errors: int = 0
+    env_timeouts: int = 0
+    env_seconds: float = 0.0
+    tool_calls: int = 0
+    truncated: str | None = None       # "turns" (max_turns) or "tokens" (max_episode_tokens)
+    error: str | None = None           # the environment's failure that ended the episode
+    start_version: int = 0             # the engine's version when the episode started
+
+    @property
+    def version(self) -> int:
+        """The staleness of an episode is its oldest turn's."""
+        return min(self.turn_versions, default=self.start_version)
+
+    @property
+    def failed(self) -> bool:
+        return self.env_errors + self.env_timeouts > 0
+
+    def token_versions(self) -> list[int]:
+        """The weight version of every completion token's turn; -1 on the environment's tokens."""
+        out = [-1] * len(self.completion_ids)
+        ends = self.turn_starts[1:] + [len(self.completion_ids)]
+        for s, e, v in zip(self.turn_starts, ends, self.turn_versions):
+            for t in range(s, e):
+                if self.mask[t]:
+                    out[t] = v
+        return out
+
+    def text(self) -> str:
+        """The conversation after the prompt, the environment's parts marked: 'turn [env: obs] turn'."""
+        return "".join(t if who == "policy" else f"[env: {t}]" for who, t in self.parts)
+
+
+@dataclass
+class _Live:
+    """An episode being played: its environment and chat history beside the record."""
+    env: Environment
+    episode: Episode
+    history: list[Message]
+    key: int
+
+
+def _run_timed(calls: list, timeout: float) -> list[tuple[str, object, float]]:
+    """Run every call in its own daemon thread, all at once; wait at most `timeout` seconds from the
+    start. Returns (status, value, seconds) per call: ("ok", result), ("error", exception) or
+    ("timeout", None). A timed-out thread is left to finish on its own (daemon: it never blocks exit)."""
+    futures: list[Future] = []
+    for fn in calls:
+        fut: Future = Future()
+
+        def target(fn=fn, fut=fut):
+            t0 = time.perf_counter()
+            try:
+                value = fn()
+            except BaseException as e:      # noqa: BLE001 - an environment's failure is counted, not raised
+                fut.set_result(("error", e, time.perf_counter() - t0))
+            else:
+                fut.set_result(("ok", value, time.perf_counter() - t0))
+
+        threading.Thread(target=target, daemon=True, name="lit-ess-env-step").start()
+        futures.append(fut)
+    wait_futures(futures, timeout=timeout)
+    return [f.result() if f.done() else ("timeout", None, timeout) for f in futures]
+
+
+class EpisodeRunner:
+    """Plays episodes of `config`'s environment with an engine; `tokenizer` is the policy's.
+
+    Counters `errors` and `timeouts` add up over runs (kept across a resume: `state_dict`)."""
+
+    def __init__(self, config: EnvConfig, tokenizer):
+        self.config, self.tokens, self.tokenizer = config, EpisodeTokens(tokenizer), tokenizer
+        self.errors = self.timeouts = 0
+
+    def run(self, engine: RolloutEngine, examples: list[Example], n: int, sampling: SamplingConfig,
+            call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
+        """n episodes per example, example-major (example i's at i*n ... i*n + n - 1). Request seeds
+        derive from (sampling.seed, call_seed, turn, the example's key, the sample), `prompt_keys` as in
+        RolloutEngine.generate."""
+        c = self.config
+        keys = list(range(len(examples))) if prompt_keys is None else list(prompt_keys)
+        live = [self._start(ex, key * n + j, engine.version) for ex, key in zip(examples, keys) for j in range(n)]
+        if any(x.episode.prompt_ids != live[i - i % n].episode.prompt_ids for i, x in enumerate(live)):
+            raise ValueError(f"environment {c.env!r}: the {n} episodes of an example start from different prompts "
+                             f"(reset must give one first observation per example: a group shares its prompt)")
+        active = [x for x in live if not self._over_budget(x)]
+        for turn in range(c.max_turns):
+            if not active:
+                break
+            samples = self._sample(engine, active, n, sampling, call_seed, turn)
+            stepping = []
+            for x, s in zip(active, samples):
+                if self._append_turn(x, s):
+                    stepping.append((x, s))
+            actions = [Action(x.episode.parts[-1][1], list(s.token_ids), s.finish_reason) for x, s in stepping]
+            results = _run_timed([lambda env=x.env, a=a: env.step(a) for (x, _), a in zip(stepping, actions)],
+                                 c.step_timeout)
+            active = []
+            for (x, s), (status, value, seconds) in zip(stepping, results):
+                x.episode.env_seconds += seconds
+                if self._answer(x, s, status, value, last_turn=turn == c.max_turns - 1):
+                    active.append(x)
+        for x in live:
+            self._finish(x)
+        episodes = [x.episode for x in live]
+        failed = [e for e in episodes if e.failed]
+        if episodes and len(failed) / len(episodes) > c.max_error_rate:
+            raise EnvError(f"environment {c.env!r} failed in {len(failed)} of {len(episodes)} episodes, more than "
+                           f"env.max_error_rate={c.max_error_rate}; first error: {failed[0].error}")
+        return episodes
+
+    def _start(self, example: Example, key: int, version: int) -> _Live:
+        env = self.config.make()
+        try:
+            obs = env.reset(example)
+        except Exception as e:
+            raise ValueError(f"environment {self.config.env!r} cannot start an episode from {example!r}: "
+                             f"{type(e).__name__}: {e}") from None
+        if not is_observation(obs):
+            raise ValueError(f"environment {self.config.env!r}: reset returned {obs!r}, not text or a list of "
+                             f"{{'role', 'content'}} messages")
+        role = env.observation_role
+        history = self.tokens.messages(obs, role) if self.tokens.chat else []
+        return _Live(env, Episode(self.tokens.prompt(obs, role), start_version=version), history, key)
+
+    def _over_budget(self, x: _Live) -> bool:
+        b = self.config.max_episode_tokens
+        if b is not None and len(x.episode.prompt_ids) >= b:
+            x.episode.truncated = "tokens"
+            return True
+        return False
+
+    def _sample(self, engine, active: list[_Live], n: int, sampling: SamplingConfig,
+                call_seed: int, turn: int) -> list[Completion]:
+        """One engine call. Turn 0 samples n of each prompt, as the single-turn rollout does; later turns
+        one sample of each running episode, seeded by its own key and the turn."""
+        if turn == 0:
+            groups = active[::n]                 # whole groups: its n episodes share the prompt and the budget
+            out = engine.generate([g.episode.prompt_ids for g in groups], n, sampling, call_seed=call_seed,
+                                  prompt_keys=[g.key // n for g in groups])
+            return [s for g in out for s in g]
+        prompts = [x.episode.prompt_ids + x.episode.completion_ids for x in active]
+        out = engine.generate(prompts, 1, sampling, call_seed=derive_seed(call_seed, turn),
+                              prompt_keys=[x.key for x in active])
+        return [g[0] for g in out]
+
+    def _append_turn(self, x: _Live, s: Completion) -> bool:
+        """Append the sampled turn; False when the token budget cut it (the episode ends, truncated)."""
+        e, b = x.episode, self.config.max_episode_tokens
+        ids, lps = list(s.token_ids), list(s.logprobs)
+        cut = b is not None and len(e.prompt_ids) + len(e.completion_ids) + len(ids) > b
+        if cut:
+            room = b - len(e.prompt_ids) - len(e.completion_ids)
+            ids, lps = ids[:room], lps[:room]
+        e.turn_starts.append(len(e.completion_ids))
+        e.completion_ids += ids
+        e.mask += [1] * len(ids)
+        e.logprobs += lps
+        e.turn_versions.append(s.version)
+        e.turns += 1
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        e.parts.append(("policy", text))
+        if self.tokens.chat:
+            x.history.append({"role": "assistant", "content": text})
+        if cut:
+            e.truncated = "tokens"
+        return not cut
+
+    def _answer(self, x: _Live, s: Completion, status: str, value, last_turn: bool) -> bool:
+        """Take an environment's answer to a turn; True when the episode goes on."""
+        e = x.episode
+        if status == "ok" and not isinstance(value, Step):
+            status, value = "error", TypeError(f"step returned a {type(value).__name__}, not a Step")
+        if status == "ok":
+            reward, bad = as_score(value.reward)
+            if bad is not None:
+                status, value = "error", ValueError(f"step's reward {bad}")
+            elif not value.done and not is_observation(value.observation):
+                status, value = "error", ValueError(f"step returned the observation {value.observation!r} for an "
+                                                    f"episode that is not done, not text or chat messages")
+        if status != "ok":
+            self._fail(x, status, value)
+            return False
+        e.reward += reward
+        e.tool_calls += value.tool_calls
+        if value.done:
+            return False
+        if last_turn:
+            e.truncated = "turns"
+            return False
+        obs_ids = self.tokens.observation(x.history, value.observation, x.env.observation_role, list(s.token_ids))
+        b = self.config.max_episode_tokens
+        if b is not None and len(e.prompt_ids) + len(e.completion_ids) + len(obs_ids) >= b:
+            e.truncated = "tokens"              # no room for the next turn: the observation is not appended
+            return False
+        e.completion_ids += obs_ids
+        e.mask += [0] * len(obs_ids)
+        e.logprobs += [0.0] * len(obs_ids)
+        e.env_tokens += len(obs_ids)
+        e.parts.append(("env", self.tokens.text(value.observation)))
+        if self.tokens.chat:
+            x.history += self.tokens.messages(value.observation, x.env.observation_role)
+        return True
+
+    def _fail(self, x: _Live, status: str, error) -> None:
+        e = x.episode
+        e.reward = 0.0
+        if status == "timeout":
+            e.env_timeouts += 1
+            self.timeouts += 1
+            e.error = f"step timed out after {self.config.step_timeout} s"
+            x.env = None                        # its thread may still run: it is not closed under it
+        else:
+            e.env_errors += 1
+            self.errors += 1
+            e.error = f"{type(error).__name__}: {error}"
+        if self.errors + self.timeouts == 1:
+            warnings.warn(f"environment {self.config.env!r} failed in an episode ({e.error}); the episode ends with "
+                          f"reward 0 and is counted in rollout/env_errors, rollout/env_timeouts", stacklevel=3)
+
+    def _finish(self, x: _Live) -> None:
+        if x.env is None:
+            return
+        try:
+            x.env.close()
+        except Exception as err:
+            x.episode.env_errors += 1
+            self.errors += 1
+            x.episode.error = x.episode.error or f"close: {type(err).__name__}: {err}"
+
+    def state_dict(self) -> dict[str, int]:
+        return {"errors": self.errors, "timeouts": self.timeouts}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.errors, self.timeouts = int(state.get("errors", 0)), int(state.get("timeouts", 0))
+
+
+def episode_stats(episodes: list[Episode]) -> dict[str, float]:
+    """Means per episode (turns, environment tokens and seconds, tool calls) and counts (truncations,
+    failures) of one batch of episodes, under the rollout/ names the dashboards show."""
+    n = max(len(episodes), 1)
+    return {
+        "rollout/turns": sum(e.turns for e in episodes) / n,
+        "rollout/env_tokens": sum(e.env_tokens for e in episodes) / n,
+        "rollout/env_seconds": sum(e.env_seconds for e in episodes) / n,
+        "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
+        "rollout/truncated_turns": float(sum(e.truncated == "turns" for e in episodes)),
+        "rollout/truncated_tokens": float(sum(e.truncated == "tokens" for e in episodes)),
+        "rollout/env_errors": float(sum(e.env_errors for e in episodes)),
+        "rollout/env_timeouts": float(sum(e.env_timeouts for e in episodes)),
+    }
+
+
+def to_row(episode: Episode, advantage: float, prompt_id: int, prompt_text: str) -> Row:
+    """A batch row of the episode: the completion is every token after the prompt (the environment's
+    too, with logprob 0), the version its oldest turn's. Its token mask is `episode.mask` (collate_episodes)."""
+    e = episode
+    return Row(e.prompt_ids, e.completion_ids, e.logprobs, advantage, e.reward, e.version, prompt_id, prompt_text,
+               e.text())
+
+
+def collate_episodes(episodes: list[Episode], advantages: list[float], prompt_ids: list[int],
+                     prompt_texts: list[str], pad_id: int, **fields) -> RolloutBatch:
+    """Pad episodes into a RolloutBatch (lit_ess.rollout.batch.collate) whose completion_mask is True on
+    the policy's tokens only: the environment's tokens are context, never trained on, never in the ESS."""
+    rows = [to_row(e, a, i, t) for e, a, i, t in zip(episodes, advantages, prompt_ids, prompt_texts, strict=True)]
+    batch = collate(rows, pad_id, **fields)
+    for b, e in enumerate(episodes):
+        P = len(e.prompt_ids)
+        batch.completion_mask[b, P:P + len(e.mask)] = torch.tensor(e.mask, dtype=torch.bool)
+    return batch
