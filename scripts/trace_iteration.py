@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     calls: Counter = Counter()               # (file, function) -> calls
 
     def profile(frame, event, arg):
-        if event == "call":
+        if event == "call" and not frame.f_code.co_filename.startswith("<"):      # not <string>, <frozen ...>
             path = os.path.realpath(frame.f_code.co_filename)
             if path.startswith(str(ROOT) + os.sep) and path != os.path.realpath(__file__):
                 calls[(os.path.relpath(path, ROOT), frame.f_code.co_qualname)] += 1

@@ -33,6 +33,7 @@ moves (`to`) follow from it:
 from __future__ import annotations
 
 from dataclasses import Field, asdict, dataclass, field, fields, replace
+from functools import cache
 from typing import Literal
 
 import torch
@@ -78,6 +79,12 @@ def kind(f: Field) -> str:
     return k
 
 
+@cache
+def declared(cls: type) -> tuple[tuple[Field, str], ...]:
+    """(field, kind) of every field of a RolloutBatch class, read once per class."""
+    return tuple((f, kind(f)) for f in fields(cls))
+
+
 @dataclass(frozen=True)
 class Proximal:
     """Where a batch's proximal policy pi_prox comes from: the weights of optimizer step `step`.
@@ -113,14 +120,14 @@ class RolloutBatch:
 
     def to_state(self) -> dict:
         """Plain containers and tensors, for checkpoints (torch.load's weights_only accepts them)."""
-        return {f.name: _plain(getattr(self, f.name)) if kind(f) == CONFIG else getattr(self, f.name)
-                for f in fields(self)}
+        return {f.name: _plain(getattr(self, f.name)) if k == CONFIG else getattr(self, f.name)
+                for f, k in declared(type(self))}
 
     @classmethod
     def from_state(cls, state: dict) -> "RolloutBatch":
         state = _current(state)
-        return cls(**{f.name: _typed(f, state[f.name]) if kind(f) == CONFIG else state[f.name]
-                      for f in fields(cls) if f.name in state})
+        return cls(**{f.name: _typed(f, state[f.name]) if k == CONFIG else state[f.name]
+                      for f, k in declared(cls) if f.name in state})
 
     @property
     def rows(self) -> int:
@@ -136,19 +143,18 @@ class RolloutBatch:
         idx = range(self.rows)[rows] if isinstance(rows, slice) else rows
         width = int(self.attention_mask[rows].sum(-1).max())
 
-        def part(f: Field, v):
-            k = kind(f)
+        def part(k: str, v):
             if v is None or k in (CONFIG, PLAIN):
                 return v
             if k == TOKEN:
                 return v[rows, :width]
             return v[rows] if k == ROW else [v[i] for i in idx] if v else []
-        return replace(self, **{f.name: part(f, getattr(self, f.name)) for f in fields(self)})
+        return replace(self, **{f.name: part(k, getattr(self, f.name)) for f, k in declared(type(self))})
 
     def to(self, device: torch.device | str, **kwargs) -> "RolloutBatch":
         """The batch with its tensors on `device` (Lightning's batch transfer calls it)."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device, **kwargs) for f in fields(self)
-                                if kind(f) in (TOKEN, ROW) and getattr(self, f.name) is not None})
+        return replace(self, **{f.name: getattr(self, f.name).to(device, **kwargs) for f, k in declared(type(self))
+                                if k in (TOKEN, ROW) and getattr(self, f.name) is not None})
 
 
 def _plain(value):
@@ -205,8 +211,8 @@ def collate(rows: list[Row], pad_id: int, **values) -> RolloutBatch:
         attention[b, :P + C] = 1
         comp[b, P:P + C] = True
     out = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": comp}
-    for f in fields(RolloutBatch):
-        source, k = f.metadata.get("row"), kind(f)
+    for f, k in declared(RolloutBatch):
+        source = f.metadata.get("row")
         if source is None:
             continue
         if k == TOKEN:                                     # [B, T]: the row's values on its completion tokens
