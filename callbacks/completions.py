@@ -10,6 +10,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from lit_ess.knobs import check
 from lit_ess.rollout import RolloutBatch
 
 
@@ -33,14 +34,14 @@ class LogCompletions(L.Callback):
     """Sample completions of the step's batch as a table in TensorBoard's Text tab.
 
     Args:
-        every_n_steps: write a table every this many optimizer steps.
-        max_rows: rows per table.
-        max_chars: longer prompts and completions are cut to this many characters.
+        every_n_steps: write a table every this many optimizer steps (>= 1).
+        max_rows: rows per table (>= 1).
+        max_chars: longer prompts and completions are cut to this many characters (>= 1).
     """
 
     def __init__(self, every_n_steps: int = 10, max_rows: int = 8, max_chars: int = 200):
-        if every_n_steps < 1 or max_rows < 1:
-            raise ValueError(f"LogCompletions: every_n_steps and max_rows must be >= 1, got {every_n_steps}, {max_rows}")
+        for name, value in (("every_n_steps", every_n_steps), ("max_rows", max_rows), ("max_chars", max_chars)):
+            check(f"LogCompletions.{name}", value, ge=1, integer=True)
         self.every_n_steps, self.max_rows, self.max_chars = every_n_steps, max_rows, max_chars
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -13,6 +13,8 @@ import time
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lit_ess.knobs import check
+
 
 class StepProgressBar(ProgressBar):
     """One progress bar over optimizer steps, across epochs.
@@ -23,6 +25,7 @@ class StepProgressBar(ProgressBar):
 
     def __init__(self, refresh_rate: int = 1):
         super().__init__()
+        check("StepProgressBar.refresh_rate", refresh_rate, ge=0, integer=True)
         self.refresh_rate = refresh_rate
         self._bar = None
         self._t0 = 0.0

@@ -9,6 +9,8 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from lit_ess.knobs import check
+
 LAYOUT = {
     "lit-ess": {
         "ESS and ratios": ["Multiline", ["train/ess", "train/capped_frac", "train/ratio_max", "train/ratio_p95",
@@ -37,11 +39,13 @@ class RatioDashboard(L.Callback):
     """Histograms of the importance ratios and policy lag, and the custom-scalars layout.
 
     Args:
-        every_n_steps: histogram period in optimizer steps.
-        max_values: at most this many token values per histogram (a random subset beyond it).
+        every_n_steps: histogram period in optimizer steps (>= 1).
+        max_values: at most this many token values per histogram (a random subset beyond it; >= 1).
     """
 
     def __init__(self, every_n_steps: int = 1, max_values: int = 100_000):
+        check("RatioDashboard.every_n_steps", every_n_steps, ge=1, integer=True)
+        check("RatioDashboard.max_values", max_values, ge=1, integer=True)
         self.every_n_steps, self.max_values = every_n_steps, max_values
 
     def on_fit_start(self, trainer, pl_module) -> None:

@@ -8,9 +8,12 @@ is otherwise Lightning's plain table. The CLI uses it in place of Lightning's de
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelSummary as LightningModelSummary
 from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
+
+from lit_ess.knobs import check
 
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 
@@ -18,8 +21,13 @@ log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
 class ModelSummary(LightningModelSummary):
     """Lightning's table of modules and parameters, without an uncounted FLOPs column.
 
-    Takes Lightning's `max_depth`: depth of nested modules listed (0 = no table).
+    Args:
+        max_depth: depth of nested modules listed (0 = no table, -1 = every depth).
     """
+
+    def __init__(self, max_depth: int = 1, **summarize_kwargs: Any) -> None:
+        check("ModelSummary.max_depth", max_depth, ge=-1, integer=True)
+        super().__init__(max_depth, **summarize_kwargs)
 
     @staticmethod
     def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from lit_ess.envs.tokens import encode_prompt  # noqa: F401  (its home: the episodes' tokens)
+from lit_ess.knobs import check
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,14 @@ class Arithmetic(PromptSource):
     """Integer arithmetic prompts like '37+85=' with exact answers.
 
     Args:
-        digits: maximum digits of each operand.
+        digits: maximum digits of each operand, >= 1.
         ops: operators to draw from ("+", "-", "*").
-        size: number of distinct examples (drawn without replacement where possible).
-        seed: draws the example pool.
+        size: number of distinct examples (drawn without replacement where possible), >= 1.
+        seed: draws the example pool (an integer >= 0).
         split: "all", or "train" / "test": two disjoint parts of the problem space (a fixed hash of
             each problem puts `test_frac` of them in "test", whatever the seed and size), so a
             held-out set never shares a problem with training.
-        test_frac: share of the problem space in the "test" split.
+        test_frac: share of the problem space in the "test" split, in (0, 1).
     """
 
     def __init__(self, digits: int = 2, ops: str = "+", size: int = 10_000, seed: int = 0,
@@ -88,12 +89,12 @@ class Arithmetic(PromptSource):
         bad = set(ops) - set("+-*")
         if bad or not ops:
             raise ValueError(f"Arithmetic.ops must use only '+', '-', '*', got {ops!r}")
-        if digits < 1:
-            raise ValueError(f"Arithmetic.digits must be >= 1, got {digits}")
+        check("Arithmetic.digits", digits, ge=1, integer=True)
+        check("Arithmetic.size", size, ge=1, integer=True)
+        check("Arithmetic.seed", seed, ge=0, integer=True)
         if split not in ("all", "train", "test"):
             raise ValueError(f"Arithmetic.split must be 'all', 'train' or 'test', got {split!r}")
-        if not 0 < test_frac < 1:
-            raise ValueError(f"Arithmetic.test_frac must be in (0, 1), got {test_frac}")
+        check("Arithmetic.test_frac", test_frac, gt=0, lt=1)
         hi = 10 ** digits
         total = hi * hi * len(ops)
         rng = random.Random(seed)
@@ -152,7 +153,7 @@ class HFPrompts(PromptSource):
         prompt_field: column holding the prompt.
         answer_field: column holding the reference answer.
         template: Python format string applied to the prompt, e.g. "{prompt}\\nAnswer:".
-        limit: keep at most this many rows.
+        limit: keep at most this many rows (>= 1); None = all.
     """
 
     FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -160,6 +161,7 @@ class HFPrompts(PromptSource):
     def __init__(self, path: str | list[str], name: str | None = None, split: str = "train",
                  prompt_field: str = "prompt", answer_field: str = "answer", template: str = "{prompt}",
                  limit: int | None = None):
+        check("HFPrompts.limit", limit, ge=1, integer=True, null=True)
         files = [path] if isinstance(path, str) else list(path)
         suffixes = {Path(f).suffix for f in files}
         if len(suffixes) == 1 and suffixes.pop() in self.FILE_TYPES:

@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rewards import resolve_reward
 from lit_ess.engines.base import visible_devices
+from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, InlineExecutor, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer,
                              RolloutConsumer, RolloutExecutor, RolloutRequest, Ranks, ShareReceiver, TorchRanks, WorkerConfig, WorkerProcess,
                              in_step)
@@ -127,7 +128,7 @@ class RolloutDataModule(L.LightningDataModule):
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function" (checked at start: it must
             import and be callable as f(completion, answer)).
-        reward_timeout: seconds per completion for rewards run in a worker process; a completion that
+        reward_timeout: seconds per completion for rewards run in a worker process (> 0); a completion that
             takes longer scores 0 and is counted in `rollout/reward_timeouts`.
         reward_in_worker: run the reward in a worker process with `reward_timeout`, so a verifier that
             hangs costs one completion, not the run. None (default): only math_verify; true: any reward
@@ -136,8 +137,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_reward_error_rate: a reward that raises or returns something other than a finite number
             scores 0 and is counted (`rollout/reward_errors`, the first error shown as a warning); a
             rollout phase or validation batch in which more than this share of the completions fail
-            stops the run with the reward's error (1.0: never stop).
-        prompts_per_rollout: prompts sampled per phase, over all data-parallel ranks (a multiple of
+            stops the run with the reward's error (1.0: never stop; 0.0: stop at the first failure).
+        prompts_per_rollout: prompts sampled per phase, over all data-parallel ranks (>= 1, a multiple of
             their number: each rank generates and trains prompts_per_rollout / W of them).
         samples_per_prompt: completions per prompt (the group size), at least 2: a group of one has
             advantage 0 under both estimators, so nothing would be learned.
@@ -149,13 +150,13 @@ class RolloutDataModule(L.LightningDataModule):
             worker process, on `engine.worker_devices` GPUs, that generates the whole phase and sends
             each rank its share; pick it when generation has GPUs of its own). One rank: the same.
         max_staleness: S, the largest policy lag (optimizer steps between the weights that sampled a
-            row and the step that trains on it) ever trained on. None = steps_per_rollout - 1, the
-            synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
+            row and the step that trains on it) ever trained on, >= steps_per_rollout - 1 (0 = on-policy,
+            with steps_per_rollout 1). None = steps_per_rollout - 1, the synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
             above it lets a phase start one optimizer step earlier (sync: generated ahead with older
             weights, a reproducible staleness; async: as far as the worker gets).
         worker_timeout: async: seconds the worker process may go without a word (a stage of a request
             begun, a result sent) while it has work; then the run stops with an error that names the
-            worker's pid and the stage it was in (a hung engine or reward, a stopped process). Generous
+            worker's pid and the stage it was in (a hung engine or reward, a stopped process); > 0. Generous
             by default: one phase's sampling, or its scoring, may take this long.
         steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout, one phase per epoch),
             the unit of check_val_every_n_epoch.
@@ -163,11 +164,11 @@ class RolloutDataModule(L.LightningDataModule):
         drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). When too
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
-        max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`).
-        seed: prompt order and row shuffling.
+        max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`); >= 1.
+        seed: prompt order and row shuffling (an integer >= 0).
         val_source: held-out prompts for validation (None = no validation loop in fit; `lit-ess
             validate` needs it).
-        val_prompts: validation prompts per batch; every example of val_source is used once (with W
+        val_prompts: validation prompts per batch (>= 1); every example of val_source is used once (with W
             ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
         val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
             (`val/pass@k`; a sample passes when its reward is 1), the mean reward and length.
@@ -205,13 +206,19 @@ class RolloutDataModule(L.LightningDataModule):
         val_sampling: dict | None = None,
     ):
         super().__init__()
-        if steps_per_rollout < 1 or prompts_per_rollout < 1 or samples_per_prompt < 1:
-            raise ValueError("prompts_per_rollout, samples_per_prompt and steps_per_rollout must be >= 1")
+        for name, value in (("prompts_per_rollout", prompts_per_rollout), ("samples_per_prompt", samples_per_prompt),
+                            ("steps_per_rollout", steps_per_rollout), ("max_prompt_tokens", max_prompt_tokens),
+                            ("val_prompts", val_prompts), ("val_samples", val_samples)):
+            check(f"data.{name}", value, ge=1, integer=True)
+        check("data.steps_per_epoch", steps_per_epoch, ge=1, integer=True, null=True)
+        check("data.max_staleness", max_staleness, ge=0, integer=True, null=True)
+        check("data.seed", seed, ge=0, integer=True)
+        check("data.reward_timeout", reward_timeout, gt=0)
+        check("data.worker_timeout", worker_timeout, gt=0)
+        check("data.max_reward_error_rate", max_reward_error_rate, ge=0, le=1)
         if samples_per_prompt == 1:
             raise ValueError(f"samples_per_prompt=1: the group advantage (advantage: {advantage}) of a group of one "
                              f"sample is always 0, so nothing would be learned; use samples_per_prompt >= 2")
-        if not 0 <= max_reward_error_rate <= 1:
-            raise ValueError(f"max_reward_error_rate must be in [0, 1], got {max_reward_error_rate}")
         resolve_reward(reward)                        # a typo or a non-function fails now, not after the engine starts
         if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
             raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
@@ -223,12 +230,6 @@ class RolloutDataModule(L.LightningDataModule):
         if placement == "dedicated" and mode != "async":
             raise ValueError("placement: dedicated runs one rollout worker process beside the trainers: it needs "
                              "mode: async (mode: sync generates in each trainer's process)")
-        if val_samples < 1:
-            raise ValueError(f"val_samples must be >= 1, got {val_samples}")
-        if worker_timeout <= 0:
-            raise ValueError(f"worker_timeout must be > 0 seconds, got {worker_timeout}")
-        if steps_per_epoch is not None and steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be >= 1 or null, got {steps_per_epoch}")
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
         self.model_path = model_path
@@ -240,7 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.steps_per_rollout, self.mode, self.placement = steps_per_rollout, mode, placement
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
         self.worker_timeout = worker_timeout
-        self.steps_per_epoch = steps_per_epoch or steps_per_rollout
+        self.steps_per_epoch = steps_per_rollout if steps_per_epoch is None else steps_per_epoch
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples

@@ -10,6 +10,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from lit_ess.knobs import check
+
 from .prompts import Arithmetic, PromptSource, encode_prompt
 
 
@@ -30,17 +32,18 @@ class SFTDataModule(L.LightningDataModule):
     Args:
         model_path: tokenizer folder (linked from the model by the CLI).
         source: prompt source whose answers are the targets.
-        batch_size: pairs per step.
-        label_noise: fraction of targets replaced by a wrong answer (another example's), to make a
-            deliberately imperfect warm start that RL can improve on.
-        seed: shuffling and label noise.
+        batch_size: pairs per step, >= 1.
+        label_noise: fraction of targets replaced by a wrong answer (another example's), in [0, 1), to make
+            a deliberately imperfect warm start that RL can improve on (0 = none).
+        seed: shuffling and label noise (an integer >= 0).
     """
 
     def __init__(self, model_path: str = "", source: PromptSource | None = None, batch_size: int = 64,
                  label_noise: float = 0.0, seed: int = 0):
         super().__init__()
-        if not 0 <= label_noise < 1:
-            raise ValueError(f"label_noise must be in [0, 1), got {label_noise}")
+        check("data.batch_size", batch_size, ge=1, integer=True)
+        check("data.label_noise", label_noise, ge=0, lt=1)
+        check("data.seed", seed, ge=0, integer=True)
         self.model_path, self.source = model_path, source if source is not None else Arithmetic()
         self.batch_size, self.label_noise, self.seed = batch_size, label_noise, seed
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .knobs import check
+
 # Lightning's "*-true" precisions: the whole forward in one dtype ("32-true": the weights' stored dtype)
 TRUE_PRECISIONS = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
 
@@ -66,17 +68,17 @@ def exact_on_policy(f: StepFacts) -> bool:
             and f.sample_temperature == f.train_temperature and not f.dropout)
 
 
+
 class ESSAlarmError(RuntimeError):
     """The lag-0 ESS alarm with model.ess_alarm_error: true."""
 
 
 class ESSAlarm:
-    """Counts the steps whose ESS must be 1 (`exact_on_policy`) and is below `threshold` (None = off); warns
-    once, or raises with `error`."""
+    """Counts the steps whose ESS must be 1 (`exact_on_policy`) and is below `threshold` (in (0, 1]; None =
+    off); warns once, or raises with `error`."""
 
     def __init__(self, threshold: float | None = 0.999, error: bool = False):
-        if threshold is not None and not 0 < threshold <= 1:
-            raise ValueError(f"ess_alarm must be in (0, 1] or null, got {threshold}")
+        check("ess_alarm", threshold, gt=0, le=1, null=True)
         self.threshold, self.error = threshold, error
         self.count = 0                    # cumulative, kept in checkpoints by PolicyModule
         self.warned = False

@@ -18,6 +18,8 @@ from typing import Iterator, Literal
 import torch
 from torch import Tensor
 
+from .knobs import check
+
 ADAPTER = "default"          # peft's name of the one adapter
 
 
@@ -26,9 +28,9 @@ class LoRA:
     """Low-rank adapters on the policy (peft); full fine-tuning when the module's `lora` is None.
 
     Args:
-        rank: r, the rank of A and B.
-        alpha: scale numerator: the update is (alpha / r) B A.
-        dropout: dropout on the adapter's input. 0 by default: with dropout the trainer scores tokens
+        rank: r, the rank of A and B, >= 1.
+        alpha: scale numerator: the update is (alpha / r) B A; > 0.
+        dropout: dropout on the adapter's input, in [0, 1) (0 = none). 0 by default: with dropout the trainer scores tokens
             with a random sub-network, so on-policy data no longer has ESS 1 and a resume is not exact.
             PolicyModule's disable_dropout does not touch it (it is set explicitly here); it warns.
         target_modules: the layers that get adapters: "all-linear" (every linear layer but the output
@@ -45,12 +47,9 @@ class LoRA:
     sync: Literal["merged", "adapter"] = "merged"
 
     def __post_init__(self):
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        check("lora.rank", self.rank, ge=1, integer=True)
+        check("lora.alpha", self.alpha, gt=0)
+        check("lora.dropout", self.dropout, ge=0, lt=1)
         if self.sync not in ("merged", "adapter"):
             raise ValueError(f"lora.sync must be 'merged' or 'adapter', got {self.sync!r}")
         if isinstance(self.target_modules, str) and self.target_modules != "all-linear":

@@ -41,6 +41,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from .health import ESSAlarm, StepFacts
+from .knobs import check
 from .logprobs import sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
@@ -68,17 +69,18 @@ class PolicyModule(L.LightningModule):
         objective: the objective and its hyper-parameters, a class of lit_ess.objectives: P3O (default),
             GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE. ref_kl_coef > 0 loads a frozen reference.
         ref_model_path: reference model for ref_kl_coef; default model_path.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        warmup_steps: linear warm-up steps.
+        lr: AdamW learning rate, > 0.
+        weight_decay: AdamW weight decay, >= 0 (0 = none).
+        betas: AdamW betas, each in [0, 1).
+        warmup_steps: linear warm-up steps, >= 0 (0 = none).
         lr_schedule: "constant", "cosine" or "linear" decay to min_lr_ratio * lr at trainer.max_steps.
-        min_lr_ratio: final learning rate as a fraction of lr.
-        max_grad_norm: clip the global gradient norm (None = no clipping). A step whose gradient norm is
-            not finite is skipped and counted in `train/skipped_steps`.
-        micro_batch_size: rows per forward/backward (None = the whole step at once).
+        min_lr_ratio: final learning rate as a fraction of lr, in [0, 1] (0 = decay to 0).
+        max_grad_norm: clip the global gradient norm to this value, > 0; None = no clipping (0 and -1,
+            "off" in some frameworks, are refused: clip_grad_norm_ would zero or negate every gradient).
+            A step whose gradient norm is not finite is skipped and counted in `train/skipped_steps`.
+        micro_batch_size: rows per forward/backward, >= 1 (None = the whole step at once).
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
-        train_temperature: temperature of the trainer's log-probs; None = the rollout's (on-policy).
+        train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
         model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
         disable_dropout: set every dropout probability of the base model to 0 (TRL's `disable_dropout`).
@@ -125,6 +127,15 @@ class PolicyModule(L.LightningModule):
         ess_alarm_error: bool = False,
     ):
         super().__init__()
+        check("model.lr", lr, gt=0)
+        check("model.weight_decay", weight_decay, ge=0)
+        for i, beta in enumerate(betas):
+            check(f"model.betas[{i}]", beta, ge=0, lt=1)
+        check("model.warmup_steps", warmup_steps, ge=0, integer=True)
+        check("model.min_lr_ratio", min_lr_ratio, ge=0, le=1)
+        check("model.max_grad_norm", max_grad_norm, gt=0, null=True, hint=": use null for no clipping")
+        check("model.micro_batch_size", micro_batch_size, ge=1, integer=True, null=True)
+        check("model.train_temperature", train_temperature, gt=0, null=True)
         self.save_hyperparameters()
         check_model_path(model_path)
         if ref_model_path is not None:
@@ -223,7 +234,7 @@ class PolicyModule(L.LightningModule):
         The policy and the reference model are both scored here, so with reference == policy the
         reference KL is exactly 0 whatever the sampling settings.
         """
-        T = self.hparams.train_temperature or sampling.temperature
+        T = sampling.temperature if self.hparams.train_temperature is None else self.hparams.train_temperature
         with torch.enable_grad() if with_grad else torch.no_grad():
             return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
                                      T, sampling.top_k, sampling.top_p, with_entropy=with_entropy)
@@ -284,7 +295,7 @@ class PolicyModule(L.LightningModule):
         """
         jobs = []                                             # (batch, first row, micro-batch)
         for b in batches:
-            size = self.hparams.micro_batch_size or b.rows
+            size = b.rows if self.hparams.micro_batch_size is None else self.hparams.micro_batch_size
             b.prox_logprobs = torch.zeros_like(b.behavior_logprobs)
             jobs += [(b, start, mb) for start, mb in zip(range(0, b.rows, size), b.micro_batches(size))]
         passes = self._same_count([mb for _, _, mb in jobs], pad=pad.micro_batches(self.hparams.micro_batch_size)[0])
@@ -528,7 +539,8 @@ class PolicyModule(L.LightningModule):
                          precision=str(self._trainer.precision) if self._trainer is not None else "32-true",
                          model_dtype=self.hparams.model_dtype, cast_dtype=self.cast_dtype, lora=self.lora is not None,
                          dropout=self._dropout(), sample_temperature=sampling.temperature,
-                         train_temperature=self.hparams.train_temperature or sampling.temperature)
+                         train_temperature=sampling.temperature if self.hparams.train_temperature is None
+                         else self.hparams.train_temperature)
 
     def _check_ess(self, logs: dict[str, float], facts: StepFacts, step: int) -> None:
         """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:

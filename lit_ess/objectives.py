@@ -47,6 +47,8 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from .knobs import check
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # k3 is exact for log(pi_theta/pi_b) >= K3_LINEAR_BELOW and continued linearly below it: the value and
 # the gradient stay finite and the gradient keeps its sign (it still pulls log pi_theta up).
@@ -167,7 +169,8 @@ def aggregate(
         per_seq = (x * m).sum(-1) / m.sum(-1).clamp(min=1.0)
         return per_seq.sum() / seqs
     if mode == "seq-mean-token-sum-norm":
-        return (x * m).sum() / (seqs * (norm_len or x.shape[-1]))
+        check("norm_len", norm_len, ge=1, null=True)
+        return (x * m).sum() / (seqs * (x.shape[-1] if norm_len is None else norm_len))
     raise ValueError(f"aggregation={mode!r} is not one of {AGGREGATIONS}")
 
 
@@ -278,8 +281,8 @@ class ISCorrection:
     Args:
         level: token, sequence or geometric.
         mode: truncate, mask or reject.
-        high: upper bound C of the ratio (TRL's cap, verl's threshold 2.0).
-        low: lower bound; None = none for truncate, 1 / high for mask and reject.
+        high: upper bound C of the ratio (TRL's cap, verl's threshold 2.0), > 0.
+        low: lower bound in [0, high]; None = none for truncate, 1 / high for mask and reject; 0 = none.
     """
 
     level: Literal["token", "sequence", "geometric"] = "token"
@@ -292,9 +295,11 @@ class ISCorrection:
             raise ValueError(f"correction.level={self.level!r} is not one of ('token', 'sequence', 'geometric')")
         if self.mode not in ("truncate", "mask", "reject"):
             raise ValueError(f"correction.mode={self.mode!r} is not one of ('truncate', 'mask', 'reject')")
-        low = self.low if self.low is not None or self.mode == "truncate" else 1 / self.high if self.high > 0 else None
-        if not self.high > 0 or (low is not None and not 0 <= low <= self.high):
-            raise ValueError(f"correction bounds must satisfy 0 <= low <= high, high > 0; got low={self.low} "
+        check("correction.high", self.high, gt=0)
+        check("correction.low", self.low, ge=0, null=True)
+        low = self.low if self.low is not None or self.mode == "truncate" else 1 / self.high
+        if low is not None and not low <= self.high:
+            raise ValueError(f"correction bounds must satisfy 0 <= low <= high; got low={self.low} "
                              f"(in effect {low}), high={self.high}")
 
     def __call__(self, log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -336,10 +341,10 @@ class Objective:
             optimizer step), seq-mean-token-mean, or seq-mean-token-sum-norm (Dr.GRPO). None = the
             objective's own default (token-mean; seq-mean-token-mean for GSPO), so switching the
             class_path of a config does not carry one objective's aggregation over to another.
-        entropy_coef: weight of an entropy bonus (0 = off).
-        ref_kl_coef: weight of a k3 KL penalty to a frozen reference model (0 = off; > 0 loads the
+        entropy_coef: weight of an entropy bonus, >= 0 (0 = off).
+        ref_kl_coef: weight of a k3 KL penalty to a frozen reference model, >= 0 (0 = off; > 0 loads the
             reference model, which is scored exactly as the policy).
-        norm_len: the constant length of seq-mean-token-sum-norm. None = the rollout's
+        norm_len: the constant length of seq-mean-token-sum-norm, >= 1. None = the rollout's
             max_new_tokens (PolicyModule passes it), else the width T of the call's tensors.
         correction: a mismatch correction (ISCorrection: truncated IS, IcePop masks, sequence masks)
             weighting each token's policy-gradient term; None = off.
@@ -363,10 +368,10 @@ class Objective:
             self.aggregation = self.default_aggregation
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation={self.aggregation!r} is not one of {AGGREGATIONS}")
-        if self.entropy_coef < 0 or self.ref_kl_coef < 0:
-            raise ValueError(f"entropy_coef and ref_kl_coef must be >= 0, got {self.entropy_coef}, {self.ref_kl_coef}")
-        if self.norm_len is not None and self.norm_len < 1:
-            raise ValueError(f"norm_len must be >= 1 or None, got {self.norm_len}")
+        cls = type(self).__name__
+        check(f"{cls}.entropy_coef", self.entropy_coef, ge=0)
+        check(f"{cls}.ref_kl_coef", self.ref_kl_coef, ge=0)
+        check(f"{cls}.norm_len", self.norm_len, ge=1, integer=True, null=True)
         if self.correction is not None and not isinstance(self.correction, ISCorrection):
             raise ValueError(f"correction must be an ISCorrection or None, got {self.correction!r}")
 
@@ -408,7 +413,7 @@ class Objective:
         valid, dropped, (lp, lb, adv, prox, ref, ent) = _sanitize(
             mask, logprobs, behavior_logprobs, advantages, proximal_logprobs, ref_logprobs, entropy)
 
-        norm_len = self.norm_len or norm_len
+        norm_len = norm_len if self.norm_len is None else self.norm_len
 
         def agg(x: Tensor) -> Tensor:
             return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, norm_len)
@@ -575,7 +580,7 @@ class GRPO(_ClipsAroundOld):
         L = -agg[ min(r A, clip(r, 1 - clip_eps, 1 + clip_eps) A) ],   r = pi_theta / pi_old
 
     Args:
-        clip_eps: clip range epsilon.
+        clip_eps: clip range epsilon, > 0.
         old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
             module's docstring.
     """
@@ -583,6 +588,10 @@ class GRPO(_ClipsAroundOld):
     clip_eps: float = 0.2
     old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "grpo"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check("GRPO.clip_eps", self.clip_eps, gt=0)
 
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         old = _old_logprobs(self.old, lp, lb, proximal_logprobs)
@@ -594,8 +603,8 @@ class DAPO(_ClipsAroundOld):
     """DAPO: the clipped surrogate with decoupled bounds (clip-higher) and token-mean aggregation.
 
     Args:
-        clip_low: lower clip, r >= 1 - clip_low.
-        clip_high: upper clip, r <= 1 + clip_high.
+        clip_low: lower clip, r >= 1 - clip_low; > 0.
+        clip_high: upper clip, r <= 1 + clip_high; > 0.
         old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
             module's docstring.
     """
@@ -604,6 +613,11 @@ class DAPO(_ClipsAroundOld):
     clip_high: float = 0.28
     old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "dapo"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check("DAPO.clip_low", self.clip_low, gt=0)
+        check("DAPO.clip_high", self.clip_high, gt=0)
 
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         old = _old_logprobs(self.old, lp, lb, proximal_logprobs)
@@ -619,8 +633,8 @@ class GSPO(_ClipsAroundOld):
     with seq-mean-token-mean aggregation by default, as in the paper.
 
     Args:
-        clip_low: lower clip of the sequence ratio.
-        clip_high: upper clip of the sequence ratio.
+        clip_low: lower clip of the sequence ratio, s >= 1 - clip_low; > 0.
+        clip_high: upper clip of the sequence ratio, s <= 1 + clip_high; > 0.
         old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
             module's docstring.
     """
@@ -630,6 +644,11 @@ class GSPO(_ClipsAroundOld):
     old: Literal["behavior", "proximal"] = "behavior"
     name: ClassVar[str] = "gspo"
     default_aggregation: ClassVar[str] = "seq-mean-token-mean"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check("GSPO.clip_low", self.clip_low, gt=0)
+        check("GSPO.clip_high", self.clip_high, gt=0)
 
     def policy_loss(self, lp, lb, adv, mask, agg, proximal_logprobs=None, **_):
         m = mask.to(lp.dtype)
@@ -650,13 +669,18 @@ class CISPO(Objective):
         L = -agg[ sg(clip(rho, 1 - clip_low, 1 + clip_high)) * lp * A ]
 
     Args:
-        clip_high: upper bound of the weight is 1 + clip_high.
-        clip_low: lower bound of the weight is 1 - clip_low; None = no lower bound.
+        clip_high: upper bound of the weight is 1 + clip_high; > 0.
+        clip_low: lower bound of the weight is 1 - clip_low, in (0, 1]; None = no lower bound.
     """
 
     clip_high: float = 4.0
     clip_low: float | None = None
     name: ClassVar[str] = "cispo"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check("CISPO.clip_high", self.clip_high, gt=0)
+        check("CISPO.clip_low", self.clip_low, gt=0, le=1, null=True)
 
     def policy_loss(self, lp, lb, adv, mask, agg, **_):
         log_ratio = lp - lb
@@ -683,13 +707,18 @@ class DecoupledPPO(Objective):
     never acts and the loss is token-level truncated IS with cap behavior_cap.
 
     Args:
-        clip_eps: clip range around the proximal policy.
-        behavior_cap: cap of the behaviour weight pi_prox / pi_b.
+        clip_eps: clip range around the proximal policy, > 0.
+        behavior_cap: cap of the behaviour weight pi_prox / pi_b, > 0.
     """
 
     clip_eps: float = 0.2
     behavior_cap: float = 5.0
     name: ClassVar[str] = "decoupled"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check("DecoupledPPO.clip_eps", self.clip_eps, gt=0)
+        check("DecoupledPPO.behavior_cap", self.behavior_cap, gt=0)
 
     @property
     def needs_proximal(self) -> bool:

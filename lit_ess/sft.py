@@ -9,6 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
+from .knobs import check
 from .model_path import check_model_path
 from .module import check_gradients_synchronised, full_weights
 
@@ -18,13 +19,16 @@ class SFTModule(L.LightningModule):
 
     Args:
         model_path: Hugging Face causal LM folder.
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear warm-up steps, then constant.
+        lr: AdamW learning rate, > 0.
+        weight_decay: AdamW weight decay, >= 0 (0 = none).
+        warmup_steps: linear warm-up steps, then constant; >= 0 (0 = none).
     """
 
     def __init__(self, model_path: str, lr: float = 1e-3, weight_decay: float = 0.0, warmup_steps: int = 50):
         super().__init__()
+        check("model.lr", lr, gt=0)
+        check("model.weight_decay", weight_decay, ge=0)
+        check("model.warmup_steps", warmup_steps, ge=0, integer=True)
         self.save_hyperparameters()
         check_model_path(model_path)
         self.policy = None

@@ -15,6 +15,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
+from .knobs import check
+
 
 def finite_mask(completion_mask: Tensor, behavior_logprobs: Tensor, logprobs: Tensor) -> Tensor:
     """[B, T] bool: completion tokens whose behaviour and trainer logprobs are both finite. A token outside
@@ -54,6 +56,7 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float | None)
     """Scale the gradients so that ||g||_2 <= max_norm (None: leave them) and return ||g||_2 before
     clipping. Under FSDP2 the gradients are DTensor shards: the norm is reduced over ranks and returned
     as a plain tensor."""
+    check("max_grad_norm", max_norm, gt=0, null=True, hint=": use null for no clipping")   # -1 would negate g
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)

@@ -63,6 +63,13 @@ def test_bad_value_is_named_first_on_one_line(tiny_model_dir):
     assert line.startswith("lit-ess: error: sampling.temperature must be > 0"), line
 
 
+def test_max_grad_norm_minus_one_is_refused_on_one_line(tiny_model_dir):
+    res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", tiny_model_dir,
+               "--model.init_args.max_grad_norm", "-1"])
+    line = _one_error_line(res)
+    assert line == "lit-ess: error: model.max_grad_norm must be > 0 or null, got -1.0: use null for no clipping", line
+
+
 def test_missing_model_folder_says_how_to_make_one(tmp_path):
     res = cli(["fit", "--config", DEMO, "--model.init_args.model_path", "runs/nothing/here"], cwd=tmp_path)
     line = _one_error_line(res)

@@ -13,6 +13,8 @@ from typing import Iterable, Literal
 
 from torch import Tensor
 
+from ..knobs import check
+
 
 @dataclass
 class SamplingConfig:
@@ -24,8 +26,8 @@ class SamplingConfig:
         top_k: keep the k most likely tokens (-1 = off).
         max_new_tokens: completion length cap; longer completions finish with reason "length".
         stop: strings that end a completion (the completion keeps the tokens that produced them).
-        seed: base seed. Each request gets its own seed derived from (seed, call seed, prompt, sample),
-            so the n samples of a group and repeated prompts are never copies. None = unseeded.
+        seed: base seed, an integer >= 0. Each request gets its own seed derived from (seed, call seed,
+            prompt, sample), so the n samples of a group and repeated prompts are never copies. None = unseeded.
     """
 
     temperature: float = 1.0
@@ -36,14 +38,12 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature <= 0:
-            raise ValueError(f"sampling.temperature must be > 0 (got {self.temperature}): RL needs sampled tokens")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"sampling.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check("sampling.temperature", self.temperature, gt=0, hint=": RL needs sampled tokens")
+        check("sampling.top_p", self.top_p, gt=0, le=1)
+        if self.top_k != -1:
+            check("sampling.top_k", self.top_k, ge=1, integer=True, hint="; -1 = off")
+        check("sampling.max_new_tokens", self.max_new_tokens, ge=1, integer=True)
+        check("sampling.seed", self.seed, ge=0, integer=True, null=True)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from torch import Tensor
 from ..logprobs import token_logprobs
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
 from ..lora import is_adapter_payload
+from ..knobs import check
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class HFConfig(EngineConfig):
     Args:
         dtype: engine precision: float32, bfloat16 or float16.
         device: where the engine's copy of the model lives (cpu, cuda, cuda:1, ...).
-        batch_size: sequences generated at once.
+        batch_size: sequences generated at once, >= 1.
         behavior_logprobs: "processed" (the distribution sampled from: temperature, top-k, top-p) or
             "raw" (log-softmax of the untempered, untruncated logits, what the authors' code records).
     """
@@ -47,6 +48,7 @@ class HFConfig(EngineConfig):
     def __post_init__(self):
         if self.behavior_logprobs not in ("processed", "raw"):
             raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
+        check("HFConfig.batch_size", self.batch_size, ge=1, integer=True)
 
     def exact_dtype(self) -> str | None:
         return None if self.behavior_logprobs == "raw" else self.dtype

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ..console import harmless_stderr_dropped, verbose
+from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
 from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda,
                    visible_devices)
@@ -77,12 +78,12 @@ class VLLMConfig(EngineConfig):
     Args:
         dtype: engine precision: float32, bfloat16, float16 or auto. A lower precision than the
             trainer's is a behaviour/target mismatch that P3O's ESS measures.
-        gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take; None = 0.1 on
+        gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take, in (0, 1]; None = 0.1 on
             CPU, 0.4 on CUDA (colocated with the trainer).
-        kv_cache_gib: KV-cache size on the CPU backend, in GiB.
-        max_model_len: longest prompt + completion; None = the model's.
+        kv_cache_gib: KV-cache size on the CPU backend, in GiB (> 0).
+        max_model_len: longest prompt + completion, >= 1; None = the model's.
         enforce_eager: no CUDA graphs / compilation (fast start; needed for in-place reloads on CPU).
-        seed: the engine's own seed (each request also gets a derived seed from the sampling seed).
+        seed: the engine's own seed, an integer >= 0 (each request also gets a derived seed from the sampling seed).
         behavior_logprobs: "processed" (vLLM's processed logprobs: the distribution it sampled from,
             after temperature, top-k, top-p) or "raw" (the untempered, untruncated logprobs, what the
             authors' reference code records as pi_b; a mismatch whenever T != 1 or top-k/top-p are on).
@@ -126,11 +127,15 @@ class VLLMConfig(EngineConfig):
             raise ValueError(f"behavior_logprobs={self.behavior_logprobs!r} is not one of ('processed', 'raw')")
         if self.transport not in ("shared_memory", "nccl"):
             raise ValueError(f"transport={self.transport!r} is not one of ('shared_memory', 'nccl')")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        check("VLLMConfig.gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1, null=True)
+        check("VLLMConfig.kv_cache_gib", self.kv_cache_gib, gt=0)
+        check("VLLMConfig.max_model_len", self.max_model_len, ge=1, integer=True, null=True)
+        check("VLLMConfig.seed", self.seed, ge=0, integer=True)
+        check("VLLMConfig.bucket_mb", self.bucket_mb, gt=0)
         if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= LORA_RANKS[-1]:
             raise ValueError(f"max_lora_rank must be in [1, {LORA_RANKS[-1]}] (vLLM's largest) or null, got "
                              f"{self.max_lora_rank}")
+        check("VLLMConfig.max_lora_rank", self.max_lora_rank, integer=True, null=True)
         if (error := lora_dtype_error(torch.cuda.is_available(), self.max_lora_rank, self.dtype)) is not None:
             raise ValueError(error)
         d = self.worker_devices

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 
 
+from lit_ess.knobs import check
+
 from .base import Action, Environment, Example, Step
 
 _CALL = re.compile(r"calc\(([^()]*)\)?")
@@ -36,6 +38,7 @@ class RetryArithmetic(Environment):
     def __init__(self, max_tries: int = 3, feedback: str = "wrong"):
         if max_tries < 1:
             raise ValueError(f"RetryArithmetic.max_tries must be >= 1, got {max_tries}")
+        check("RetryArithmetic.max_tries", max_tries, integer=True)
         self.max_tries, self.feedback = max_tries, feedback
         self.example, self.tries = None, 0
 
@@ -70,12 +73,13 @@ def calculate(expr: str) -> int | None:
 
 class Calculator(Environment):
     """Args:
-        max_calls: calculator calls per episode at most (>= 0).
+        max_calls: calculator calls per episode at most (>= 0; 0 = a call ends the episode with reward 0).
     """
 
     def __init__(self, max_calls: int = 2):
         if max_calls < 0:
             raise ValueError(f"Calculator.max_calls must be >= 0, got {max_calls}")
+        check("Calculator.max_calls", max_calls, integer=True)
         self.max_calls, self.calls, self.example = max_calls, 0, None
 
     def reset(self, example: Example) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from lit_ess.knobs import check
 from lit_ess.rewards import import_named
 
 from .arithmetic import Calculator, RetryArithmetic
@@ -46,7 +47,7 @@ class EnvConfig:
             reward 0 and is counted (rollout/env_timeouts). Python cannot stop a thread: a step that
             can hang in C code for ever should do its work in a process of its own.
         max_error_rate: a run in which more than this share of the episodes end by an environment
-            error or timeout raises EnvError (1.0: never).
+            error or timeout raises EnvError (1.0: never; 0.0: at the first).
     """
 
     env: str = "single_turn"
@@ -57,15 +58,11 @@ class EnvConfig:
     max_error_rate: float = 0.5
 
     def __post_init__(self):
-        if self.max_turns < 1:
-            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
-        if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
-            raise ValueError(f"env.max_episode_tokens must be >= 2 (a prompt token and a turn's) or null, got "
-                             f"{self.max_episode_tokens}")
-        if not self.step_timeout > 0:
-            raise ValueError(f"env.step_timeout must be > 0 seconds, got {self.step_timeout}")
-        if not 0 <= self.max_error_rate <= 1:
-            raise ValueError(f"env.max_error_rate must be in [0, 1], got {self.max_error_rate}")
+        check("env.max_turns", self.max_turns, ge=1, integer=True)
+        check("env.max_episode_tokens", self.max_episode_tokens, ge=2, integer=True, null=True,
+              hint=" (a prompt token and a turn's)")
+        check("env.step_timeout", self.step_timeout, gt=0, hint=" seconds")
+        check("env.max_error_rate", self.max_error_rate, ge=0, le=1)
         cls = resolve_env(self.env)                 # a typo fails now, not after the engine starts
         try:
             inspect.signature(cls).bind(**self.init_args)

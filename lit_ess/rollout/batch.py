@@ -135,7 +135,7 @@ class RolloutBatch:
 
     def micro_batches(self, size: int | None) -> list["RolloutBatch"]:
         """Consecutive slices of `size` rows (None = one slice), each trimmed to its longest row."""
-        size = size or self.rows
+        size = self.rows if size is None else size
         return [self.select(slice(s, s + size)) for s in range(0, self.rows, size)]
 
     def select(self, rows: slice | list[int]) -> "RolloutBatch":
