@@ -6,8 +6,8 @@
 One schedule, whatever runs the engine: a phase is submitted as soon as the newest weights may
 generate it (the buffer's admission rule, lit_ess/rollout/buffer.py: no row is ever trained more
 than `max_staleness` steps after the weights that sampled it), and the trainer takes one batch per
-step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll) decides
-where the work runs:
+step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll, drain)
+decides where the work runs:
 * `mode: sync`: in the trainer's process, at submission (generation blocks training). With the
   default S = steps_per_rollout - 1 a phase is admitted when the trainer needs it, with the weights of
   the step that trains its first batch: exactly on-policy for one step per rollout. A larger S
@@ -29,6 +29,9 @@ and the ranks' batches never overlap. Async on W ranks has two placements:
 * `dedicated`: rank 0 runs one worker process (on its own GPUs, `engine.worker_devices`) that samples
   the whole phase in one engine call and sends each rank its share directly
   (lit_ess/rollout/receiver.py); rank 0 plans and submits every phase, the other ranks receive.
+The executor carries the placement (lit_ess/rollout/executor.py `build_executor`): this module runs the
+same schedule under both, asking the executor whether this rank plans (`plans`) and what it submits for
+a phase (`phase_request`).
 The ranks wait for their data together (lit_ess/rollout/ranks.py `in_step`): a worker that fails stops
 every rank in the same round, with its error. Whether new weights are needed is decided together too
 (`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
@@ -47,8 +50,6 @@ version of each row), and the requests in flight, which are regenerated after a 
 from __future__ import annotations
 
 import math
-import os
-import socket
 import time
 from dataclasses import asdict, replace
 from typing import Literal
@@ -59,11 +60,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rewards import resolve_reward
-from lit_ess.engines.base import visible_devices
 from lit_ess.knobs import check
-from lit_ess.rollout import (EvalRequest, InlineExecutor, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer,
-                             RolloutConsumer, RolloutExecutor, RolloutRequest, Ranks, ShareReceiver, TorchRanks, WorkerConfig, WorkerProcess,
-                             in_step)
+from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutConsumer,
+                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -270,9 +269,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.resume_offset = 0
         self.wait_seconds, self.t_start = 0.0, None
         self.rank, self.world = 0, 1                       # data-parallel position, set in setup()
-        self.plans = True                                  # this rank plans and submits phases (not: a
-                                                           # dedicated placement's rank > 0, which receives)
-        self.dedicated = False                             # async, placement dedicated, W > 1
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
@@ -300,44 +296,16 @@ class RolloutDataModule(L.LightningDataModule):
                              f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
                              f"{self.steps_per_rollout}: every step needs a row on every rank")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.executor = self._build_executor()
+        self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
-        if self.dedicated:                         # receivers name the worker in their errors
-            pid = self.ranks.all_gather(self.executor.proc.pid if self.plans else None)[0]
-            if not self.plans:
-                self.executor.worker_pid = pid
-
-    def _build_executor(self) -> RolloutExecutor:
-        """sync: the worker in this process; async colocated: a worker process per rank (on the rank's
-        own GPU); async dedicated: rank 0's worker process generates for all, the other ranks receive."""
-        if self.mode == "sync":
-            return InlineExecutor(self._worker_config())
-        dedicated_devices = "CUDA_VISIBLE_DEVICES" in self.engine_config.worker_env()
-        if self.placement == "colocated" or self.world == 1:
-            if self.world > 1 and dedicated_devices:
-                raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
-                                 "rank's worker on the same devices: use placement: dedicated (one worker on those devices)")
-            env = None
-            if torch.cuda.is_available() and not dedicated_devices:    # the rank's own GPU, not every worker on cuda:0
-                env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
-                                                               os.environ.get("CUDA_VISIBLE_DEVICES"))}
-            return WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout, env=env)
-        nodes = self.ranks.all_gather(node_address())
-        one_node = len(set(nodes)) == 1
-        receiver = None
-        if self.rank > 0:
-            receiver = ShareReceiver(bind="127.0.0.1" if one_node else "0.0.0.0",
-                                     host="127.0.0.1" if one_node else nodes[self.rank], silence_timeout=self.worker_timeout)
-        addresses = self.ranks.all_gather(receiver.address if receiver is not None else None)
-        self.plans, self.dedicated = self.rank == 0, True
-        return receiver or WorkerProcess(self._worker_config(), progress_timeout=self.worker_timeout,
-                                         deliver_to=addresses)
 
     def _worker_config(self) -> WorkerConfig:
-        return WorkerConfig(self.model_path, self.engine_config, self.sampling, self.reward_name, self.reward_timeout,
-                            self.samples_per_prompt, self.steps_per_rollout, self.advantage, self.drop_degenerate,
-                            self.seed, self.max_staleness, dict(self.reward_counters),
-                            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker)
+        return WorkerConfig(
+            model_path=self.model_path, engine=self.engine_config, sampling=self.sampling, reward=self.reward_name,
+            reward_timeout=self.reward_timeout, samples_per_prompt=self.samples_per_prompt,
+            steps_per_rollout=self.steps_per_rollout, advantage=self.advantage, drop_degenerate=self.drop_degenerate,
+            seed=self.seed, max_staleness=self.max_staleness, reward_counters=dict(self.reward_counters),
+            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
@@ -366,7 +334,7 @@ class RolloutDataModule(L.LightningDataModule):
         Called on every rank at the same point; true on every rank when it is true on one."""
         def mine() -> tuple[bool]:
             self._collect(timeout=0.0)
-            return (self.plans and self.executor.version != version          # (e.g. after a skipped step: it
+            return (self.executor.version != version                         # (e.g. after a skipped step: it
                     and self._admissible(version, step=version) is not None,)  # has these weights already)
         return any(w for (w,) in in_step(self.ranks, mine, share=True))
 
@@ -378,14 +346,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _start_admissible(self, step: int) -> None:
         """Submit every phase the newest pushed weights may generate (up to the in-flight cap)."""
-        while self.plans and (p := self._admissible(self.executor.version, step)) is not None:
+        while (p := self._admissible(self.executor.version, step)) is not None:
             self.submitted[self.executor.submit("phase", self._request(p))] = p
 
     def _admissible(self, version: int, step: int) -> int | None:
-        """The next phase to start, if weights of `version` may generate it while the trainer's next
-        step is `step`, and fewer than MAX_PHASES_IN_FLIGHT phases are being generated."""
+        """The next phase to start, if this rank plans phases (the executor says), weights of `version` may
+        generate it while the trainer's next step is `step`, and fewer than MAX_PHASES_IN_FLIGHT phases are
+        being generated."""
         p = min((q for q in self.requests if q not in self.submitted.values()), default=self.next_plan)
-        if len(self.submitted) >= MAX_PHASES_IN_FLIGHT or version < 0 or self.buffer.need(p, step) > version:
+        if (not self.executor.plans or len(self.submitted) >= MAX_PHASES_IN_FLIGHT or version < 0
+                or self.buffer.need(p, step) > version):
             return None
         return p
 
@@ -420,9 +390,10 @@ class RolloutDataModule(L.LightningDataModule):
         return batch
 
     def _wait(self, step: int) -> None:
-        """Wait (about a second at most) for the phase being served to reach the buffer."""
+        """Wait (about a second at most) for the phase being served to reach the buffer (on a rank that
+        plans, one that was never submitted is an error: the weights never came)."""
         p = self.buffer.next_phase
-        if self.plans and p not in self.submitted.values():
+        if self.executor.plans and p not in self.submitted.values():
             raise RuntimeError(
                 f"no rollout is in flight for phase {p} at step {step}: it needs weights of step >= "
                 f"{self.buffer.need(p, step)}, the engine holds step {self.executor.version}'s. Add "
@@ -431,7 +402,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _collect(self, timeout: float) -> None:
         """Move finished requests from the executor: phases into the buffer, held-out results aside."""
-        for rid, result in self.executor.poll(timeout=timeout):
+        self._take(self.executor.poll(timeout=timeout))
+
+    def _take(self, results: list[tuple[int, object]]) -> None:
+        for rid, result in results:
             self.submitted.pop(rid, None)
             if isinstance(result, PhaseResult):
                 self._add(result)
@@ -453,9 +427,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ prompts
     def _request(self, phase: int) -> RolloutRequest | PhaseShares:
-        """This rank's prompts of `phase`: the phase's prompts are drawn once (cursor order, the same on
-        every rank), rank r keeps positions r, r + W, ...; kept until the phase is in the buffer. The
-        dedicated placement's rank 0 asks for every rank's share."""
+        """This rank's request for `phase`, kept until the phase is in the buffer: the phase's prompts are
+        drawn once (cursor order, the same on every rank), rank r's share is positions r, r + W, ...; the
+        executor says what this rank submits (its share, or under the dedicated placement every rank's)."""
         if phase not in self.requests:
             if phase != self.next_plan:
                 raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
@@ -466,8 +440,7 @@ class RolloutDataModule(L.LightningDataModule):
                 return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                                       [examples[i].prompt for i in mine], [examples[i].answer for i in mine],
                                       prompt_keys=list(mine))
-            self.requests[phase] = (PhaseShares(phase, [share(r) for r in range(self.world)]) if self.dedicated
-                                    else share(self.rank))
+            self.requests[phase] = self.executor.phase_request(phase, [share(r) for r in range(self.world)])
             self.next_plan += 1
         return self.requests[phase]
 
@@ -514,54 +487,23 @@ class RolloutDataModule(L.LightningDataModule):
         training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`.
         Every rank calls it equally often (an empty batch keeps a rank in step with the others); under
         the dedicated placement rank 0's worker evaluates every rank's prompts in one request."""
-        if self.dedicated:
-            everyone = self.ranks.all_gather(examples)
-            if self.plans:
-                merged = [e for ex in everyone for e in ex]
-                rid = self._submit_eval(merged)
-                sizes = [len(ex) for ex in everyone]
-
-                def attempt():
-                    self._collect(timeout=1.0)
-                    if (out := self.evaluated.pop(rid, None)) is None:
-                        return None
-                    return [{k: v.split(sizes) for k, v in out.items()}]
-            else:
-                def attempt():
-                    self._collect(timeout=0.0)               # phases that arrived meanwhile: to the buffer
-                    return [None]
-            split = in_step(self.ranks, attempt, share=True)[0][0]
-            return {k: parts[self.rank] for k, parts in split.items()}
-        rid = self._submit_eval(examples)
+        req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
+                          [i for i, _, _ in examples], self.val_samples, self.val_sampling)
+        rid = self.executor.submit("evaluate", req)
 
         def attempt():
             if rid not in self.evaluated:
-                self._collect(timeout=1.0)
+                self._collect(timeout=1.0)           # phases that arrive meanwhile go to the buffer
             return self.evaluated.pop(rid, None)
         return in_step(self.ranks, attempt)
 
-    def _submit_eval(self, examples: list[tuple[int, str, str]]) -> int:
-        """Queue the evaluation of `examples` (an empty list is answered at once, without the engine)."""
-        if not examples:
-            rid = -1 - len(self.evaluated)
-            empty = torch.zeros(0, self.val_samples)
-            self.evaluated[rid] = {"reward": empty, "length": empty.clone()}
-            return rid
-        req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
-                          [i for i, _, _ in examples], self.val_samples, self.val_sampling)
-        return self.executor.submit("evaluate", req)
-
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
-        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts).
-        Dedicated placement: first every rank reads the shares already sent to it, up to the newest
-        phase any rank has, so that the phases in flight (rank 0's requests, regenerated for every rank
-        after a resume) are the same for all ranks."""
-        if self.dedicated:
-            # a rank that is behind may read past the newest phase another rank had: repeat until all agree
-            while len(set(received := self.ranks.all_gather(self._received()))) > 1:
-                newest = max(received)
-                in_step(self.ranks, lambda: True if self._received() >= newest else self._collect(timeout=1.0))
+        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts). First
+        the executor drains what every rank must have read for the ranks' states to agree (dedicated
+        placement: the shares already sent, up to the newest phase any rank has)."""
+        if self.executor is not None:
+            self._take(self.executor.drain())
         state = self._local_state()
         if self.world == 1:
             return state
@@ -580,13 +522,9 @@ class RolloutDataModule(L.LightningDataModule):
             state = state["ranks"][self.rank]
         self._load_local_state(state)
 
-    def _received(self) -> int:
-        """Phases that reached this rank's buffer (they arrive in order)."""
-        return max([self.buffer.next_phase - 1, *self.buffer.ready]) + 1
-
     def _local_state(self) -> dict:
         return {
-            "placement": "dedicated" if self.dedicated else "colocated",
+            "placement": placed(self.mode, self.placement, self.world),
             **self.prompt_order.state_dict(), "next_plan": self.next_plan,
             "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
@@ -599,7 +537,7 @@ class RolloutDataModule(L.LightningDataModule):
                              "start a new run from its weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
-        was, now = state.get("placement", "colocated"), "dedicated" if self.dedicated else "colocated"
+        was, now = state.get("placement", "colocated"), placed(self.mode, self.placement, self.world)
         if was != now:
             raise ValueError(f"this checkpoint's rollouts were placed {was} (data.placement), this run's {now}: resume "
                              f"with placement: {was}, or start a new run from the checkpoint's weights")
@@ -612,17 +550,6 @@ class RolloutDataModule(L.LightningDataModule):
         if self.executor is not None:
             self.executor.restore(self.reward_counters)
         self.resume_offset = state.get("epoch_offset", 0)
-
-
-def node_address() -> str:
-    """This node's address as the other nodes reach it: the interface that routes to the process group's
-    rendezvous host (MASTER_ADDR; no packet is sent), else the host name."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1"))))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
 
 
 def _with_changes(sampling: SamplingConfig, changes: dict, knob: str) -> SamplingConfig:

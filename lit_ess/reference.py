@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         rewards = torch.tensor(scorer(texts, [ex.answer for ex in examples for _ in range(n)])).view(P, n)
         adv, _ = group_advantages(rewards)                                       # [P, n]
-        rows = [Row(prompts[i], c.token_ids, c.logprobs, float(adv[i, j]), float(rewards[i, j]), step, i,
-                    examples[i].prompt, texts[i * n + j]) for i, g in enumerate(groups) for j, c in enumerate(g)]
+        rows = [Row(prompt=prompts[i], completion=c.token_ids, logprobs=c.logprobs, advantage=float(adv[i, j]),
+                    reward=float(rewards[i, j]), version=step, prompt_id=i, prompt_text=examples[i].prompt,
+                    completion_text=texts[i * n + j]) for i, g in enumerate(groups) for j, c in enumerate(g)]
         b = collate(rows, pad_id)                                                # [B, T] tensors
 
         # loss: log pi_theta of the sampled tokens, processed as the engine sampled them

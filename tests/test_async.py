@@ -20,11 +20,12 @@ def weights(version: int):
     return {"w": torch.tensor([float(version)])}.items()
 
 
-def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, samples=2, setup=True, **kw):
+def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, samples=2, setup=True,
+            reward="e2e_utils:digit_fraction", **kw):
     dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=latency), mode=mode, max_staleness=S,
                            steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples,
                            source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
-                           reward="e2e_utils:digit_fraction", **kw)
+                           reward=reward, **kw)
     if setup:
         dm.setup("fit")
     return dm
@@ -90,7 +91,8 @@ def test_async_with_staleness_zero_equals_sync(tiny_model_dir):
 
 
 def _batch(versions):
-    rows = [Row([1, 2], [3], [-0.5], 1.0, 1.0, v, i, "p", "c") for i, v in enumerate(versions)]
+    rows = [Row(prompt=[1, 2], completion=[3], logprobs=[-0.5], advantage=1.0, reward=1.0, version=v, prompt_id=i,
+                prompt_text="p", completion_text="c") for i, v in enumerate(versions)]
     return collate(rows, 0, phase=0, index=0)
 
 

@@ -7,8 +7,9 @@ import time
 from collections import Counter
 
 import pytest
+import torch
 
-from lit_ess.rollout import RankFailed, WorkerError
+from lit_ess.rollout import RankFailed, WorkerError, WorkerProcess
 from test_async import make_dm, weights
 
 
@@ -110,7 +111,7 @@ def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir, placement
         dm.push_weights(weights(0), 0)
         for step in range(6):
             dm.next_batch(step)
-            if step == 2 and dm.executor.__class__.__name__ == "WorkerProcess" and (placement == "dedicated" or r == 1):
+            if step == 2 and isinstance(dm.executor, WorkerProcess) and (placement == "dedicated" or r == 1):
                 os.kill(dm.executor.proc.pid, 9)
             if dm.wants_weights(step + 1):
                 dm.push_weights(weights(step + 1), step + 1)
@@ -174,6 +175,33 @@ def test_a_checkpoint_of_one_placement_does_not_resume_under_the_other(tiny_mode
     _, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=1, k=1, placement="colocated")
     assert all(isinstance(e, ValueError) and "placed dedicated (data.placement), this run's colocated" in str(e)
                for e in err), err
+
+
+def test_dedicated_evaluation_is_one_engine_call_split_between_the_ranks(tiny_model_dir):
+    """Dedicated placement: rank 0's worker evaluates both ranks' held-out prompts in one engine call and
+    each rank gets its own rows, exactly what one rank evaluating them all gets; a rank with no prompts,
+    or a round where no rank has any, still takes part. (The fake engine's completions depend on a
+    prompt's position in its call, and this reward on the completion: a wrong split shows.)"""
+    rounds = [[[(0, "1+1=", "2"), (1, "2+2=", "4")], [(2, "3+3=", "6")]],      # [rank 0's, rank 1's]
+              [[(3, "4+4=", "8")], []], [[], []], [[(4, "5+5=", "10")], [(5, "6+6=", "12"), (6, "7+7=", "14")]]]
+    reward = "e2e_utils:varies_unless_const"
+
+    def fn(dm, r):
+        dm.push_weights(weights(0), 0)
+        return [dm.evaluate(chunks[r]) for chunks in rounds]
+    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated", val_samples=2, reward=reward)
+    assert err == [None, None], err
+    one = make_dm(tiny_model_dir, val_samples=2, reward=reward)
+    try:
+        one.push_weights(weights(0), 0)
+        want = [one.evaluate(chunks[0] + chunks[1]) for chunks in rounds]
+    finally:
+        one.teardown("fit")
+    assert len(set(want[0]["reward"].flatten().tolist())) > 1
+    for i, chunks in enumerate(rounds):
+        n0 = len(chunks[0])
+        for key in ("reward", "length"):
+            assert torch.equal(res[0][i][key], want[i][key][:n0]) and torch.equal(res[1][i][key], want[i][key][n0:])
 
 
 @pytest.mark.parametrize("connected", [False, True])

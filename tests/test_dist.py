@@ -36,9 +36,11 @@ def _batch(rows: int = 6):
     out = []
     for i in range(rows):
         P, C = 3 + i % 2, 4 + i % 3
-        out.append(Row(torch.randint(3, 200, (P,), generator=g).tolist(), torch.randint(3, 200, (C,), generator=g).tolist(),
-                       (-5.5 + 0.5 * torch.randn(C, generator=g)).tolist(), float(torch.randn((), generator=g)), 0.0, 0, i,
-                       "", ""))
+        out.append(Row(prompt=torch.randint(3, 200, (P,), generator=g).tolist(),
+                       completion=torch.randint(3, 200, (C,), generator=g).tolist(),
+                       logprobs=(-5.5 + 0.5 * torch.randn(C, generator=g)).tolist(),
+                       advantage=float(torch.randn((), generator=g)), reward=0.0, version=0, prompt_id=i,
+                       prompt_text="", completion_text=""))
     return collate(out, pad_id=0, sampling=SAMPLING)
 
 

@@ -156,7 +156,8 @@ def test_single_turn_episodes_batch_as_the_single_turn_rollout(byte_tok, tiny_mo
     assert [e.completion_ids for e in eps] == [s.token_ids for g in direct for s in g]
     texts = [tok.decode(s.token_ids, skip_special_tokens=True) for g in direct for s in g]
     assert [e.reward for e in eps] == [float(t.strip() == examples[i // 2].answer) for i, t in enumerate(texts)]
-    rows = [Row(prompts[i // 2], s.token_ids, s.logprobs, 0.5, eps[i].reward, s.version, i // 2, "p", texts[i])
+    rows = [Row(prompt=prompts[i // 2], completion=s.token_ids, logprobs=s.logprobs, advantage=0.5, reward=eps[i].reward,
+                version=s.version, prompt_id=i // 2, prompt_text="p", completion_text=texts[i])
             for i, s in enumerate(s for g in direct for s in g)]
     want = collate(rows, tok.pad_token_id)
     got = collate_episodes(eps, [0.5] * 6, [i // 2 for i in range(6)], ["p"] * 6, tok.pad_token_id)

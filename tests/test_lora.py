@@ -418,7 +418,7 @@ def test_each_adapter_push_is_loaded_once_and_closing_the_executor_removes_its_f
     orphan = Path(adapter_root()) / f"lit-ess-adapter-{int(dead.stdout)}-killed"
     (orphan / "a1").mkdir(parents=True)
     sampling = SamplingConfig(max_new_tokens=12, seed=0)
-    executor = InlineExecutor(WorkerConfig(tiny_model_dir, VLLMConfig(max_lora_rank=4), sampling))
+    executor = InlineExecutor(WorkerConfig(model_path=tiny_model_dir, engine=VLLMConfig(max_lora_rank=4), sampling=sampling))
     executor.start()
     assert not orphan.exists()
     engine = executor.worker.engine

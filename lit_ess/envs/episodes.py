@@ -323,8 +323,8 @@ def to_row(episode: Episode, advantage: float, prompt_id: int, prompt_text: str)
     """A batch row of the episode: the completion is every token after the prompt (the environment's
     too, with logprob 0), the version its oldest turn's. Its token mask is `episode.mask` (collate_episodes)."""
     e = episode
-    return Row(e.prompt_ids, e.completion_ids, e.logprobs, advantage, e.reward, e.version, prompt_id, prompt_text,
-               e.text())
+    return Row(prompt=e.prompt_ids, completion=e.completion_ids, logprobs=e.logprobs, advantage=advantage,
+               reward=e.reward, version=e.version, prompt_id=prompt_id, prompt_text=prompt_text, completion_text=e.text())
 
 
 def collate_episodes(episodes: list[Episode], advantages: list[float], prompt_ids: list[int],

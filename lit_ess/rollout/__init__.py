@@ -3,12 +3,13 @@ the trainer reads from, and the worker's process for asynchronous training."""
 from .batch import Proximal, RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
 from .data import RolloutConsumer, RolloutData
-from .executor import InlineExecutor, RolloutExecutor, WorkerError
+from .executor import InlineExecutor, RolloutExecutor, WorkerError, build_executor, placed
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
-from .receiver import ShareReceiver
-from .worker import EvalRequest, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
+from .receiver import DedicatedWorker, ShareReceiver
+from .worker import EvalRequest, EvalShares, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
-__all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor", "ShareReceiver", "TorchRanks",
-           "in_step", "PhaseResult", "PhaseShares", "Proximal", "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig",
-           "WorkerError", "WorkerProcess", "collate"]
+__all__ = ["DedicatedWorker", "EvalRequest", "EvalShares", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor",
+           "ShareReceiver", "TorchRanks", "build_executor", "in_step", "placed", "PhaseResult", "PhaseShares", "Proximal",
+           "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row",
+           "WorkerConfig", "WorkerError", "WorkerProcess", "collate"]

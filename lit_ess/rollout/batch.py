@@ -180,7 +180,7 @@ def _current(state: dict) -> dict:
     return state
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Row:
     """One sampled completion with its prompt, before padding."""
     prompt: list[int]

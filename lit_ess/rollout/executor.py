@@ -1,36 +1,44 @@
 """The rollout protocol: how the data module talks to whatever generates its phases.
 
+    executor = build_executor(config, mode, placement, ranks, worker_timeout)   on every rank, in setup
     executor.start()                               build the engine (or the process that holds it)
     executor.load_weights(named_tensors, version)  the weights of optimizer step `version`; every rank
                                                    consumes the iterator (FSDP2 gathers tensor by tensor)
-    rid = executor.submit(kind, request)           "phase": a RolloutRequest (or, dedicated placement,
-                                                   every rank's share), "evaluate": an EvalRequest;
-                                                   generated with the newest weights loaded before it
-    executor.poll(timeout) -> [(rid, result)]      finished requests, in submission order
+    executor.plans                                 this rank plans and submits phases
+    request = executor.phase_request(phase, shares)  what this rank submits for a phase, from every rank's
+                                                   share of its prompts (shares[r]: rank r's)
+    rid = executor.submit(kind, request)           "phase": that request; "evaluate": this rank's EvalRequest
+                                                   (every rank evaluates equally often); generated with the
+                                                   newest weights loaded before it
+    executor.poll(timeout) -> [(rid, result)]      finished requests, in submission order: a PhaseResult,
+                                                   or an evaluation's {"reward": [P, n], "length": [P, n]}
+    executor.drain() -> [(rid, result)]            before a checkpoint (every rank): results every rank must
+                                                   have read, so that the ranks' checkpoints agree
     executor.restore(reward_counters)              a resumed run's reward counters
     executor.version                               the newest weights loaded (-1: none yet)
     executor.idle_seconds, executor.busy_seconds   the engine's clock
     executor.close()
 
-Three executors speak it:
-* `InlineExecutor` (mode: sync): the worker in the trainer's process runs each request when it is
-  submitted; `poll` hands the results back. Generation blocks training.
-* `lit_ess.rollout.process.WorkerProcess` (mode: async): the worker in its own process, generating
-  while the trainer trains.
-* `lit_ess.rollout.receiver.ShareReceiver` (mode: async, placement: dedicated, ranks > 0): no engine;
-  it reads this rank's share of each phase from the one worker process that rank 0 runs.
-
-The data module decides what to submit and when (the buffer's admission rule, lit_ess/rollout/buffer.py);
-the executor decides only where the work runs.
+Where the work runs is the executor's business (the placement); the data module decides what to submit
+and when (the buffer's admission rule, lit_ess/rollout/buffer.py), the same way under every placement.
+* colocated (mode: sync, or async on each rank): each rank's engine generates that rank's share and
+  evaluates its held-out prompts; `InlineExecutor` (sync: the worker in the trainer's process, generation
+  blocks training) or `lit_ess.rollout.process.WorkerProcess` (async: the worker in its own process).
+* dedicated (async on several ranks, lit_ess/rollout/receiver.py): rank 0's `DedicatedWorker` generates
+  every rank's share of a phase in one engine call and sends each rank its own; the other ranks'
+  `ShareReceiver`s have no engine and plan nothing.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Iterable, Protocol
 
+import torch
 from torch import Tensor
 
-from .worker import RolloutWorker, WorkerConfig
+from .ranks import Ranks
+from .worker import PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 
 class WorkerError(RuntimeError):
@@ -38,6 +46,7 @@ class WorkerError(RuntimeError):
 
 
 class RolloutExecutor(Protocol):
+    plans: bool
     version: int
     idle_seconds: float
     busy_seconds: float
@@ -46,21 +55,69 @@ class RolloutExecutor(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
 
+    def phase_request(self, phase: int, shares: list[RolloutRequest]) -> RolloutRequest | PhaseShares: ...
+
     def submit(self, kind: str, payload) -> int: ...
 
     def poll(self, timeout: float) -> list[tuple[int, object]]: ...
+
+    def drain(self) -> list[tuple[int, object]]: ...
 
     def restore(self, reward_counters: dict) -> None: ...
 
     def close(self) -> None: ...
 
 
-class InlineExecutor:
+def placed(mode: str, placement: str, world: int) -> str:
+    """The placement in force: "dedicated" (one worker, rank 0's, for every rank) is async on several ranks;
+    otherwise each rank generates its own share ("colocated"), whatever the knob says."""
+    return "dedicated" if mode == "async" and placement == "dedicated" and world > 1 else "colocated"
+
+
+def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,
+                   worker_timeout: float) -> RolloutExecutor:
+    """This rank's executor (every rank calls it: the dedicated placement exchanges addresses). sync: the
+    worker in this process; async colocated: a worker process per rank (on the rank's own GPU); async
+    dedicated: rank 0's worker process generates for all, the other ranks receive."""
+    from lit_ess.engines.base import visible_devices
+
+    from .process import WorkerProcess
+    from .receiver import dedicated_executor
+
+    if mode == "sync":
+        return InlineExecutor(config, rank=ranks.rank)
+    if placed(mode, placement, ranks.world) == "dedicated":
+        return dedicated_executor(config, ranks, worker_timeout)
+    own_devices = "CUDA_VISIBLE_DEVICES" in config.engine.worker_env()
+    if ranks.world > 1 and own_devices:
+        raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
+                         "rank's worker on the same devices: use placement: dedicated (one worker on those devices)")
+    env = None
+    if torch.cuda.is_available() and not own_devices:    # the rank's own GPU, not every worker on cuda:0
+        env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
+                                                       os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    return WorkerProcess(config, progress_timeout=worker_timeout, env=env, rank=ranks.rank)
+
+
+class OwnShare:
+    """The colocated placement's part of the protocol: this rank plans its phases and submits its own
+    share; nothing is read on another rank's behalf, so there is nothing to drain."""
+    plans = True
+    rank = 0
+
+    def phase_request(self, phase: int, shares: list[RolloutRequest]) -> RolloutRequest:
+        return shares[self.rank]
+
+    def drain(self) -> list[tuple[int, object]]:
+        return []
+
+
+class InlineExecutor(OwnShare):
     """A RolloutWorker in the trainer's process: `submit` generates and scores at once (with the
     weights the engine holds), `poll` returns what was done."""
 
-    def __init__(self, config: WorkerConfig):
-        self.config = config
+    def __init__(self, config: WorkerConfig, rank: int = 0):
+        self.config, self.rank = config, rank
         self.worker: RolloutWorker | None = None
         self.done: list[tuple[int, object]] = []
         self.next_id = 0

@@ -37,10 +37,9 @@ import torch
 
 from lit_ess.rewards import RewardError
 
-from .executor import WorkerError
-from .receiver import Deliveries
+from .executor import OwnShare, WorkerError
 from .transport import Ticket, build_transport
-from .worker import PhaseShares, RolloutWorker, WorkerConfig
+from .worker import EvalShares, PhaseShares, RolloutWorker, WorkerConfig
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -52,12 +51,13 @@ def cpu_sharing_env() -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-class WorkerProcess:
+class WorkerProcess(OwnShare):
     def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None,
-                 progress_timeout: float = 1800.0, deliver_to: list | None = None):
-        """`deliver_to` (dedicated placement): every rank's receiver address (None for rank 0, which
-        reads the result queue); phase requests are then lists of every rank's share."""
-        self.config, self.deliver_to = config, deliver_to
+                 progress_timeout: float = 1800.0, deliver_to: list | None = None, rank: int = 0):
+        """`rank`: the data-parallel rank whose share it generates. `deliver_to` (dedicated placement,
+        lit_ess/rollout/receiver.py `DedicatedWorker`): every rank's receiver address (None for rank 0,
+        which reads the result queue); requests then hold every rank's share."""
+        self.config, self.deliver_to, self.rank = config, deliver_to, rank
         self.transport = build_transport(config.engine.weight_transfer(in_process=False))   # errors before the spawn
         self.env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(),
                     **(env or {})}
@@ -215,6 +215,8 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
 
     from lit_ess.console import quiet_console
 
+    from .receiver import Deliveries
+
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
         worker = RolloutWorker(config, in_process=False)
@@ -236,8 +238,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             kind, rid, payload, sampled = item
             try:
                 report(f"scoring {_what(kind, payload)} (rewards)")
-                if isinstance(payload, PhaseShares):                  # dedicated: every rank's share
-                    shares = worker.score_shares(payload, *sampled)
+                if isinstance(payload, (PhaseShares, EvalShares)):    # dedicated: every rank's share
+                    shares = (worker.score_shares(payload, *sampled) if kind == "phase"
+                              else payload.split(worker.score_eval(payload.merged(), *sampled)))
                     for r in range(1, len(shares)):                   # the others first: when rank 0 has a
                         deliveries.send(r, shares[r], (clock["idle"], clock["busy"]))   # phase, every rank's share was sent
                     out = shares[0]
@@ -283,10 +286,8 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 loaded = weights
                 clock["weights"] += time.perf_counter() - t1
             report(f"sampling {_what(kind, payload)}")
-            if kind == "phase":
-                sampled = worker.sample(payload.merged() if isinstance(payload, PhaseShares) else payload)
-            else:
-                sampled = worker.sample_eval(payload)
+            whole = payload.merged() if isinstance(payload, (PhaseShares, EvalShares)) else payload
+            sampled = worker.sample(whole) if kind == "phase" else worker.sample_eval(whole)
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
     except BaseException:
@@ -315,4 +316,6 @@ def _exit_cause(code: int | None) -> str:
 def _what(kind: str, payload) -> str:
     if isinstance(payload, PhaseShares):
         return f"phase {payload.phase} (all {len(payload.shares)} ranks' shares)"
+    if isinstance(payload, EvalShares):
+        return f"{len(payload.merged().prompts)} held-out prompts (all {len(payload.shares)} ranks')"
     return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"

@@ -69,6 +69,26 @@ class EvalRequest:
 
 
 @dataclass
+class EvalShares:
+    """Every rank's held-out prompts (the dedicated placement: one worker evaluates for all ranks, in one
+    engine call, and sends each rank its own rows)."""
+    shares: list[EvalRequest]
+
+    def merged(self) -> EvalRequest:
+        """One request for every rank's prompts (n and the sampling settings are the same on every rank;
+        the keys, positions in the held-out set, keep each prompt's seed)."""
+        ss = self.shares
+        return EvalRequest([p for s in ss for p in s.prompts], [a for s in ss for a in s.answers],
+                           [k for s in ss for k in s.keys], ss[0].n, ss[0].sampling)
+
+    def split(self, out: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The merged request's `{"reward": [P, n], "length": [P, n]}`, cut into each rank's rows."""
+        sizes = [len(s.prompts) for s in self.shares]
+        parts = {k: v.split(sizes) for k, v in out.items()}
+        return [{k: v[r] for k, v in parts.items()} for r in range(len(sizes))]
+
+
+@dataclass
 class PhaseResult:
     phase: int
     batches: list[RolloutBatch]
@@ -76,7 +96,7 @@ class PhaseResult:
     gen_seconds: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerConfig:
     """Everything a worker needs to start, as plain values (so a child process can build it)."""
     model_path: str
@@ -156,8 +176,9 @@ class RolloutWorker:
         restore = [g for g in range(len(groups)) if g not in keep]
         while len(keep) * n < c.steps_per_rollout:
             keep.append(restore.pop(0))
-        rows = [Row(req.prompts[g], groups[g][j].token_ids, groups[g][j].logprobs, float(adv[g, j]),
-                    float(rewards[g, j]), groups[g][j].version, req.prompt_ids[g], req.prompt_texts[g], texts[g * n + j])
+        rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
+                    advantage=float(adv[g, j]), reward=float(rewards[g, j]), version=groups[g][j].version,
+                    prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j])
                 for g in keep for j in range(n)]
         random.Random(derive_seed(c.seed, req.phase)).shuffle(rows)     # per phase: same order in sync and async
 
@@ -210,6 +231,8 @@ class RolloutWorker:
 
     @torch.no_grad()
     def sample_eval(self, req: "EvalRequest") -> tuple[list[str], list[int]]:
+        if not req.prompts:                      # a rank's empty share of the held-out set: no engine call
+            return [], []
         groups = self.engine.generate(req.prompts, req.n, req.sampling or self.config.sampling, call_seed=-1,
                                       prompt_keys=req.keys)
         return ([self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g],
