@@ -29,7 +29,7 @@ and the ranks' batches never overlap. Async on W ranks has two placements:
 * `dedicated`: rank 0 runs one worker process (on its own GPUs, `engine.worker_devices`) that samples
   the whole phase in one engine call and sends each rank its share directly
   (lit_ess/rollout/receiver.py); rank 0 plans and submits every phase, the other ranks receive.
-The executor carries the placement (lit_ess/rollout/executor.py `build_executor`): this module runs the
+The executor carries the placement (lit_ess/rollout/placement.py `build_executor`): this module runs the
 same schedule under both, asking the executor whether this rank plans (`plans`) and what it submits for
 a phase (`phase_request`).
 The ranks wait for their data together (lit_ess/rollout/ranks.py `in_step`): a worker that fails stops

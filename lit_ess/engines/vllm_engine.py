@@ -365,13 +365,13 @@ def adapter_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def remove_orphan_adapter_dirs(root: str) -> list[str]:
-    """Remove the `lit-ess-adapter-<pid>-*` folders in `root` whose process is gone (a run killed with
-    kill -9 never closed its engine); returns them. A folder of a live process, or of another user's
-    (PermissionError), is left alone."""
+def remove_orphan_adapter_dirs(root: str, prefix: str = ADAPTER_DIR_PREFIX) -> list[str]:
+    """Remove the `<prefix><pid>-*` folders (default `lit-ess-adapter-<pid>-*`) in `root` whose process
+    is gone (a run killed with kill -9 never closed its engine); returns them. A folder of a live
+    process, or of another user's (PermissionError), is left alone."""
     removed = []
-    for path in Path(root).glob(f"{ADAPTER_DIR_PREFIX}*-*"):
-        pid = path.name.removeprefix(ADAPTER_DIR_PREFIX).split("-")[0]
+    for path in Path(root).glob(f"{prefix}*-*"):
+        pid = path.name.removeprefix(prefix).split("-")[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)

@@ -3,7 +3,8 @@ the trainer reads from, and the worker's process for asynchronous training."""
 from .batch import Proximal, RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
 from .data import RolloutConsumer, RolloutData
-from .executor import InlineExecutor, RolloutExecutor, WorkerError, build_executor, placed
+from .executor import InlineExecutor, RolloutExecutor, WorkerError
+from .placement import build_executor, placed
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
 from .receiver import DedicatedWorker, ShareReceiver

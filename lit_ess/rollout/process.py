@@ -32,6 +32,7 @@ import pickle
 import queue
 import time
 import traceback
+from multiprocessing.connection import Client, Connection
 
 import torch
 
@@ -215,8 +216,6 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
 
     from lit_ess.console import quiet_console
 
-    from .receiver import Deliveries
-
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
         worker = RolloutWorker(config, in_process=False)
@@ -319,3 +318,25 @@ def _what(kind: str, payload) -> str:
     if isinstance(payload, EvalShares):
         return f"{len(payload.merged().prompts)} held-out prompts (all {len(payload.shares)} ranks')"
     return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"
+
+
+Address = tuple[str, int, bytes]          # host, port, authkey of a rank's ShareReceiver
+
+
+class Deliveries:
+    """The worker process's side: one connection per rank > 0, opened at the first send."""
+
+    def __init__(self, addresses: list[Address | None]):
+        self.addresses, self.conns = addresses, {}
+
+    def send(self, rank: int, result, clock: tuple[float, float]) -> None:
+        """`result` for `rank`, with the engine's (idle, busy) seconds so far."""
+        if rank not in self.conns:
+            host, port, key = self.addresses[rank]
+            self.conns[rank] = Client((host, port), authkey=key)
+        conn: Connection = self.conns[rank]
+        conn.send_bytes(pickle.dumps((result, clock)))
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.close()
