@@ -299,7 +299,7 @@ def test_sft_trains_under_fsdp2(tiny_model_dir, tmp_path):
                                              "init_args": {"digits": 2, "size": 64}}, "batch_size": 8}},
            "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
                        "enable_checkpointing": False, "logger": False,
-                       "strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                       "default_root_dir": str(tmp_path), "strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                                     "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}},
                        "callbacks": [{"class_path": "lit_ess.callbacks.FSDP2",
                                       "init_args": {"param_dtype": "bfloat16"}}]}}
