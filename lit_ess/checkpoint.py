@@ -109,6 +109,8 @@ def atomic_folder(out: str | Path, what: str = "folder") -> Iterator[Path]:
     from safetensors import SafetensorError
 
     out = Path(out)
+    if (why := not_replaceable(out)) is not None:
+        raise ValueError(f"{what} {out}: {why}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
@@ -130,6 +132,18 @@ def atomic_folder(out: str | Path, what: str = "folder") -> Iterator[Path]:
         raise
     shutil.rmtree(old, ignore_errors=True)
     _fsync_folder(out.parent)
+
+
+def not_replaceable(out: Path) -> str | None:
+    """Why `atomic_folder` must not replace `out` (it removes the old folder whole): a file, or a folder
+    holding files that are not a previous export (no config.json, no adapter_config.json: a run folder,
+    a checkpoint folder); None when it may."""
+    if out.is_file():
+        return "is an existing file: give a folder"
+    if not out.is_dir() or not any(out.iterdir()) or (out / "config.json").is_file() \
+            or (out / "adapter_config.json").is_file():
+        return None
+    return "is a folder holding other files (not a model folder), which writing the model would delete: give an empty or new folder"
 
 
 def _os_error(message: str) -> int | None:

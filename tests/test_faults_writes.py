@@ -101,3 +101,31 @@ def test_a_second_run_into_one_checkpoint_folder_refuses_to_start(tiny_model_dir
         assert f"checkpoint folder {tmp_path / 'ckpt'} is in use by another run (pid {first.pid})" in line, line
     finally:
         kill_session(first)
+
+
+def test_export_onto_a_folder_that_is_not_a_model_keeps_its_files(tiny_model_dir, tmp_path, capsys):
+    """`lit-ess-export CKPT OUT` with OUT the checkpoint's own folder (or a run folder): the export replaces
+    OUT whole, so it must refuse a folder that holds other files, naming it, and delete nothing (review of
+    issue 25: the checkpoint was deleted)."""
+    from lit_ess.export import main
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    ckpt = _checkpoint(tiny_model_dir, folder / "last.ckpt")
+    with pytest.raises(SystemExit) as e:
+        main([str(ckpt), str(folder)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("lit-ess-export: error: ") and str(folder) in err, err
+    assert os.listdir(folder) == ["last.ckpt"] and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_export_hf_refuses_a_folder_that_is_not_a_model_at_start(tmp_path):
+    """ExportHF replaces its dirpath whole at the end of fit: a folder holding other files is refused when
+    the callback is built, not after the run (review of issue 25)."""
+    from lit_ess.callbacks import ExportHF
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="ExportHF.dirpath"):
+        ExportHF(dirpath=str(tmp_path))
+    (tmp_path / "notes.txt").unlink()
+    ExportHF(dirpath=str(tmp_path))                       # an empty folder is fine
