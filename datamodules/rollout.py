@@ -37,10 +37,12 @@ every rank in the same round, with its error. Whether new weights are needed is 
 (`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
 (FSDP2) at the same steps, whatever the timing of each rank's worker.
 
-Weights arrive through the two methods `lit_ess.callbacks.WeightSync` calls on every rank,
-`wants_weights(version)` and `push_weights(tensors, version)`: only when the engine will generate next
-(with k steps per rollout, once per phase). Without them the first rollout that would need newer
-weights fails with an error that names the callback.
+This module is the trainer's data side (lit_ess.rollout.RolloutData), handed to the module in `setup`
+(`attach_rollouts`): a phase's waiting batches for proximal scoring, and the weights. The module asks
+`wants_weights(version)` after each step (the same answer on every rank) and lit_ess.callbacks.WeightSync
+then calls `push_weights(tensors, version)` on every rank: only when the engine will generate next (with
+k steps per rollout, once per phase). Without them the first rollout that would need newer weights fails
+with an error that names the callback.
 
 `state_dict` holds the prompt cursor and order, the buffer (batches not yet trained, with the
 version of each row), and the requests in flight, which are regenerated after a resume.
@@ -60,8 +62,8 @@ from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.rewards import resolve_reward
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
-from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutExecutor,
-                             RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
+from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutConsumer,
+                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -276,6 +278,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if isinstance(module, RolloutConsumer):        # PolicyModule: this module is its data side (RolloutData)
+            module.attach_rollouts(self)
         if self.executor is not None:
             return
         if not self.model_path:
@@ -331,7 +336,7 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
                           collate_fn=_identity)
 
-    # ------------------------------------------------------------------ weights (lit_ess.callbacks.WeightSync)
+    # ------------------------------------------------------------------ weights (PolicyModule.push_due, lit_ess.callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
         """True when the engine will generate before the trainer's next step, so new weights are needed.
         Called on every rank at the same point; true on every rank when it is true on one."""
@@ -363,7 +368,7 @@ class RolloutDataModule(L.LightningDataModule):
         return p
 
     def waiting_batches(self, phase: int) -> list[RolloutBatch]:
-        """The batches of `phase` still in the buffer, not yet trained (lit_ess.callbacks.ProximalLogprobs)."""
+        """The batches of `phase` still in the buffer, not yet trained (PolicyModule.score_phase)."""
         return self.buffer.waiting(phase)
 
     # ------------------------------------------------------------------ the stream

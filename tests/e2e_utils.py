@@ -194,7 +194,7 @@ class StaleWeightSync(WeightSync):
     def push(self, trainer, pl_module) -> None:
         if self.first is None:
             self.first = [(k, v.detach().clone()) for k, v in pl_module.policy_weights()]
-        self._receiver(trainer).push_weights(iter(self.first), version=trainer.global_step)
+        self._receiver(pl_module).push_weights(iter(self.first), version=trainer.global_step)
 
 
 class SaveSyncPayloads(L.Callback):

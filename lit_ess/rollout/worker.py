@@ -199,12 +199,10 @@ class RolloutWorker:
             "rollout/reward_timeouts": float(self.scorer.timeouts),
             "rollout/phase": float(req.phase),
         }
-        sampling = {"temperature": c.sampling.temperature, "top_k": c.sampling.top_k, "top_p": c.sampling.top_p,
-                    "max_new_tokens": c.sampling.max_new_tokens, "engine_dtype": c.engine.exact_dtype()}
         k = c.steps_per_rollout
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
-        batches = [collate(chunk, self.pad_id, sampling=sampling, stats=dict(stats), phase=req.phase, index=i,
-                           max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
+        batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
+                           phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
 
     def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],
