@@ -3,7 +3,7 @@
 Manual optimization: a step's batch (one `RolloutBatch`) is split into micro-batches, each
 is forwarded and back-propagated, then gradients are clipped and the optimizer steps once. Token-mean
 losses are normalised by the token count of the *whole step* (all micro-batches, all ranks), so the
-update does not depend on `micro_batch_size`.
+update does not depend on how the step is cut (`micro_batch_size` or `micro_batch_tokens`).
 
 The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with several micro-batches a
 no-grad pre-pass collects its statistics first. `ess_scope: micro` reproduces the authors' reference,
