@@ -88,6 +88,12 @@ class EngineConfig:
 
         return {"name": type(self).__name__, **asdict(self)}
 
+    def model_len(self, model_path: str) -> int:
+        """The longest prompt + completion the engine serves: the model's max_position_embeddings."""
+        from transformers import AutoConfig
+
+        return int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
+
     def weight_transfer(self, in_process: bool) -> WeightTransfer:
         """How weights reach an engine built from this config: built in the trainer's process (sync
         mode) or in the async worker process. Default: the engine reads the trainer's tensors (in

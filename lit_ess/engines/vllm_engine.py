@@ -169,6 +169,9 @@ class VLLMConfig(EngineConfig):
         kw = self.vllm_kwargs
         return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
 
+    def model_len(self, model_path: str) -> int:
+        return self.max_model_len if self.max_model_len is not None else super().model_len(model_path)
+
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)
 
