@@ -128,7 +128,7 @@ class RolloutDataModule(L.LightningDataModule):
             import and be callable as f(completion, answer)). With `env`, the environment gives the
             training rewards and `reward` scores the held-out prompts (one turn each).
         env: multi-turn rollouts (lit_ess.envs.EnvConfig): each sample is an episode of this environment
-            (e.g. {env: retry_arithmetic, init_args: {max_tries: 3}, max_turns: 3}) in which the policy and
+            (e.g. {env: retry_arithmetic, kwargs: {max_tries: 3}, max_turns: 3}) in which the policy and
             the environment take turns, token in, token out; the environment's tokens are context with
             completion mask 0 and no behaviour logprob, a row's version is its episode's oldest turn's.
             Environment failures count as failing rewards (max_reward_error_rate). None (default): one

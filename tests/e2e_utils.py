@@ -219,3 +219,16 @@ class SaveSyncPayloads(L.Callback):
                for mode, payload in (("merged", merged_weights), ("adapter", adapter_weights))}
         if trainer.is_global_zero:
             torch.save(got, self.path)
+
+
+from lit_ess.envs import RetryArithmetic, Step  # noqa: E402
+
+
+class FlakyRetry(RetryArithmetic):
+    """RetryArithmetic whose step raises on answers of odd length (counted environment errors), the same
+    for the same sampled tokens: a resumed run fails where the uninterrupted one did."""
+
+    def step(self, action) -> Step:
+        if len(action.text) % 2:
+            raise ValueError("flaky environment")
+        return super().step(action)

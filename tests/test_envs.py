@@ -75,15 +75,15 @@ def test_env_config_names_the_culprit():
         EnvConfig(env="lit_ess.envs:Nope")
     with pytest.raises(ValueError, match=r"'lit_ess.envs:Step' is a type, not a subclass of lit_ess.envs.Environment"):
         EnvConfig(env="lit_ess.envs:Step")
-    with pytest.raises(ValueError, match=r"env.init_args \{'tries': 2\} do not fit environment 'retry_arithmetic'"):
-        EnvConfig(env="retry_arithmetic", init_args={"tries": 2})
+    with pytest.raises(ValueError, match=r"env.kwargs \{'tries': 2\} do not fit environment 'retry_arithmetic'"):
+        EnvConfig(env="retry_arithmetic", kwargs={"tries": 2})
     for knob, value in [("max_turns", 0), ("max_episode_tokens", 1), ("step_timeout", 0)]:
         with pytest.raises(ValueError, match=f"env.{knob} must be"):
             EnvConfig(**{knob: value})
     with pytest.raises(ValueError, match="max_reward_error_rate must be"):
         EpisodeRunner(EnvConfig(), build_tokenizer(), max_error_rate=1.5)
     with pytest.raises(ValueError, match="RetryArithmetic.max_tries must be >= 1"):
-        EnvConfig(env="retry_arithmetic", init_args={"max_tries": 0}).make()
+        EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 0}).make()
     assert isinstance(EnvConfig(env=f"{__name__}:Flaky").make(), Flaky)       # a user's own, module:Class
 
 
@@ -123,7 +123,7 @@ def test_retry_episodes_are_sampled_ids_plus_observation_tokens(byte_tok):
     tok, eos = byte_tok, byte_tok.eos_token_id
     right, wrong = ids(tok, "122") + [eos], ids(tok, "121") + [eos]
     engine = ScriptedEngine({0: [right], 1: [wrong, right], 2: [wrong, wrong, wrong]}, eos)
-    runner = EpisodeRunner(EnvConfig(env="retry_arithmetic", init_args={"max_tries": 3}, max_turns=3), tok)
+    runner = EpisodeRunner(EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3), tok)
     a, b, c = runner.run(engine, [Example("37+85=", "122")], n=3, sampling=S, call_seed=5)
 
     prompt = encode_prompt(tok, "37+85=")
@@ -415,7 +415,7 @@ def test_vllm_multiturn_chat_episodes_are_token_in_token_out(chat_model_dir):
     engine = Recording(VLLMConfig(max_model_len=256).build(chat_model_dir))      # the module's one vLLM engine
     examples = Arithmetic(digits=2, size=4, seed=0).examples
     n, s = 4, SamplingConfig(temperature=1.0, max_new_tokens=6, seed=0)
-    cfg = EnvConfig(env="retry_arithmetic", init_args={"max_tries": 3}, max_turns=3, max_episode_tokens=200)
+    cfg = EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3, max_episode_tokens=200)
     eps = EpisodeRunner(cfg, tok).run(engine, examples, n, s)
     assert sum(e.turns for e in eps) > len(eps)                       # multi-turn: a random model answers wrong
 

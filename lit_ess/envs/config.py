@@ -37,7 +37,7 @@ class EnvConfig:
 
     Args:
         env: a built-in name (single_turn, retry_arithmetic, calculator) or 'package.module:Class'.
-        init_args: keyword arguments of its constructor (one environment per episode).
+        kwargs: keyword arguments of its constructor (one environment per episode).
         max_turns: policy turns per episode at most; an episode still running after them ends,
             truncated, and is counted (rollout/truncated_turns).
         max_episode_tokens: prompt + every turn + every observation, at most (the context); an episode
@@ -50,7 +50,7 @@ class EnvConfig:
     """
 
     env: str = "single_turn"
-    init_args: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)
     max_turns: int = 1
     max_episode_tokens: int | None = None
     step_timeout: float = 10.0
@@ -62,11 +62,11 @@ class EnvConfig:
         check("env.step_timeout", self.step_timeout, gt=0, hint=" seconds")
         cls = resolve_env(self.env)                 # a typo fails now, not after the engine starts
         try:
-            inspect.signature(cls).bind(**self.init_args)
+            inspect.signature(cls).bind(**self.kwargs)
         except TypeError as e:
-            raise ValueError(f"env.init_args {self.init_args} do not fit environment {self.env!r} "
+            raise ValueError(f"env.kwargs {self.kwargs} do not fit environment {self.env!r} "
                              f"({cls.__name__}{inspect.signature(cls)}): {e}") from None
 
     def make(self) -> Environment:
         """A fresh environment for one episode."""
-        return resolve_env(self.env)(**self.init_args)
+        return resolve_env(self.env)(**self.kwargs)
