@@ -145,7 +145,8 @@ def test_demo_multiturn_is_on_policy_over_several_turns(warm_start, tmp_path):
     ess, turns = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/turns"]]
     assert len(ess) == 6 and min(ess) >= 0.9999, ess
     assert min(turns) > 1 and max(turns) <= 3, turns
-    assert min(v for _, v in s["train/grad_norm"]) > 0                # the weights moved: ESS 1 says something
+    # the weights moved (a step whose groups all score alike has no gradient): ESS 1 says something
+    assert sum(v > 0 for _, v in s["train/grad_norm"]) >= 4
     assert min(v for _, v in s["rollout/env_tokens"]) > 0
     for tag in ("rollout/env_seconds", "rollout/tool_calls", "rollout/truncated_turns", "rollout/truncated_tokens",
                 "rollout/env_errors", "rollout/env_timeouts"):
@@ -166,7 +167,7 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
     assert sum('"step": 0,' in ln for ln in lines) == 1               # really resumed, not started again
     for tag in ("train/loss", "train/ess", "rollout/reward_mean", "rollout/turns", "rollout/env_tokens",
                 "rollout/env_errors"):
-        assert [s for s, _ in got[tag]] == list(range(6)), tag
+        assert len(got[tag]) == 6 and [s for s, _ in got[tag]] == [s for s, _ in ref[tag]], tag
         assert [v for _, v in got[tag]] == pytest.approx([v for _, v in ref[tag]], abs=1e-6), tag
     errors = [v for _, v in got["rollout/env_errors"]]
     assert errors[-1] > errors[2] > 0                                 # cumulative, also across the resume
