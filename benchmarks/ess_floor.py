@@ -53,7 +53,7 @@ def measure(model: str, name: str, phases: int) -> dict:
         for _ in range(phases):
             b = dm.generate_phase()[0]
             lp, _ = sequence_logprobs(policy, b.input_ids, b.attention_mask, b.completion_mask,
-                                      train_T or T, b.sampling["top_k"], b.sampling["top_p"])
+                                      train_T or T, b.sampling.top_k, b.sampling.top_p)
             mask = b.completion_mask & torch.isfinite(lp) & torch.isfinite(b.behavior_logprobs)
             ess.append(float(ess_stats(lp - b.behavior_logprobs, mask).value()))
             ratio_max = max(ratio_max, float((lp - b.behavior_logprobs)[mask].exp().max()))

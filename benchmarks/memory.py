@@ -72,6 +72,7 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
 
 def make_batch(vocab: int, rows: int, tokens: int, prompt: int = 8, seed: int = 0):
     """A synthetic global batch: `rows` x `tokens`, the first `prompt` tokens of each row a prompt."""
+    from lit_ess.engines import SamplingConfig
     from lit_ess.rollout import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
@@ -83,7 +84,7 @@ def make_batch(vocab: int, rows: int, tokens: int, prompt: int = 8, seed: int = 
                         advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows),
                         versions=torch.zeros(rows, dtype=torch.long), prompt_ids=torch.arange(rows),
                         prompt_texts=[""] * rows, completion_texts=[""] * rows,
-                        sampling={"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": tokens - prompt},
+                        sampling=SamplingConfig(max_new_tokens=tokens - prompt),
                         max_staleness=10**9)
 
 
@@ -125,7 +126,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, rows: int, tokens:
         opt.step()
         held = state_bytes(policy, opt)                 # params + grads + AdamW moments, all present now
         opt.zero_grad(set_to_none=True)
-        losses.append(metrics["loss"])
+        losses.append(metrics["train/loss"])
     peak = _status_kib("VmHWM")
     results[rank] = {"state_bytes": held, "rss_baseline_kib": baseline, "rss_before_steps_kib": before_steps,
                      "rss_peak_steps_kib": peak, "rss_peak_steps_over_baseline_kib": peak - baseline,

@@ -1,13 +1,13 @@
-"""The cost of the trainer's proximal logprobs (lit_ess.callbacks.ProximalLogprobs), a ratio within this run.
+"""The cost of the trainer's proximal logprobs (PolicyModule.score_phase), a ratio within this run.
 
 Per optimizer step, DecoupledPPO in a Lightning Trainer on the tiny model, with the proximal policy
-recomputed once per phase (the callback: the phase's first batch is marked, its k - 1 waiting batches
-get one no-grad forward each) against today's shortcut (every batch its own proximal policy,
+recomputed once per phase (the phase's first batch is marked, its k - 1 waiting batches get one no-grad
+forward each) against a shortcut (every batch its own proximal policy,
 lp.detach(): no forward), at steps_per_rollout k = 1 and 4. The same rows per step in both arms
 (--rows rows of --prompt_tokens + --new_tokens tokens). Expected: no cost at k = 1; at k = 4 three
 forwards without autograd per four steps.
 
-A step is timed from `on_train_batch_start` (before the callback scores) to `on_train_batch_end`, in
+A step is timed from `on_train_batch_start` (before the module scores) to `on_train_batch_end`, in
 wall seconds and in this process's CPU seconds (one torch thread by default: on a machine shared with
 other work, CPU seconds are the work done and wall seconds also count the waits for a core). The cost
 is the ratio of mean step times over whole phases (a median would hide the phase's first step, which
@@ -30,10 +30,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_ess.callbacks import ProximalLogprobs
+from lit_ess.engines import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import DecoupledPPO
-from lit_ess.rollout import RolloutBatch
+from lit_ess.rollout import Proximal, RolloutBatch
 from lit_ess.tiny import build_tiny_model
 
 
@@ -46,20 +46,30 @@ def make_batch(vocab: int, rows: int, prompt: int, new: int, phase: int, index: 
                         behavior_logprobs=torch.where(comp, -torch.rand(rows, prompt + new, generator=g) * 5, 0.0),
                         advantages=torch.randn(rows, generator=g), rewards=torch.zeros(rows),
                         versions=torch.zeros(rows, dtype=torch.long), prompt_ids=torch.arange(rows),
-                        sampling={"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": new},
+                        sampling=SamplingConfig(max_new_tokens=new),
                         stats={"rollout/reward_mean": 0.0}, phase=phase, index=index, max_staleness=10**9)
 
 
 class Phases(L.LightningDataModule):
     """Synthetic phases of k batches, served one per step with no prefetch (a loader of known length
-    whose items are made when read); `waiting_batches` as RolloutDataModule's."""
+    whose items are made when read); the module's data side (lit_ess.rollout.RolloutData) as RolloutDataModule
+    is, with no engine to push weights to."""
 
     def __init__(self, k: int, steps: int, **shape):
         super().__init__()
         self.k, self.steps, self.shape, self.ready = k, steps, shape, {}
 
+    def setup(self, stage: str) -> None:
+        self.trainer.lightning_module.attach_rollouts(self)
+
     def waiting_batches(self, phase: int) -> list[RolloutBatch]:
         return list(self.ready.get(phase, []))
+
+    def wants_weights(self, version: int) -> bool:
+        return False
+
+    def push_weights(self, named_tensors, version: int) -> None:
+        pass
 
     def next_batch(self, i: int) -> RolloutBatch:
         p = i // self.k
@@ -80,11 +90,23 @@ class Phases(L.LightningDataModule):
         return DataLoader(Stream(), batch_size=None, collate_fn=lambda x: x)
 
 
-class OwnProximal(ProximalLogprobs):
-    """Today's shortcut: every batch is its own proximal policy (lp.detach()), no forward."""
+class OwnProximal(L.Callback):
+    """The shortcut: every batch is its own proximal policy (lp.detach()), no forward."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        batch.prox_version = trainer.global_step
+        batch.proximal = Proximal(trainer.global_step, "own_pass")
+
+
+class Timed(PolicyModule):
+    """PolicyModule keeping the seconds of its last phase's proximal scoring."""
+
+    last_seconds = 0.0
+
+    def score_phase(self, batch: RolloutBatch) -> float | None:
+        seconds = super().score_phase(batch)
+        if seconds is not None:
+            self.last_seconds = seconds
+        return seconds
 
 
 class Timer(L.Callback):
@@ -102,11 +124,12 @@ class Timer(L.Callback):
 
 def run(model_dir: str, k: int, steps: int, recompute: bool, shape: dict) -> tuple[list[tuple[float, float]], float]:
     """(wall, CPU) seconds of each step, the first phase dropped, and the last phase's scoring time."""
-    timer, scorer = Timer(), ProximalLogprobs() if recompute else OwnProximal()
+    timer, module = Timer(), Timed(model_dir, objective=DecoupledPPO(), lr=1e-5)
+    callbacks = [timer] if recompute else [timer, OwnProximal()]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[timer, scorer])
-    trainer.fit(PolicyModule(model_dir, objective=DecoupledPPO(), lr=1e-5), Phases(k, steps, **shape))
-    return timer.times[k:], scorer.last_seconds if recompute else 0.0
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(module, Phases(k, steps, **shape))
+    return timer.times[k:], module.last_seconds
 
 
 def main(argv=None):

@@ -171,6 +171,14 @@ def _gen_settings(j):
     return out
 
 
+def _server(j):
+    g, u = j["generate_seconds_median"], j["update_seconds_median"]
+    return [row(f"generate s, vLLM server / in-process vLLM ({j['shape']})", j["generate_ratio_server_over_in_process"],
+                None, None, "{:.2f}x"),
+            row("weight update s, vLLM server (safetensors + reload_weights)", u["server"], None, None, "{:.2f} s"),
+            row("vLLM server start s", j["start_seconds"]["server"], None, None, "{:.0f} s")]
+
+
 def _lora(j):
     q, s = j["ratios"], j["sync"]
     where = f"{j['params'] / 1e6:.1f}M-parameter model, rank {j['rank']} on every linear layer"
@@ -195,6 +203,7 @@ BENCHMARKS = [
     Bench("ess_floor", ["--phases", "4"], ["--phases", "1"], _ess_floor, needs_model=True, needs=["vllm"]),
     Bench("vs_trl", ["--steps", "30", "--rounds", "2"], ["--steps", "10", "--rounds", "1"], _vs_trl, needs_model=True, needs=["trl", "vllm"]),
     Bench("gen_settings", ["--rounds", "3"], ["--rounds", "1"], _gen_settings, needs=["vllm"]),
+    Bench("server", ["--rounds", "5"], ["--rounds", "2"], _server, needs=["vllm"]),
     Bench("vs_trl_long", ["--shape", "long", "--steps", "8", "--rounds", "2"],
           ["--shape", "long", "--steps", "6", "--rounds", "1"], _vs_trl, needs=["trl", "vllm"], script="vs_trl"),
     Bench("lora", ["--pushes", "10"], ["--pushes", "3", "--hidden-size", "256", "--num-layers", "4"], _lora,

@@ -40,7 +40,7 @@ def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> RolloutBatch:
                         advantages=torch.randn(B, generator=g), rewards=torch.zeros(B),
                         versions=torch.zeros(B, dtype=torch.long), prompt_ids=torch.arange(B),
                         prompt_texts=[""] * B, completion_texts=[""] * B,
-                        sampling={"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 64},
+                        sampling=SamplingConfig(max_new_tokens=64),
                         stats={"rollout/reward_mean": 0.0}, max_staleness=10**9)   # the same batch every step
 
 

@@ -1,12 +1,13 @@
 """ExportHF: save the trained policy as a Hugging Face folder (weights + tokenizer) at the end of fit.
-With LoRA the folder holds the merged weights, and `adapter/` beside them the adapter (peft format)."""
+With LoRA the folder holds the merged weights, and `adapter/` beside them the adapter (peft format).
+The folder is written whole or not at all (lit_ess.checkpoint.atomic_folder)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning as L
 
-from lit_ess.export import save_adapted
+from lit_ess.export import save_adapted, save_model
 from lit_ess.lora import is_peft, merged_weights, peft_state
 
 
@@ -32,11 +33,4 @@ class ExportHF(L.Callback):
         if adapter is not None:
             save_adapted(policy, self.dirpath, pl_module.hparams.model_path, state, adapter)
             return
-        from transformers import AutoTokenizer
-
-        out = Path(self.dirpath)
-        policy.save_pretrained(out, state_dict=state)
-        AutoTokenizer.from_pretrained(pl_module.hparams.model_path).save_pretrained(out)
-        gen = getattr(policy, "generation_config", None)
-        if gen is not None:
-            gen.save_pretrained(out)
+        save_model(policy, self.dirpath, pl_module.hparams.model_path, state_dict=state)

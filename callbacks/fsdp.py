@@ -77,8 +77,7 @@ class FSDP2(L.Callback):
         pl_module.configure_model()
         for model in pl_module.sharded_models():
             self.shard(model, mesh["data_parallel"])
-        if self.param_dtype is not None:
-            pl_module.compute_dtype = self.param_dtype      # PolicyModule: the dtype its lag-0 ESS alarm compares
+        pl_module.cast_forward(self.param_dtype)            # PolicyModule: a fact of its lag-0 ESS alarm
 
     def shard(self, model: torch.nn.Module, mesh) -> None:
         """fully_shard every decoder layer, then the root."""

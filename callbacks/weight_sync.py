@@ -1,34 +1,26 @@
 """WeightSync: hand the trainer's policy weights to the rollout engine when it will generate next.
 
-The data side declares what it needs through two methods (`WeightReceiver`, implemented by
-`lit_ess.datamodules.RolloutDataModule`): `wants_weights(version)` says whether the engine generates before the
-trainer's next step, `push_weights(named_tensors, version)` takes the weights of optimizer step
-`version`. So with k optimizer steps per rollout the full weights are gathered once per phase, not
-after every step. Both are called on every rank at the same point, and `wants_weights` gives the same
-answer on every rank (the data module agrees on it over ranks), so under FSDP2 every rank enters the
-weight gather at the same steps. The callback pushes at train start (which covers a resume: Lightning has restored
-the checkpoint's weights by then, while the engine was built from the initial folder), after every
-step whose successor needs new weights, and before every validation.
+The decision is the module's (PolicyModule.push_due, asked of the data side: `wants_weights`, the same
+on every rank), taken at the end of each step; this callback then gathers the weights
+(`pl_module.policy_weights()`) and hands them to the data side (lit_ess.rollout.RolloutData
+`push_weights`), which the module received at setup (`pl_module.rollouts`). So with k optimizer steps
+per rollout the full weights are gathered once per phase, not after every step, and under FSDP2 every
+rank enters the weight gather at the same steps. The callback pushes at train start (which covers a
+resume: Lightning has restored the checkpoint's weights by then, while the engine was built from the
+initial folder), after every step whose successor needs new weights, and before every validation.
 """
 from __future__ import annotations
 
 import time
-from typing import Iterable, Protocol, runtime_checkable
 
 import lightning as L
-from torch import Tensor
 
-
-@runtime_checkable
-class WeightReceiver(Protocol):
-    def wants_weights(self, version: int) -> bool: ...
-
-    def push_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
+from lit_ess.rollout import RolloutData
 
 
 class WeightSync(L.Callback):
-    """Pushes `pl_module.policy_weights()` (gathered tensor by tensor on every rank under FSDP2) to the datamodule;
-    logs `perf/weight_sync_seconds` on the step axis.
+    """Pushes `pl_module.policy_weights()` (gathered tensor by tensor on every rank under FSDP2) to the data
+    side; logs `perf/weight_sync_seconds` on the step axis.
 
     Args:
         every_n_steps: not used (weights are pushed when the engine generates next); 1 is accepted,
@@ -43,17 +35,17 @@ class WeightSync(L.Callback):
         self.pushes = 0
         self.last_seconds = 0.0
 
-    def _receiver(self, trainer) -> WeightReceiver:
-        dm = trainer.datamodule
-        if not isinstance(dm, WeightReceiver):
-            raise RuntimeError(f"WeightSync needs a datamodule with wants_weights/push_weights (a RolloutDataModule), "
-                               f"got {type(dm).__name__}")
-        return dm
+    @staticmethod
+    def _receiver(pl_module) -> RolloutData:
+        if pl_module.rollouts is None:
+            raise RuntimeError(f"WeightSync needs the data side of a RolloutDataModule (none was attached to "
+                               f"{type(pl_module).__name__})")
+        return pl_module.rollouts
 
     def push(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         t0 = time.perf_counter()
         # every rank gathers (FSDP2: one tensor at a time, in step) and feeds its colocated engine
-        self._receiver(trainer).push_weights(pl_module.policy_weights(), version=trainer.global_step)
+        self._receiver(pl_module).push_weights(pl_module.policy_weights(), version=trainer.global_step)
         self.pushes += 1
         self.last_seconds = time.perf_counter() - t0
 
@@ -67,10 +59,7 @@ class WeightSync(L.Callback):
         self.push(trainer, pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if 0 <= trainer.max_steps <= step:                   # the run ends here: nothing will be generated
-            return
-        if self._receiver(trainer).wants_weights(step):
+        if pl_module.weights_due:                            # PolicyModule.push_due, decided in its step
             self.push(trainer, pl_module)
             for lg in trainer.loggers:                       # same x-axis as PolicyModule's metrics
-                lg.log_metrics({"perf/weight_sync_seconds": self.last_seconds}, step=step)
+                lg.log_metrics({"perf/weight_sync_seconds": self.last_seconds}, step=trainer.global_step)

@@ -29,7 +29,7 @@ and the ranks' batches never overlap. Async on W ranks has two placements:
 * `dedicated`: rank 0 runs one worker process (on its own GPUs, `engine.worker_devices`) that samples
   the whole phase in one engine call and sends each rank its share directly
   (lit_ess/rollout/receiver.py); rank 0 plans and submits every phase, the other ranks receive.
-The executor carries the placement (lit_ess/rollout/executor.py `build_executor`): this module runs the
+The executor carries the placement (lit_ess/rollout/placement.py `build_executor`): this module runs the
 same schedule under both, asking the executor whether this rank plans (`plans`) and what it submits for
 a phase (`phase_request`).
 The ranks wait for their data together (lit_ess/rollout/ranks.py `in_step`): a worker that fails stops
@@ -37,10 +37,12 @@ every rank in the same round, with its error. Whether new weights are needed is 
 (`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
 (FSDP2) at the same steps, whatever the timing of each rank's worker.
 
-Weights arrive through the two methods `lit_ess.callbacks.WeightSync` calls on every rank,
-`wants_weights(version)` and `push_weights(tensors, version)`: only when the engine will generate next
-(with k steps per rollout, once per phase). Without them the first rollout that would need newer
-weights fails with an error that names the callback.
+This module is the trainer's data side (lit_ess.rollout.RolloutData), handed to the module in `setup`
+(`attach_rollouts`): a phase's waiting batches for proximal scoring, and the weights. The module asks
+`wants_weights(version)` after each step (the same answer on every rank) and lit_ess.callbacks.WeightSync
+then calls `push_weights(tensors, version)` on every rank: only when the engine will generate next (with
+k steps per rollout, once per phase). Without them the first rollout that would need newer weights fails
+with an error that names the callback.
 
 `state_dict` holds the prompt cursor and order, the buffer (batches not yet trained, with the
 version of each row), and the requests in flight, which are regenerated after a resume.
@@ -59,9 +61,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
 from lit_ess.envs import EnvConfig
 from lit_ess.rewards import resolve_reward
+from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
-from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutExecutor,
-                             RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
+from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutConsumer,
+                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -170,6 +173,9 @@ class RolloutDataModule(L.LightningDataModule):
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`); >= 1.
+            None = the room the engine's model length leaves (engine.max_model_len, else the model's
+            max_position_embeddings, minus sampling.max_new_tokens); a value whose sum with
+            max_new_tokens exceeds that length is refused at start.
         seed: prompt order and row shuffling (an integer >= 0).
         val_source: held-out prompts for validation (None = no validation loop in fit; `lit-ess
             validate` needs it).
@@ -203,7 +209,7 @@ class RolloutDataModule(L.LightningDataModule):
         steps_per_epoch: int | None = None,
         advantage: Literal["zscore", "mean"] = "zscore",
         drop_degenerate: bool = False,
-        max_prompt_tokens: int = 512,
+        max_prompt_tokens: int | None = None,
         seed: int = 0,
         val_source: PromptSource | None = None,
         val_prompts: int = 64,
@@ -213,9 +219,10 @@ class RolloutDataModule(L.LightningDataModule):
     ):
         super().__init__()
         for name, value in (("prompts_per_rollout", prompts_per_rollout), ("samples_per_prompt", samples_per_prompt),
-                            ("steps_per_rollout", steps_per_rollout), ("max_prompt_tokens", max_prompt_tokens),
-                            ("val_prompts", val_prompts), ("val_samples", val_samples)):
+                            ("steps_per_rollout", steps_per_rollout), ("val_prompts", val_prompts),
+                            ("val_samples", val_samples)):
             check(f"data.{name}", value, ge=1, integer=True)
+        check("data.max_prompt_tokens", max_prompt_tokens, ge=1, integer=True, null=True)
         check("data.steps_per_epoch", steps_per_epoch, ge=1, integer=True, null=True)
         check("data.max_staleness", max_staleness, ge=0, integer=True, null=True)
         check("data.seed", seed, ge=0, integer=True)
@@ -252,6 +259,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.steps_per_epoch = steps_per_rollout if steps_per_epoch is None else steps_per_epoch
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
+        self.prompt_limit = max_prompt_tokens       # the longest prompt sampled; set in setup() (prompt_budget)
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
         self.val_sampling = _with_changes(sampling, val_sampling, "val_sampling") if val_sampling else None
         self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
@@ -282,6 +290,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if isinstance(module, RolloutConsumer):        # PolicyModule: this module is its data side (RolloutData)
+            module.attach_rollouts(self)
         if self.executor is not None:
             return
         if not self.model_path:
@@ -302,11 +313,12 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"each of the {self.world} ranks gets {rows} rows per rollout "
                              f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
                              f"{self.steps_per_rollout}: every step needs a row on every rank")
+        limit = self.engine_config.model_len(self.model_path)          # before the engine starts
         budget = self.env.max_episode_tokens if self.env is not None else None
-        if budget is not None and budget > (limit := self.engine_config.model_len(self.model_path)):
-            raise ValueError(f"env.max_episode_tokens={budget} exceeds the engine's model length {limit} "
-                             f"(engine.max_model_len, or the model's max_position_embeddings)")
+        if budget is not None and limit is not None and budget > limit[0]:
+            raise ValueError(f"env.max_episode_tokens={budget} exceeds the engine's model length {limit[0]} ({limit[1]})")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
         self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
 
@@ -324,8 +336,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_rank, self.trainer.world_size
 
     def teardown(self, stage: str) -> None:
-        if self.executor is not None:
-            self.executor.close()
+        if self.executor is not None:            # an interrupted run (Ctrl-C, SIGTERM) stops its worker at once
+            self.executor.close(grace=1.0 if self.trainer is not None and self.trainer.interrupted else 60.0)
             self.executor = None
         self.submitted = {}          # their requests stay in self.requests and are generated again
 
@@ -339,7 +351,7 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
                           collate_fn=_identity)
 
-    # ------------------------------------------------------------------ weights (lit_ess.callbacks.WeightSync)
+    # ------------------------------------------------------------------ weights (PolicyModule.push_due, lit_ess.callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
         """True when the engine will generate before the trainer's next step, so new weights are needed.
         Called on every rank at the same point; true on every rank when it is true on one."""
@@ -371,7 +383,7 @@ class RolloutDataModule(L.LightningDataModule):
         return p
 
     def waiting_batches(self, phase: int) -> list[RolloutBatch]:
-        """The batches of `phase` still in the buffer, not yet trained (lit_ess.callbacks.ProximalLogprobs)."""
+        """The batches of `phase` still in the buffer, not yet trained (PolicyModule.score_phase)."""
         return self.buffer.waiting(phase)
 
     # ------------------------------------------------------------------ the stream
@@ -469,12 +481,12 @@ class RolloutDataModule(L.LightningDataModule):
         while len(examples) < k:
             for i, ex in self._next_examples(k - len(examples)):
                 ids = self.encode_prompt(ex.prompt)
-                if len(ids) > self.max_prompt_tokens:
+                if len(ids) > self.prompt_limit:
                     self.skipped_long_prompts += 1
                     streak += 1
                     if streak >= 2 * len(self.source):
                         raise ValueError(f"every prompt of the source is longer than max_prompt_tokens="
-                                         f"{self.max_prompt_tokens} tokens: raise max_prompt_tokens")
+                                         f"{self.prompt_limit} tokens: raise max_prompt_tokens")
                     continue
                 streak = 0
                 idx.append(i)

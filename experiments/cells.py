@@ -50,23 +50,19 @@ def objective(name: str, **init_args) -> dict:
 
 TEMPERATURE = "data.init_args.sampling.temperature"
 CALLBACKS = [{"class_path": "lit_ess.callbacks.WeightSync"}]
-# DecoupledPPO's proximal policy: the trainer's own logprobs at the phase's first step (at one step per
-# rollout they are the step's own lp.detach(), so this costs no forward there)
-PROXIMAL = {"trainer.callbacks": CALLBACKS + [{"class_path": "lit_ess.callbacks.ProximalLogprobs"}]}
 OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
 K, S = "data.init_args.steps_per_rollout", "data.init_args.max_staleness"
 
 # The stress experiments' methods: label -> overrides. The corrections and decoupled PPO take pi_prox
-# recomputed by the trainer once per phase (PROXIMAL), as verl and TRL do: the correction weighs
-# pi_prox / pi_b, GRPO's clip then acts around pi_prox.
+# recomputed by the trainer once per phase (PolicyModule.score_phase), as verl and TRL do: the
+# correction weighs pi_prox / pi_b, GRPO's clip then acts around pi_prox (at one step per rollout pi_prox
+# is the step's own lp.detach(), so this costs no forward there).
 METHODS = {
     "grpo_eps0.2": objective("GRPO", clip_eps=0.2),
     "grpo_eps0.6": objective("GRPO", clip_eps=0.6),
-    "grpo_tis": {**objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "truncate", "high": 2.0}),
-                 **PROXIMAL},
-    "grpo_icepop": {**objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "mask", "high": 2.0}),
-                    **PROXIMAL},
-    "decoupled": {**objective("DecoupledPPO"), **PROXIMAL},
+    "grpo_tis": objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "truncate", "high": 2.0}),
+    "grpo_icepop": objective("GRPO", clip_eps=0.2, correction={"level": "token", "mode": "mask", "high": 2.0}),
+    "decoupled": objective("DecoupledPPO"),
     "p3o": objective("P3O"),
     "p3o_no_kl": objective("P3O", adaptive_kl=False),
 }
@@ -126,11 +122,10 @@ EXPERIMENTS = {e.name: e for e in [
         # rollout that anchor is the step's own detached policy (the KL term's gradient is 0: the same run
         # as without the KL term), so the remedy is tested at 4 steps per rollout, where the trust region
         # acts, against the paper's anchor (pi_b itself) at the same k.
-        + [Cell(f"p3o_T{t}_processed_k4{tag}", {**objective("P3O", **kw), TEMPERATURE: t, K: 4, **extra,
+        + [Cell(f"p3o_T{t}_processed_k4{tag}", {**objective("P3O", **kw), TEMPERATURE: t, K: 4,
                                                 "data.init_args.engine.init_args.behavior_logprobs": "processed"})
            for t in (0.6, 1.2, 1.5)
-           for tag, kw, extra in (("", {}, {}),
-                                  ("_anchor", {"kl_anchor": "behavior_at_train_temperature"}, PROXIMAL))],
+           for tag, kw in (("", {}), ("_anchor", {"kl_anchor": "behavior_at_train_temperature"}))],
         common={"model.init_args.train_temperature": 1.0}),
     Experiment(
         "precision", "bf16 rollouts against an fp32 trainer",
@@ -141,8 +136,7 @@ EXPERIMENTS = {e.name: e for e in [
         "staleness", "Asynchronous rollouts, staleness bound S",
         "With the engine generating ahead in its own process (lag up to S optimizer steps), how do P3O, GRPO "
         "and decoupled PPO cope as S grows?",
-        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.mode": "async", "data.init_args.max_staleness": s,
-                            **(PROXIMAL if cls == "DecoupledPPO" else {})})
+        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.mode": "async", "data.init_args.max_staleness": s})
          for m, cls in (("p3o", "P3O"), ("grpo", "GRPO"), ("decoupled", "DecoupledPPO")) for s in (0, 1, 2, 4)]),
     Experiment(
         "ablations", "P3O ablations, off-policy (4 steps per rollout)",

@@ -9,6 +9,16 @@ fsyncs it, and `os.replace`s it onto the target (one rename on one filesystem), 
 A failed write removes its temp file and leaves the previous checkpoint as it was. The CLI installs it
 in place of Lightning's default TorchCheckpointIO; remote URLs (s3://, ...) keep Lightning's writer.
 
+Folders (a Hugging Face export: `lit-ess-export`, lit_ess.callbacks.ExportHF) are written the same way:
+`atomic_folder` gives a temp folder beside the target, renamed onto it when every file is written; a
+failed write (a full disk) removes it, names the target in one line, and leaves no half-written folder
+that would look like a model. Temp names carry the writer's pid, so two writers never share one.
+
+One run per checkpoint folder. `lock_folder` puts a lock file (pid and host) beside each
+ModelCheckpoint folder when a run starts and removes it when the process exits; a second run into the
+folder refuses to start with one line naming the folder and the first run's pid. A lock whose process
+is gone (a run killed with kill -9) is taken over with a notice.
+
 Sharded checkpoints (ModelParallelStrategy, a folder of DCP shards and `meta.pt`) do not go through
 a CheckpointIO: torch.distributed.checkpoint writes the shards in place, renames its `.metadata` into
 place, and rank 0 writes `meta.pt` last. So `readable` judges such a folder by its parts instead: a
@@ -24,14 +34,22 @@ passes its CRC. That costs a few reads, not a load of the weights.
 """
 from __future__ import annotations
 
+import atexit
+import errno
 import os
+import re
+import shutil
+import socket
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from .lifetime import alive
 
 TMP_SUFFIX = ".tmp"
 SHARDED_META = "meta.pt"           # Lightning's name for the non-tensor state of a sharded checkpoint
@@ -50,7 +68,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 def atomic_save(obj: Any, path: Path) -> None:
     """torch.save `obj` to `path` so that `path` is always either the previous file or the new one whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp = path.with_name(f"{path.name}{TMP_SUFFIX}-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -60,16 +78,107 @@ def atomic_save(obj: Any, path: Path) -> None:
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         cause = e if isinstance(e, OSError) else e.__context__      # torch.save re-raises a failed write
+        if isinstance(cause, KeyboardInterrupt):                     # Ctrl-C during the write: a Ctrl-C
+            raise KeyboardInterrupt from e
         if isinstance(cause, OSError):                                # as a RuntimeError about positions
             raise OSError(cause.errno, f"checkpoint {path} not written ({cause.strerror}); the previous one "
                                        f"is kept") from e
         raise
-    try:                               # the rename itself survives a power loss; some filesystems (network,
-        fd = os.open(path.parent, os.O_RDONLY)     # FUSE) and systems (Windows) cannot sync a folder: the
-        try:                                       # checkpoint is written either way
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in `folder` survive a power loss; some filesystems (network, FUSE) and systems
+    (Windows) cannot sync a folder: the file is written either way."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError:
+        pass
+
+
+@contextmanager
+def atomic_folder(out: str | Path, what: str = "folder") -> Iterator[Path]:
+    """Yield a temp folder beside `out` to write into; when the block ends it replaces `out` whole (an
+    existing `out` is moved aside, then removed). A failure removes the temp folder and leaves `out` as
+    it was; a failed write (OSError, or safetensors' error wrapping one) becomes one OSError naming
+    `what` and `out`."""
+    from safetensors import SafetensorError
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)
+        if isinstance(e, (OSError, SafetensorError)):
+            code = e.errno if isinstance(e, OSError) else _os_error(str(e))      # safetensors: "... (os error 28)"
+            why = os.strerror(code) if code else str(e).splitlines()[0]
+            kept = " (the previous one is kept)" if out.exists() else ""
+            raise OSError(code or errno.EIO, f"{what} {out} not written ({why}); nothing was left there{kept}") from e
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync_folder(out.parent)
+
+
+def _os_error(message: str) -> int | None:
+    """The errno in a Rust I/O error's text ("... (os error 28)"), or None."""
+    found = re.search(r"os error (\d+)", message)
+    return int(found.group(1)) if found else None
+
+
+def lock_folder(folder: str | Path) -> str | None:
+    """Hold `folder` for this run: `.<name>.lit-ess.lock` beside it (pid and host; beside, not inside,
+    where Lightning would call the folder not empty), removed when this process exits. Raises ValueError
+    naming the folder and the other run's pid when a live process holds it; returns a notice when it
+    takes over the lock of a process that is gone, else None."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    lock, me = folder.with_name(f".{folder.name}.lit-ess.lock"), f"{os.getpid()} {socket.gethostname()}"
+    try:                                             # a fresh lock: created only if none exists
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.write(fd, (me + "\n").encode())
+        os.close(fd)
+        atexit.register(_unlock, lock, me)
+        return None
+    except FileExistsError:
+        pass
+    try:
+        pid_text, host = lock.read_text().split(maxsplit=1)
+        pid, host = int(pid_text), host.strip()
+    except (OSError, ValueError):                    # unreadable or half-written: nobody holds it
+        pid = host = None
+    notice = None
+    if pid is not None and f"{pid} {host}" != me:
+        if host != socket.gethostname():
+            raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid} on {host}; {lock}): "
+                             f"give this run its own dirpath, or remove the lock if that run is gone")
+        if alive(pid):
+            raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid}): give this run its own "
+                             f"dirpath, or stop that run first")
+        notice = f"checkpoint folder {folder}: taking over the lock of pid {pid}, which is no longer running"
+    tmp = lock.with_name(f"{lock.name}.{os.getpid()}")
+    tmp.write_text(me + "\n")
+    os.replace(tmp, lock)
+    atexit.register(_unlock, lock, me)
+    return notice
+
+
+def _unlock(lock: Path, me: str) -> None:
+    try:
+        if lock.read_text().strip() == me:
+            lock.unlink()
     except OSError:
         pass
 

@@ -20,13 +20,20 @@ parsing, with the form to write instead (lit_ess/config_check.py). The console i
 Checkpoints are written atomically and `--ckpt_path last` resumes from the newest readable one,
 saying so in one line when it passes over a torn one (lit_ess/checkpoint.py).
 
+Stopping. Ctrl-C and SIGTERM stop the run the same way: every rank, rollout worker and reward worker
+ends with it (lit_ess/lifetime.py), and one line says where the last checkpoint is. A rank whose
+collective fails because another rank died says which rank died, not the backend's error; a rank whose
+launcher died says so and exits.
+
 Note (upstream LightningCLI behaviour): with `--ckpt_path FILE`, hyper-parameters saved in the
 checkpoint override those given on the command line for the model.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from lit_ess.console import quiet_console
@@ -35,7 +42,7 @@ quiet_console()            # before Lightning, transformers and vLLM are importe
 
 from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 
 import lit_ess.callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
@@ -43,13 +50,14 @@ import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
-from lit_ess.checkpoint import AtomicCheckpointIO, resolve_resume  # noqa: E402
+from lit_ess.checkpoint import AtomicCheckpointIO, candidates, lock_folder, resolve_resume  # noqa: E402
 from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
-from lit_ess.health import ESSAlarmError  # noqa: E402
+from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
+from lit_ess.lifetime import Peers, alive, die_with_parent  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError  # noqa: E402
 
 # the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
@@ -93,6 +101,31 @@ def _fail(message: str, traceback: bool = True, code: int = 2) -> None:
     sys.exit(code)
 
 
+class _StopNotice(Callback):
+    """Gathers the ranks' pids when the run starts (lit_ess.lifetime.Peers); on Ctrl-C or SIGTERM, rank 0
+    says in one line where the last checkpoint is."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        Peers.record()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Lightning's SIGTERM handler (installed at fit start) broadcasts from rank 0, which waits for ever
+        when the other ranks are stopping too: ours (`_stop_on_sigterm`) takes its place."""
+        if _SIGTERM[0] is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _SIGTERM[0])
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or not trainer.is_global_zero:
+            return
+        dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        found = candidates(dirs)
+        where = (f"last checkpoint: {found[0]}" if found else
+                 f"no checkpoint in {', '.join(map(str, dirs))} yet" if dirs else "no checkpoint folder (ModelCheckpoint)")
+        print(f"lit-ess: stopped at step {trainer.global_step} (Ctrl-C or SIGTERM); {where}", file=sys.stderr)
+
+
 class LitESSCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.model_path", "data.init_args.model_path")
@@ -109,6 +142,7 @@ class LitESSCLI(LightningCLI):
         if config.get("enable_model_summary", True) is not False and not any(isinstance(c, ModelSummary) for c in given):
             callbacks = [*callbacks, LitESSModelSummary()]
             config["enable_model_summary"] = False     # Lightning's default summary stays out, and its notice
+        callbacks = [*callbacks, _StopNotice()]
         trainer = super()._instantiate_trainer(config, callbacks)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -129,13 +163,21 @@ class LitESSCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def before_fit(self) -> None:
-        """`--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
+        """Hold the ModelCheckpoint folders for this run (a second run into one refuses to start).
+        `--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
         (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over. Then the checks
         that must come before the run starts: a folder of shards against the module (`_check_shards`),
         the engine against lora.sync: adapter (`_check_adapter_sync`)."""
         args = self.config_init[self.subcommand]
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        for d in dirs if self.trainer.is_global_zero else []:     # one run per folder (lit_ess.checkpoint.lock_folder)
+            try:
+                notice = lock_folder(d)
+            except ValueError as e:
+                _fail(str(e), traceback=False)
+            if notice:
+                print(f"lit-ess: {notice}", file=sys.stderr)
         if args.get("ckpt_path") == "last" and dirs:      # no dirs: Lightning's own search (the logger's folder)
             try:
                 args["ckpt_path"], notice = resolve_resume("last", dirs)
@@ -173,8 +215,50 @@ class LitESSCLI(LightningCLI):
         self.model.check_checkpoint_settings(saved)       # a ValueError: main() prints its one line
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM is Ctrl-C: Lightning's graceful interrupt (teardown, worker processes stopped at once).
+    A rank started by a launcher (LOCAL_RANK > 0, or torchrun) is sent SIGTERM by the kernel when its
+    launcher dies, and then says so and exits (its own workers follow it)."""
+    launcher = os.getppid() if os.environ.get("LOCAL_RANK", "0") != "0" or "TORCHELASTIC_RUN_ID" in os.environ else None
+    stopping = []
+
+    def on_sigterm(signum, frame):
+        if launcher is not None and not alive(launcher):
+            print(f"lit-ess: error: rank 0 (the launcher, pid {launcher}) died: rank {os.environ.get('RANK', '?')} stops",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        if not stopping:               # once: a second SIGTERM during the shutdown changes nothing
+            stopping.append(signum)
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():      # main() called from a thread (tests)
+        return
+    if launcher is not None:
+        die_with_parent(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    _SIGTERM[0] = on_sigterm
+
+
+_SIGTERM: list = [None]         # the SIGTERM handler of this process (_stop_on_sigterm)
+
+
+def _dead_peer(error: BaseException) -> str | None:
+    """'rank R (pid P) died: <the backend's error>' when a collective failed because a rank on this host
+    is gone (waiting up to 2 s for it to be reaped), else None."""
+    import time
+
+    if not Peers.ranks:
+        return None
+    deadline = time.monotonic() + 2.0
+    while not (dead := Peers.dead()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    said = _first_line(str(error))
+    return f"{dead[0]} died: this rank stops ({type(error).__name__}: {said[:200]})" if dead else None
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _stop_on_sigterm()
     legacy = check_inputs(sys.argv[1:] if args is None else args, MOVED)
     if legacy:                  # found in the user's own text: there is no traceback to show
         _fail(legacy, traceback=False)
@@ -185,10 +269,14 @@ def main(args: list[str] | None = None) -> None:
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(_explain(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-    except (WorkerError, RankFailed, ESSAlarmError) as e:     # a fault found mid-run: what and where, exit 1
+    except (WorkerError, RankFailed, ESSAlarmError, NonFiniteError) as e:     # a fault found mid-run: what and where, exit 1
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(str(e), code=1)
+    except RuntimeError as e:                                 # a collective that failed: a rank died?
+        if os.environ.get("LIT_ESS_TRACEBACK") or (message := _dead_peer(e)) is None:
+            raise
+        _fail(message, code=1)
 
 
 if __name__ == "__main__":

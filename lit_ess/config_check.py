@@ -15,11 +15,12 @@ from collections.abc import Iterator
 
 import yaml
 
-from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.engines import HFConfig, VLLMConfig, VLLMServerConfig
 from lit_ess.objectives import OBJECTIVE_CLASSES
 
 # the fields that take a class of ours: their module and the classes it has
-FIELDS = {"objective": ("lit_ess.objectives", OBJECTIVE_CLASSES), "engine": ("lit_ess.engines", (VLLMConfig, HFConfig))}
+FIELDS = {"objective": ("lit_ess.objectives", OBJECTIVE_CLASSES),
+          "engine": ("lit_ess.engines", (VLLMConfig, VLLMServerConfig, HFConfig))}
 # objectives and engines named by string: the class each name stands for
 OLD_NAMES = {"objective": {"p3o": "P3O", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "cispo": "CISPO",
                            "decoupled": "DecoupledPPO", "reinforce": "REINFORCE"},

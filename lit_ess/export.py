@@ -15,6 +15,9 @@ must be the base the run trained on (the checkpoint's fingerprint of its weight 
 the adapters are applied with the run's settings and filled in, and OUT is peft's adapter folder
 (`PeftModel.from_pretrained(base, OUT)`); with `--merged`, OUT is the merged model W + s B A
 (`AutoModelForCausalLM.from_pretrained(OUT)`) with the tokenizer, and the adapter folder is OUT/adapter.
+
+OUT is written whole or not at all (lit_ess.checkpoint.atomic_folder): a temp folder beside it, renamed
+when every file is in; a full disk is one line and leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ PREFIX = "policy."
 def export_hf(checkpoint: str | Path, out: str | Path, model_path: str | None = None, merged: bool = False) -> Path:
     """Write the policy of `checkpoint` to `out`; `merged` matters for LoRA checkpoints only (a full
     checkpoint is always written as a whole model)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from .model_path import check_checkpoint, check_model_path
 
@@ -53,9 +56,26 @@ def export_hf(checkpoint: str | Path, out: str | Path, model_path: str | None = 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
     state = {PREFIX + k: v for k, v in model.state_dict().items()}
     _fill(checkpoint, meta, model_path, state)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
+    save_model(model, out, model_path)
     return out
+
+
+def save_model(model: torch.nn.Module, out: str | Path, model_path: str, state_dict: dict | None = None) -> None:
+    """Write a Hugging Face model folder at `out`, whole or not at all (atomic_folder): the weights
+    (`state_dict`, default the model's), its config and generation config, `model_path`'s tokenizer."""
+    from .checkpoint import atomic_folder
+
+    with atomic_folder(out, "export") as tmp:
+        _write_model(model, tmp, model_path, state_dict)
+
+
+def _write_model(model: torch.nn.Module, folder: Path, model_path: str, state_dict: dict | None) -> None:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(folder, state_dict=state_dict)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
 
 
 def _fill(checkpoint: Path, meta: dict, model_path: str, state: dict) -> None:
@@ -113,17 +133,12 @@ def save_adapted(policy: torch.nn.Module, out: str | Path, model_path: str, merg
     """Write a peft policy: `adapter` (`lit_ess.lora.peft_state`) as peft's adapter folder at `out`; or,
     given its `merged` weights (`lit_ess.lora.merged_weights`), the merged Hugging Face model at `out`
     with `model_path`'s tokenizer, and the adapter folder at `out/adapter`."""
-    from transformers import AutoTokenizer
+    from .checkpoint import atomic_folder
 
-    out = Path(out)
-    policy.save_pretrained(out / "adapter" if merged is not None else out, state_dict=adapter)
-    if merged is None:
-        return
-    base = policy.get_base_model()
-    base.save_pretrained(out, state_dict=merged)
-    AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
-    if base.generation_config is not None:
-        base.generation_config.save_pretrained(out)
+    with atomic_folder(out, "export") as tmp:
+        if merged is not None:
+            _write_model(policy.get_base_model(), tmp, model_path, merged)
+        policy.save_pretrained(tmp / "adapter" if merged is not None else tmp, state_dict=adapter)
 
 
 def _check_shapes(checkpoint: Path, model_path: str, state: dict, saved: dict[str, tuple]) -> None:

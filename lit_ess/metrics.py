@@ -87,7 +87,7 @@ class PooledStd:
 # One rule per logged key. A key logged without a rule is an error (reduce_over_ranks raises; a test reads
 # the keys of a real run), never a silent mean over ranks.
 RULES: dict[str, str | PooledStd] = {
-    # lit_ess/objectives.py: the objective's metrics, per micro-batch, logged as train/<key>
+    # lit_ess/objectives.py: the objective's metrics, per micro-batch
     "train/loss": SUM,                         # token-mean terms divided by the step's N: micro-batches add up
     "train/policy_loss": SUM,
     "train/kl_term": SUM,
@@ -178,7 +178,7 @@ def rule(key: str) -> str | PooledStd:
     return RULES[name]
 
 
-def accumulate(acc: dict[str, Tensor], metrics: dict[str, Tensor], tokens: Tensor, prefix: str = "train/") -> None:
+def accumulate(acc: dict[str, Tensor], metrics: dict[str, Tensor], tokens: Tensor) -> None:
     """Add one micro-batch's metrics into `acc`, the rank's values for the step, by each key's rule:
 
         sum         acc += x
@@ -186,7 +186,7 @@ def accumulate(acc: dict[str, Tensor], metrics: dict[str, Tensor], tokens: Tenso
         min / max   acc = min(acc, x) / max(acc, x)
     """
     for k, v in metrics.items():
-        v, r = v.detach().double(), rule(prefix + k)
+        v, r = v.detach().double(), rule(k)
         if r == SUM:
             acc[k] = acc.get(k, 0.0) + v
         elif r == TOKEN_MEAN:
@@ -194,13 +194,13 @@ def accumulate(acc: dict[str, Tensor], metrics: dict[str, Tensor], tokens: Tenso
         elif r in (MIN, MAX):
             acc[k] = v if k not in acc else (torch.minimum if r == MIN else torch.maximum)(acc[k], v)
         else:
-            raise ValueError(f"metric {prefix + k!r} has rule {r!r}, which does not combine micro-batches")
+            raise ValueError(f"metric {k!r} has rule {r!r}, which does not combine micro-batches")
 
 
-def finish_token_means(acc: dict[str, Tensor], tokens: Tensor, prefix: str = "train/") -> None:
+def finish_token_means(acc: dict[str, Tensor], tokens: Tensor) -> None:
     """Divide the token_mean sums of `accumulate` by the rank's tokens: the rank's token-weighted means."""
     for k in acc:
-        if rule(prefix + k) == TOKEN_MEAN:
+        if rule(k) == TOKEN_MEAN:
             acc[k] = acc[k] / tokens.clamp(min=1.0)
 
 

@@ -18,14 +18,15 @@ zero-weighted extra passes), since every pass under FSDP is a collective. Every 
 combined over micro-batches and ranks by its rule in lit_ess.metrics.RULES (sum, token-weighted mean,
 mean over ranks, min, max, pooled std).
 
-Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase): with
-lit_ess.callbacks.ProximalLogprobs, `score_proximal` scores the phase's waiting batches once, no grad,
-when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same weights,
-same forward). Every objective receives them; one that needs them (`objective.needs_proximal`) stops
-the run at its first step without them, naming the callback.
+Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase), when the
+objective uses them (`objective.needs_proximal`): `score_phase` scores the phase's waiting batches once,
+no grad, when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same
+weights, same forward). The waiting batches come from the data side (lit_ess.rollout.RolloutData), which
+RolloutDataModule hands over at setup (`attach_rollouts`).
 
 Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
-temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py).
+temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py, which
+decides from the facts the step declares: `step_facts`).
 """
 from __future__ import annotations
 
@@ -35,19 +36,19 @@ from typing import Iterator, Literal, NamedTuple
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from .health import ESSAlarm
+from .health import ESSAlarm, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
 from .knobs import check
 from .logprobs import sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
-from .rollout import RolloutBatch
+from .engines import SamplingConfig
+from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
 
 __all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
@@ -77,6 +78,10 @@ class PolicyModule(L.LightningModule):
         max_grad_norm: clip the global gradient norm to this value, > 0; None = no clipping (0 and -1,
             "off" in some frameworks, are refused: clip_grad_norm_ would zero or negate every gradient).
             A step whose gradient norm is not finite is skipped and counted in `train/skipped_steps`.
+        max_consecutive_skipped_steps: stop the run (one line, exit 1) after this many consecutive skipped
+            steps (>= 1). A transient overflow skips a step or two; ten in a row with finite weights is a
+            run that no longer learns. Non-finite weights stop the run at once, naming the tensor: they are
+            checked when the run starts (policy, reference, a resumed checkpoint's) and at a skipped step.
         micro_batch_size: rows per forward/backward, >= 1 (None = the whole step at once).
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
@@ -124,6 +129,7 @@ class PolicyModule(L.LightningModule):
         lora: LoRA | None = None,
         ess_alarm: float | None = 0.999,
         ess_alarm_error: bool = False,
+        max_consecutive_skipped_steps: int = 10,
     ):
         super().__init__()
         check("model.lr", lr, gt=0)
@@ -148,7 +154,8 @@ class PolicyModule(L.LightningModule):
         if lora is not None and not isinstance(lora, LoRA):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
         self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
-        self.compute_dtype: str | None = None      # forward dtype when a sharding callback casts (FSDP2's param_dtype)
+        self.skip_guard = SkippedSteps(max_consecutive_skipped_steps)   # validates the bound
+        self.cast_dtype: str | None = None         # forward dtype when a sharding callback casts (cast_forward)
         self._has_dropout: bool | None = None      # the policy's forward has dropout (found at the first step)
         self._warned_anchor = False                # P3O's kl_anchor on rows older than their proximal policy
         self.lora = lora
@@ -160,6 +167,8 @@ class PolicyModule(L.LightningModule):
         self.policy = None
         self.ref_policy = None
         self.skipped_steps = 0
+        self.rollouts: RolloutData | None = None    # the data side (attach_rollouts), None without a data module
+        self.weights_due = False                    # this step's weight push decision (push_due), for WeightSync
         self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
         self.val_reward, self.val_length = MeanMetric(), MeanMetric()   # reduced over ranks at epoch end
         self.val_pass = PassAtK()
@@ -216,8 +225,14 @@ class PolicyModule(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def attach_rollouts(self, data: RolloutData) -> None:
+        """The data side this module trains from (lit_ess.rollout.RolloutData): the waiting batches of a
+        phase for proximal scoring, and the weight-push decision. RolloutDataModule.setup hands itself
+        over, once per stage."""
+        self.rollouts = data
+
     # ------------------------------------------------------------------ step
-    def _score(self, model, mb: RolloutBatch, sampling: dict, with_grad: bool,
+    def _score(self, model, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool,
                with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
         """(logprobs [b, T], entropy [b, T] or None) of `model` on the micro-batch, processed as the
         engine sampled: logits / T -> top-k -> top-p, with T = train_temperature or the rollout's.
@@ -225,17 +240,17 @@ class PolicyModule(L.LightningModule):
         The policy and the reference model are both scored here, so with reference == policy the
         reference KL is exactly 0 whatever the sampling settings.
         """
-        T = sampling["temperature"] if self.hparams.train_temperature is None else self.hparams.train_temperature
+        T = sampling.temperature if self.hparams.train_temperature is None else self.hparams.train_temperature
         with torch.enable_grad() if with_grad else torch.no_grad():
             return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                     T, sampling["top_k"], sampling["top_p"], with_entropy=with_entropy)
+                                     T, sampling.top_k, sampling.top_p, with_entropy=with_entropy)
 
-    def _forward(self, mb: RolloutBatch, sampling: dict, with_grad: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(self, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool) -> tuple[Tensor, Tensor | None]:
         """(logprobs, entropy or None) of the policy on the micro-batch."""
         return self._score(self.policy, mb, sampling, with_grad,
                            with_entropy=with_grad and bool(self.objective.entropy_coef))
 
-    def _reference(self, mb: RolloutBatch, sampling: dict) -> Tensor | None:
+    def _reference(self, mb: RolloutBatch, sampling: SamplingConfig) -> Tensor | None:
         """Reference logprobs for ref_kl_coef: the reference model's, or with LoRA (no reference model)
         the base model's, scored with the adapters switched off; None without a reference penalty."""
         if self.ref_policy is not None:
@@ -261,6 +276,34 @@ class PolicyModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         check_gradients_synchronised(self)
+        h, ckpt = self.hparams, self._trainer.ckpt_path if self._trainer is not None else None
+        self.check_weights(f"in the checkpoint {ckpt}" if ckpt else f"in model_path={h.model_path!r}",
+                           f"in ref_model_path={h.ref_model_path or h.model_path!r}")
+
+    def check_weights(self, policy_source: str, ref_source: str) -> None:
+        """Stop with one line naming the first non-finite weight of the policy or the reference
+        (lit_ess.health.first_nonfinite). Each rank checks its own shards; a finding on any rank stops
+        every rank (a collective: every rank calls it)."""
+        for what, model, where in (("policy", self.policy, policy_source), ("reference model", self.ref_policy, ref_source)):
+            if model is None:
+                continue
+            bad = first_nonfinite(model.named_parameters())
+            if self._world():
+                flag = torch.tensor([float(bad is not None)], device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                bad = bad or ("a weight on another rank" if flag.item() else None)
+            if bad:
+                raise NonFiniteError(f"{what} weight {bad} is not finite {where}: every loss and gradient would be "
+                                     f"NaN; use finite weights")
+
+    def _count_skipped(self, grad_norm: Tensor, step: int) -> None:
+        """A step with a non-finite gradient norm was skipped: count it, stop at once on non-finite weights,
+        and after max_consecutive_skipped_steps in a row (lit_ess.health.SkippedSteps)."""
+        skipped = not bool(torch.isfinite(grad_norm))
+        if skipped:
+            self.skipped_steps += 1
+            self.check_weights(f"after step {step}", f"after step {step}")
+        self.skip_guard.update(skipped, step, float(grad_norm))
 
     def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
@@ -277,7 +320,7 @@ class PolicyModule(L.LightningModule):
         """Store on each batch its proximal logprobs: the policy's logprobs with the current weights,
 
             prox_logprobs [B, T] = policy(batch) in micro-batches of micro_batch_size rows, no grad
-            prox_version         = this optimizer step
+            proximal             = Proximal(this optimizer step, "scored")
 
         scored exactly as the gradient pass scores (`_forward`: train temperature, top-k, top-p, LoRA
         adapters on), on each batch's own device. A collective under FSDP2: every rank must call it,
@@ -291,19 +334,19 @@ class PolicyModule(L.LightningModule):
             jobs += [(b, start, mb) for start, mb in zip(range(0, b.rows, size), b.micro_batches(size))]
         passes = self._same_count([mb for _, _, mb in jobs], pad=pad.micro_batches(self.hparams.micro_batch_size)[0])
         for i, (mb, weight) in enumerate(passes):
-            lp = self._forward(move_data_to_device(mb, self.device), mb.sampling, False)[0]
+            lp = self._forward(mb.to(self.device), mb.sampling, False)[0]
             if weight:
                 b, start, _ = jobs[i]
                 b.prox_logprobs[start:start + mb.rows, :lp.shape[1]] = lp.to(b.prox_logprobs)
         for b in batches:
-            b.prox_version = self.global_step
+            b.proximal = Proximal(self.global_step, "scored")
 
     def _proximal(self, mb: RolloutBatch, lp: Tensor) -> Tensor | None:
-        """log pi_prox of the micro-batch [b, T]: scored at its phase's first step, or for the batch trained
-        at that step, this pass's own lp.detach(); None when the run computes none."""
-        if mb.prox_logprobs is not None:
-            return mb.prox_logprobs
-        return lp.detach() if mb.prox_version == self.global_step else None
+        """log pi_prox of the micro-batch [b, T] (`mb.proximal` says where it comes from); None when no step
+        scored its phase."""
+        if mb.proximal is None:
+            return None
+        return lp.detach() if mb.proximal.source == "own_pass" else mb.prox_logprobs
 
     def _step_counts(self, mbs: list[RolloutBatch]) -> StepCounts:
         """The step's completion tokens N and sequences over all micro-batches and ranks, and n_r, this
@@ -324,13 +367,13 @@ class PolicyModule(L.LightningModule):
             gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
             metrics          combined over micro-batches and ranks by lit_ess.metrics.RULES (`step_metrics`)
         """
-        if self.objective.needs_proximal and batch.prox_version < 0:
-            raise ValueError(_no_proximal(self.objective))
+        if self.objective.needs_proximal and batch.proximal is None:
+            raise ValueError(_no_proximal(self.objective, "this batch has none (batch.proximal is None)"))
         if (self.objective.proximal_stands_for_behavior and not self._warned_anchor and batch.rows
-                and int(batch.versions.min()) < batch.prox_version):
+                and int(batch.versions.min()) < batch.proximal.step):
             self._warned_anchor = True
             rank_zero_warn(f"step {self.global_step}: rows sampled by the weights of step {int(batch.versions.min())} "
-                           f"are anchored at the proximal policy of step {batch.prox_version} ({type(self.objective).__name__}"
+                           f"are anchored at the proximal policy of step {batch.proximal.step} ({type(self.objective).__name__}"
                            f".kl_anchor: behavior_at_train_temperature): the trainer no longer holds their behaviour "
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
                            f"max_staleness > steps_per_rollout - 1); warned once")
@@ -345,7 +388,7 @@ class PolicyModule(L.LightningModule):
         return self.step_metrics(metrics, log_ratio, mask, counts, step_ess, several=len(mbs) > 1)
 
     @torch.no_grad()
-    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: dict) -> Tensor:
+    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig) -> Tensor:
         """e_B of the whole step, before any gradient: a no-grad forward of every micro-batch.
 
             rho_t = exp(lp_t - lb_t)                   lp, lb: [b, T] of each micro-batch
@@ -363,7 +406,7 @@ class PolicyModule(L.LightningModule):
                 stats = s if stats is None else stats.merge(s)
         return (stats.all_reduce() if self._world() else stats).value()
 
-    def gradient_pass(self, passes: list[tuple[RolloutBatch, float]], sampling: dict, counts: StepCounts,
+    def gradient_pass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig, counts: StepCounts,
                       step_ess: Tensor | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """Forward, objective and backward of each micro-batch; gradients add up in .grad.
 
@@ -390,7 +433,7 @@ class PolicyModule(L.LightningModule):
                 ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
             out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
                                  proximal_logprobs=self._proximal(mb, lp), ref_logprobs=ref, entropy=ent,
-                                 num_tokens=counts.tokens, num_seqs=counts.seqs, norm_len=sampling["max_new_tokens"])
+                                 num_tokens=counts.tokens, num_seqs=counts.seqs, norm_len=sampling.max_new_tokens)
             loss = out.loss * (scale * weight)
             if self._trainer is not None:
                 self.manual_backward(loss)
@@ -412,87 +455,140 @@ class PolicyModule(L.LightningModule):
         fraction) are taken again over all of this rank's tokens at once: the parameters did not change
         within the step. Then every key is combined over ranks by its rule (lit_ess.metrics.RULES;
         token_mean keys weighted by n_r / N). An objective that does not use the ESS still logs it
-        (`ess`), as a diagnostic of how off-policy its data was. `self.last_step` keeps the step's token
+        (`train/ess`), as a diagnostic of how off-policy its data was. `self.last_step` keeps the step's token
         log-ratios and capped weights min(rho, e_B) for the ratio dashboard.
         """
-        ess = step_ess if step_ess is not None else local.get("ess")
+        ess = step_ess if step_ess is not None else local.get("train/ess")
         if several:          # one micro-batch: the objective's ratio statistics are already the step's
             local.update({k: v.double() for k, v in ratio_metrics(log_ratio[None], mask[None], ess).items()})
         share = counts.local_tokens / counts.tokens.clamp(min=1.0)
-        metrics = reduce_over_ranks(local, share, self.device, prefix="train/")
+        metrics = reduce_over_ranks(local, share, self.device)
         if not self.objective.needs_ess:       # diagnostic: how off-policy was the data (every rank reduces)
             st = ess_stats(log_ratio, mask)
             st = st.all_reduce() if self._world() else st
             if mask.any() or self._world():
-                metrics["ess"] = float(st.value())
+                metrics["train/ess"] = float(st.value())
         self.last_step = {"log_ratio": log_ratio[mask].float().cpu()}
         if ess is not None:
             self.last_step["weight"] = torch.minimum(self.last_step["log_ratio"].exp(), ess.float().cpu())
         return metrics, ess
 
     def training_step(self, batch: RolloutBatch, batch_idx: int):
-        opt = self.optimizers()
-        sched = self.lr_schedulers()
-        step_before = self.global_step
-        lag = step_before - batch.versions.float()
-        if float(lag.max()) > batch.max_staleness:
-            raise RuntimeError(f"step {step_before} got rows sampled at step {int(batch.versions.min())}, older than "
-                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
-                               f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
-        t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
-        metrics, _ = self.accumulate_gradients(batch)
+        """One RL iteration, in the order of lit_ess/reference.py:
 
-        grad_norm = self._clip_and_norm()
-        lr = sched.get_last_lr()[0]                  # the rate this step is taken with
-        if torch.isfinite(grad_norm):
-            opt.step()
-            sched.step()
-        else:
-            self.skipped_steps += 1
-        opt.zero_grad(set_to_none=True)
+            batch        the step's rows, refused when older than max_staleness         (`check_batch`)
+            proximal     log pi_prox of the batch's phase, when the objective uses it   (`score_phase`)
+            update       gradients of every micro-batch, clip, one optimizer step       (`update`)
+            weight push  does the engine generate before the next step? (`push_due`; WeightSync pushes)
+
+        then the step's metrics, combined over ranks, are logged."""
+        step = self.global_step
+        lag = self.check_batch(batch)                                      # [B] policy lag of each row
+        proximal_seconds = self.score_phase(batch)
+        t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
+        metrics, grad_norm, lr = self.update(batch)
         train_seconds = time.perf_counter() - t0
+        self.weights_due = self.push_due()
 
         per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
                     "train/lr": lr, "train/batch_rows": float(batch.rows),
                     "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
                     "perf/train_seconds": train_seconds, **batch.stats}
-        logs = {f"train/{k}": v for k, v in metrics.items()}          # already over all ranks
+        logs = dict(metrics)                                              # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
-        self._check_ess(logs, batch.sampling, step_before)
+        if proximal_seconds is not None:
+            logs["perf/proximal_seconds"] = proximal_seconds              # this rank's (rank 0's is written)
+        self._check_ess(logs, self.step_facts(batch.sampling, batch.engine_dtype, logs["train/policy_lag_max"]), step)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
 
-    def _check_ess(self, logs: dict[str, float], sampling: dict, step: int) -> None:
+    def check_batch(self, batch: RolloutBatch) -> Tensor:
+        """The policy lag of each row, [B] (optimizer steps since the weights that sampled it); a row older
+        than the batch's max_staleness stops the run."""
+        step = self.global_step
+        lag = step - batch.versions.float()
+        if float(lag.max()) > batch.max_staleness:
+            raise RuntimeError(f"step {step} got rows sampled at step {int(batch.versions.min())}, older than "
+                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
+                               f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
+        return lag
+
+    def score_phase(self, batch: RolloutBatch) -> float | None:
+        """Proximal logprobs log pi_prox, when the objective uses them (`objective.needs_proximal`): once per
+        rollout phase, with the weights of the step that starts training it (verl's and TRL's "old"
+        policy; in async mode the weights of the step that first trains the phase, as AReaL does).
+
+            the batch trained now, its phase's first:  Proximal(step, "own_pass"): its gradient pass's
+                                                       lp.detach() (same weights, same forward: no extra pass)
+            the phase's waiting batches:               scored now, no grad (`score_proximal`); the data side
+                                                       keeps them in its checkpoint, so a mid-phase resume
+                                                       keeps them
+
+        A phase's first batch is the first of its batches served (index 0, or a later one when the
+        staleness filter dropped the first). Cost: k - 1 no-grad forwards per phase of k steps
+        (benchmarks/proximal.py). With several ranks every rank scores at every step (the forwards are
+        collectives). Returns the seconds spent when this step starts a phase, else None."""
+        starts = batch.proximal is None
+        if not self.objective.needs_proximal or not (starts or self._world()):
+            return None
+        if self.rollouts is None:
+            raise ValueError(_no_proximal(self.objective, "no data module attached its phases (attach_rollouts)"))
+        t0 = time.perf_counter()
+        waiting = [b for b in self.rollouts.waiting_batches(batch.phase) if b.proximal is None] if starts else []
+        if starts:
+            batch.proximal = Proximal(self.global_step, "own_pass")
+        self.score_proximal(waiting, pad=batch)       # every rank, every step: the forwards are collectives
+        return time.perf_counter() - t0 if starts else None
+
+    def update(self, batch: RolloutBatch) -> tuple[dict[str, float], Tensor, float]:
+        """The step's gradients (`accumulate_gradients`), clipped, and one optimizer step; a step whose
+        gradient norm is not finite is skipped and counted. Returns (the step's metrics over all ranks,
+        ||g|| before clipping, the learning rate the step is taken with)."""
+        opt, sched, step = self.optimizers(), self.lr_schedulers(), self.global_step
+        metrics, _ = self.accumulate_gradients(batch)
+        grad_norm = self._clip_and_norm()
+        lr = sched.get_last_lr()[0]
+        if torch.isfinite(grad_norm):
+            opt.step()
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+        self._count_skipped(grad_norm, step)
+        return metrics, grad_norm, lr
+
+    def push_due(self) -> bool:
+        """Whether the engine generates before the next step and so needs this step's weights (the data
+        side decides, the same on every rank: `wants_weights`); false when the run ends here.
+        lit_ess.callbacks.WeightSync pushes when it is true."""
+        step = self.global_step
+        if self.rollouts is None or 0 <= self.trainer.max_steps <= step:
+            return False
+        return self.rollouts.wants_weights(step)
+
+    def step_facts(self, sampling: SamplingConfig, engine_dtype: str | None, lag_max: float) -> StepFacts:
+        """What this step declares for the ESS alarm (lit_ess.health.exact_on_policy): the batch's sampling
+        settings and engine dtype, the step's largest lag (over ranks), and the trainer's precision,
+        stored dtype, FSDP2 cast, LoRA and dropout."""
+        return StepFacts(lag_max=lag_max, engine_dtype=engine_dtype,
+                         precision=str(self._trainer.precision) if self._trainer is not None else "32-true",
+                         model_dtype=self.hparams.model_dtype, cast_dtype=self.cast_dtype, lora=self.lora is not None,
+                         dropout=self._dropout(), sample_temperature=sampling.temperature,
+                         train_temperature=sampling.temperature if self.hparams.train_temperature is None
+                         else self.hparams.train_temperature)
+
+    def _check_ess(self, logs: dict[str, float], facts: StepFacts, step: int) -> None:
         """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:
         warns once (rank 0), or raises with ess_alarm_error; logs the cumulative count."""
         if self.ess_alarm.threshold is None:
             return
-        message = self.ess_alarm.check(
-            step, logs.get("train/ess"), logs.get("train/ratio_mean"), logs["train/policy_lag_max"],
-            engine_dtype=sampling.get("engine_dtype"), trainer_dtype=self._trainer_dtype(),
-            sample_temperature=sampling["temperature"],
-            train_temperature=sampling["temperature"] if self.hparams.train_temperature is None
-            else self.hparams.train_temperature,
-            dropout=self._dropout())
+        message = self.ess_alarm.check(step, logs.get("train/ess"), logs.get("train/ratio_mean"), facts)
         if message:
             rank_zero_warn(message)
         logs["train/ess_alarms"] = float(self.ess_alarm.count)
 
-    def _trainer_dtype(self) -> str | None:
-        """The dtype the trainer scores tokens in: FSDP2's param_dtype when it casts, else model_dtype under
-        "32-true" and the dtype of a "*-true" precision; None under mixed precision (autocast runs some
-        operations in another dtype than others), and for LoRA on a base below fp32 (peft keeps the
-        adapters in fp32; the engine gets them merged and rounded, or as its own LoRA kernels)."""
-        precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
-        if "mixed" in precision:
-            return None
-        if self.compute_dtype is not None:
-            dtype = self.compute_dtype
-        elif precision in ("32-true", "32"):
-            dtype = self.hparams.model_dtype
-        else:
-            dtype = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}.get(precision)
-        return None if self.lora is not None and dtype not in ("float32", "float64") else dtype
+    def cast_forward(self, dtype: str | None) -> None:
+        """A sharding callback casts the forward to `dtype` (lit_ess.callbacks.FSDP2's param_dtype; None: no
+        cast): a fact of the ESS alarm (`step_facts`)."""
+        self.cast_dtype = dtype
 
     def _dropout(self) -> bool:
         """Whether the policy's forward drops units at random (then lag-0 ESS is below 1 on a healthy run)."""
@@ -592,9 +688,9 @@ def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadat
             del state[k]
 
 
-def _no_proximal(objective: Objective) -> str:
-    return (f"objective {type(objective).__name__} uses the trainer's proximal logprobs, which this run does not "
-            f"compute: add lit_ess.callbacks.ProximalLogprobs to trainer.callbacks")
+def _no_proximal(objective: Objective, why: str) -> str:
+    return (f"objective {type(objective).__name__} uses the trainer's proximal logprobs, which training_step scores "
+            f"from the data side's waiting batches (lit_ess.rollout.RolloutData, e.g. RolloutDataModule): {why}")
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

@@ -26,10 +26,17 @@ step is split into micro-batches pass `num_tokens` (and `num_seqs`) of the full 
 micro-batch losses add up to the step loss.
 
 `proximal_logprobs` (log pi_prox, [B, T]) are the trainer's own logprobs of the tokens with the weights
-that start the rollout phase (verl's and TRL's "old" logprobs; PolicyModule gets them from
-lit_ess.callbacks.ProximalLogprobs). Objectives that use them (`needs_proximal`: DecoupledPPO, GRPO/DAPO/
-GSPO with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`) take a call without
-them to be the first step on its data, where pi_prox is the current policy: lp.detach().
+that start the rollout phase (verl's and TRL's "old" logprobs; PolicyModule scores them once per phase,
+`PolicyModule.score_phase`). Objectives that use them (`needs_proximal`: DecoupledPPO, GRPO/DAPO/GSPO
+with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`, any objective with a
+`correction`) take a call without them to be the first step on its data, where pi_prox is the current
+policy: lp.detach().
+
+The clipped objectives (GRPO, DAPO, GSPO) take their ratio r = pi_theta / pi_old against the policy
+named by `old`:
+    behavior   pi_b, the sampler's logprobs (verl's bypass mode; the default)
+    proximal   pi_prox (verl's and TRL's default): the clip acts from the phase's second step on, and
+               the sampler mismatch pi_prox / pi_b is left to `correction`.
 """
 from __future__ import annotations
 
@@ -53,7 +60,7 @@ METRIC_LOG_RATIO_CLAMP = 80.0
 @dataclass
 class ObjectiveOutput:
     loss: Tensor                       # differentiable scalar
-    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars
+    metrics: dict[str, Tensor] = field(default_factory=dict)  # detached scalars, by their logged names (train/...)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,20 +232,20 @@ def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) ->
         rho = lr.clamp(-METRIC_LOG_RATIO_CLAMP, METRIC_LOG_RATIO_CLAMP).exp()
         q = torch.quantile(rho, torch.tensor([0.05, 0.5, 0.95], device=rho.device))
         out = {
-            "ratio_mean": rho.mean(),
-            "ratio_min": rho.min(),
-            "ratio_max": rho.max(),
-            "ratio_p05": q[0],
-            "ratio_p50": q[1],
-            "ratio_p95": q[2],
-            "log_ratio_abs_max": lr.abs().max(),
-            "kl_behavior": k3(lr).mean(),
-            "approx_kl": 0.5 * (lr * lr).mean(),
+            "train/ratio_mean": rho.mean(),
+            "train/ratio_min": rho.min(),
+            "train/ratio_max": rho.max(),
+            "train/ratio_p05": q[0],
+            "train/ratio_p50": q[1],
+            "train/ratio_p95": q[2],
+            "train/log_ratio_abs_max": lr.abs().max(),
+            "train/kl_behavior": k3(lr).mean(),
+            "train/approx_kl": 0.5 * (lr * lr).mean(),
         }
         if ess is not None:
-            out["ess"] = ess.detach().float()
+            out["train/ess"] = ess.detach().float()
             # rho > e_B, with a 1e-5 margin in log space so float noise at e_B = 1 does not count
-            out["capped_frac"] = (lr > torch.log(ess.float()) + 1e-5).float().mean()
+            out["train/capped_frac"] = (lr > torch.log(ess.float()) + 1e-5).float().mean()
         return out
 
 
@@ -267,7 +274,7 @@ class ISCorrection:
     So that the mismatch is counted once, the objective's own ratio is then taken against pi_prox
     instead of pi_b (GRPO/DAPO/GSPO/CISPO clip r = pi_theta / pi_prox, DecoupledPPO's behaviour weight
     becomes c), as TRL and verl do. P3O keeps rho = pi_theta / pi_b for its ESS and cap: its weight is
-    min(rho, e_B) * c. pi_prox is the objective's `proximal_logprobs` when the trainer gives them, else
+    min(rho, e_B) * c. pi_prox is the objective's `proximal_logprobs` (PolicyModule gives them), else
     the current policy before the update (detached): the trainer's own logprobs, exact for the first
     step after a rollout; with several steps per rollout (or async) w then also holds staleness.
 
@@ -313,7 +320,7 @@ class ISCorrection:
                 c = torch.where(inside, w if self.mode == "mask" else torch.ones_like(w), torch.zeros_like(w))
             c = c * m
             n = m.sum().clamp(min=1)
-            metrics = {"is_weight_mean": c.sum() / n, "is_outside_frac": (~inside & mask.bool()).float().sum() / n}
+            metrics = {"train/is_weight_mean": c.sum() / n, "train/is_outside_frac": (~inside & mask.bool()).float().sum() / n}
         return c, metrics
 
 
@@ -370,8 +377,9 @@ class Objective:
 
     @property
     def needs_proximal(self) -> bool:
-        """True when the objective's loss uses pi_prox (PolicyModule then requires them from the run)."""
-        return False
+        """True when the loss uses pi_prox: a correction (its weight is pi_prox / pi_b), or the objective's
+        own terms (subclasses). PolicyModule then scores them once per rollout phase."""
+        return self.correction is not None
 
     @property
     def proximal_stands_for_behavior(self) -> bool:
@@ -422,18 +430,18 @@ class Objective:
             if self.rebase_on_correction:
                 metrics.update(ratio_metrics(lp - lb, valid))      # the ratio statistics stay against pi_b
             metrics.update(correction)
-        metrics["policy_loss"] = loss.detach()
+        metrics["train/policy_loss"] = loss.detach()
         if self.entropy_coef:
             ent_term = agg(ent)
             loss = loss - self.entropy_coef * ent_term
-            metrics["entropy"] = ent_term.detach()
+            metrics["train/entropy"] = ent_term.detach()
         if self.ref_kl_coef:
             ref_kl = agg(k3(lp - ref))
             loss = loss + self.ref_kl_coef * ref_kl
-            metrics["kl_ref"] = ref_kl.detach()
-        metrics["nonfinite_tokens"] = dropped.float()
-        metrics["tokens"] = valid.sum().float()
-        metrics["loss"] = loss.detach()
+            metrics["train/kl_ref"] = ref_kl.detach()
+        metrics["train/nonfinite_tokens"] = dropped.float()
+        metrics["train/tokens"] = valid.sum().float()
+        metrics["train/loss"] = loss.detach()
         return ObjectiveOutput(loss, metrics)
 
     def policy_loss(self, lp, lb, adv, mask, agg, **extra) -> tuple[Tensor, dict[str, Tensor]]:
@@ -446,8 +454,8 @@ def _clip_fractions(ratio: Tensor, adv: Tensor, mask: Tensor, low: float, high: 
     n = m.sum().clamp(min=1)
     low_hit = ((ratio < low) & (adv < 0)).float() * m
     high_hit = ((ratio > high) & (adv > 0)).float() * m
-    return {"clip_ratio_low": low_hit.sum() / n, "clip_ratio_high": high_hit.sum() / n,
-            "clip_ratio": (low_hit + high_hit).sum() / n}
+    return {"train/clip_ratio_low": low_hit.sum() / n, "train/clip_ratio_high": high_hit.sum() / n,
+            "train/clip_ratio": (low_hit + high_hit).sum() / n}
 
 
 @dataclass
@@ -474,7 +482,7 @@ class P3O(Objective):
     no pull toward another temperature. The engine returns log pi_b(y_t) for the sampled token only,
     and log pi_b'(y) = (T_s / T_t)(log pi_b(y) + log Z_s) - log Z_t needs both partition functions
     over the vocabulary, so la_t comes from the trainer: the proximal logprobs (the weights that start
-    the phase, scored at T_t by lit_ess.callbacks.ProximalLogprobs), which are theta_b's in sync mode
+    the phase, scored at T_t by PolicyModule.score_phase), which are theta_b's in sync mode
     (a phase is sampled with the weights of the step that trains its first batch). In async mode with
     rows older than their phase's first step, the anchor is that newer policy at T_t (warned once). With T_s = T_t
     and an engine at the trainer's precision, la_t = lb_t: the two anchors agree.
@@ -485,7 +493,7 @@ class P3O(Objective):
         adaptive_kl: add the (1 - e_B) KL term (ablation). False: the policy-gradient term alone.
         kl_anchor: the KL term's reference. "behavior": the sampler's pi_b (the paper's).
             "behavior_at_train_temperature": the behaviour weights scored by the trainer at its own
-            temperature (see above; needs lit_ess.callbacks.ProximalLogprobs).
+            temperature (see above; the trainer's proximal logprobs).
     """
 
     ess_cap: bool = True
@@ -503,11 +511,11 @@ class P3O(Objective):
 
     @property
     def needs_proximal(self) -> bool:
-        return self.adaptive_kl and self.kl_anchor == "behavior_at_train_temperature"
+        return super().needs_proximal or self.proximal_stands_for_behavior
 
     @property
     def proximal_stands_for_behavior(self) -> bool:
-        return self.needs_proximal
+        return self.adaptive_kl and self.kl_anchor == "behavior_at_train_temperature"
 
     def policy_loss(self, lp, lb, adv, mask, agg, ess=None, proximal_logprobs=None, **_):
         log_ratio = lp - lb
@@ -523,8 +531,8 @@ class P3O(Objective):
         loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)
         if not self.ess_cap:
-            metrics.pop("capped_frac", None)                     # nothing is capped
-        metrics["kl_term"] = kl.detach()
+            metrics.pop("train/capped_frac", None)                     # nothing is capped
+        metrics["train/kl_term"] = kl.detach()
         return loss, metrics
 
 
@@ -550,7 +558,7 @@ class _ClipsAroundOld(Objective):
 
     @property
     def needs_proximal(self) -> bool:
-        return self.old == "proximal"
+        return super().needs_proximal or self.old == "proximal"
 
 
 def _ppo_clip_loss(lp, old, lb, adv, mask, agg, clip_low: float, clip_high: float):
@@ -573,11 +581,8 @@ class GRPO(_ClipsAroundOld):
 
     Args:
         clip_eps: clip range epsilon, > 0.
-        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
-            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
-            that start the rollout phase (verl's and TRL's default; needs
-            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
-            sampler mismatch pi_prox / pi_b is left to `correction`.
+        old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
+            module's docstring.
     """
 
     clip_eps: float = 0.2
@@ -600,11 +605,8 @@ class DAPO(_ClipsAroundOld):
     Args:
         clip_low: lower clip, r >= 1 - clip_low; > 0.
         clip_high: upper clip, r <= 1 + clip_high; > 0.
-        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
-            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
-            that start the rollout phase (verl's and TRL's default; needs
-            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
-            sampler mismatch pi_prox / pi_b is left to `correction`.
+        old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
+            module's docstring.
     """
 
     clip_low: float = 0.2
@@ -633,11 +635,8 @@ class GSPO(_ClipsAroundOld):
     Args:
         clip_low: lower clip of the sequence ratio, s >= 1 - clip_low; > 0.
         clip_high: upper clip of the sequence ratio, s <= 1 + clip_high; > 0.
-        old: the policy the ratio is taken against. "behavior": pi_b, the sampler's logprobs (verl's
-            bypass mode; the default). "proximal": pi_prox, the trainer's own logprobs with the weights
-            that start the rollout phase (verl's and TRL's default; needs
-            lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on, and the
-            sampler mismatch pi_prox / pi_b is left to `correction`.
+        old: the policy the ratio is taken against: "behavior" (pi_b) or "proximal" (pi_prox); see the
+            module's docstring.
     """
 
     clip_low: float = 3e-4
@@ -689,7 +688,7 @@ class CISPO(Objective):
         low = None if self.clip_low is None else 1 - self.clip_low
         weight = rho.clamp(min=low, max=1 + self.clip_high)
         metrics = ratio_metrics(log_ratio, mask)
-        metrics["capped_frac"] = ((rho > 1 + self.clip_high) & mask).float().sum() / mask.sum().clamp(min=1)
+        metrics["train/capped_frac"] = ((rho > 1 + self.clip_high) & mask).float().sum() / mask.sum().clamp(min=1)
         return agg(-weight * lp * adv), metrics
 
 
@@ -702,7 +701,7 @@ class DecoupledPPO(Objective):
         r = pi_theta / pi_prox
 
     pi_prox is the trainer's own policy with the weights that start the rollout phase (PolicyModule
-    requires lit_ess.callbacks.ProximalLogprobs): the clip acts from the phase's second step on. A
+    scores it once per phase): the clip acts from the phase's second step on. A
     direct call without `proximal_logprobs` takes the detached current logprobs, exact for the phase's
     first step (the policy just before this update is the proximal policy); with them alone the clip
     never acts and the loss is token-level truncated IS with cap behavior_cap.
@@ -733,7 +732,7 @@ class DecoupledPPO(Objective):
         surr = torch.minimum(r * adv, r.clamp(low, high) * adv)
         metrics = ratio_metrics(lp - lb, mask)
         metrics.update(_clip_fractions(r.detach(), adv, mask, low, high))
-        metrics["behavior_capped_frac"] = ((prox - lb > math.log(self.behavior_cap)) & mask).float().sum() / mask.sum().clamp(min=1)
+        metrics["train/behavior_capped_frac"] = ((prox - lb > math.log(self.behavior_cap)) & mask).float().sum() / mask.sum().clamp(min=1)
         return agg(-behave_w * surr), metrics
 
 

@@ -85,12 +85,15 @@ IN_WORKER = {"math_verify"}
 
 def import_named(name: str, what: str):
     """The object 'package.module:attr' names; a ValueError naming `what` and `name` when it cannot be
-    imported (a missing module, a typo in the attribute)."""
+    imported (a missing module, a typo in the attribute), or the module's own code fails (a syntax
+    error, an error at import: named with its file and line)."""
     mod, attr = name.split(":", 1)
     try:
         return getattr(importlib.import_module(mod), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
+    except Exception as e:
+        raise ValueError(f"{what} {name!r} cannot be imported: {where_it_failed(e)}") from None
 
 
 def resolve_reward(name: str) -> Callable[[str, str], float]:
@@ -109,6 +112,18 @@ def resolve_reward(name: str) -> Callable[[str, str], float]:
             pass                          # no signature to inspect (a builtin): its calls will tell
         return fn
     raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)} or 'module:function'")
+
+
+def where_it_failed(e: Exception) -> str:
+    """`file, line N: Error: message` for an exception raised while a module was imported: a
+    SyntaxError's own position, else the innermost frame of the traceback outside importlib."""
+    import traceback
+
+    if isinstance(e, SyntaxError):
+        return f"{e.filename}, line {e.lineno}: SyntaxError: {e.msg}"
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<frozen")]
+    where = f"{frames[-1].filename}, line {frames[-1].lineno}: " if frames else ""
+    return f"{where}{type(e).__name__}: {e}"
 
 
 class RewardError(ValueError):
@@ -169,7 +184,10 @@ class RewardScorer:
         if self._pool is None:
             import multiprocessing as mp
 
-            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"))
+            from .lifetime import die_with_parent
+
+            self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                                             initializer=die_with_parent)        # never outlives the run
             try:
                 self._pool.submit(_warm_up, self.fn).result(timeout=self.startup_timeout)
             except (FutureTimeout, BrokenProcessPool) as e:

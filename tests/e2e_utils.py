@@ -158,7 +158,6 @@ def kill_after_checkpoint(cfg: Path, ckpt_dir: Path, step: int, timeout: float =
 def kill_when_rewritten(cfg: Path, target: Path, env: dict | None = None, timeout: float = 300) -> None:
     """Start `lit-ess fit --config cfg` and SIGKILL its process group the moment `target` (a checkpoint
     file) changes after its first version appeared: while it is being rewritten, if it ever is in place."""
-    import signal
     import time
 
     env = dict(env or os.environ, PYTHONPATH=pythonpath())
@@ -180,11 +179,7 @@ def kill_when_rewritten(cfg: Path, target: Path, env: dict | None = None, timeou
                 break
             time.sleep(0.0005)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_session(proc)
     assert first is not None and time.time() < deadline, f"{target} was not rewritten before the run ended"
 
 
@@ -199,7 +194,7 @@ class StaleWeightSync(WeightSync):
     def push(self, trainer, pl_module) -> None:
         if self.first is None:
             self.first = [(k, v.detach().clone()) for k, v in pl_module.policy_weights()]
-        self._receiver(trainer).push_weights(iter(self.first), version=trainer.global_step)
+        self._receiver(pl_module).push_weights(iter(self.first), version=trainer.global_step)
 
 
 class SaveSyncPayloads(L.Callback):
@@ -219,6 +214,88 @@ class SaveSyncPayloads(L.Callback):
                for mode, payload in (("merged", merged_weights), ("adapter", adapter_weights))}
         if trainer.is_global_zero:
             torch.save(got, self.path)
+
+
+def nan_model_copy(src: str, dst: Path, tensor: str = "model.layers.0.mlp.up_proj.weight") -> Path:
+    """A copy of the model folder `src` with one NaN written into `tensor`."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    weights[tensor].view(-1)[0] = float("nan")
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+class NaNGradients(L.Callback):
+    """Every gradient of one weight becomes NaN from optimizer step `from_step` on (the weights stay
+    finite: each step is skipped for a non-finite gradient norm, and the step count no longer moves)."""
+
+    def __init__(self, from_step: int = 0):
+        self.from_step = from_step
+
+    def on_train_start(self, trainer, pl_module):
+        import torch
+
+        next(p for p in pl_module.policy.parameters() if p.requires_grad).register_hook(
+            lambda g: torch.full_like(g, float("nan")) if trainer.global_step >= self.from_step else g)
+
+
+class NaNWeightAfterStep(L.Callback):
+    """Writes a NaN into one policy weight at the end of step `step` (before the weights are pushed
+    to the engine: list it before WeightSync)."""
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import torch
+
+        if trainer.global_step - 1 == self.step:
+            with torch.no_grad():
+                dict(pl_module.policy.named_parameters())["model.layers.0.mlp.up_proj.weight"].view(-1)[0] = float("nan")
+
+
+class KillRankAt(L.Callback):
+    """kill -9 of this process on rank `rank` after optimizer step `step` (a rank that dies mid-run;
+    rank 0 is the launcher)."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import signal
+
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL every process of the session `proc` leads (started with start_new_session) and reap it."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def session_processes(sid: int) -> list[int]:
+    """The pids of the live processes of session `sid` (a run started with start_new_session)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getsid(p.pid) == sid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out
 
 
 from lit_ess.envs import RetryArithmetic, Step  # noqa: E402

@@ -209,7 +209,8 @@ def test_a_receiver_closes_at_once_whether_or_not_the_worker_connected(connected
     """Teardown of a rank > 0 (dedicated): close() returns at once and its reader thread ends, both
     before the worker connected (lit-ess validate: no phase sent) and while a connection is open (the
     end of fit). A close that handshook with its own listener once hung rank 1 at the end of fit."""
-    from lit_ess.rollout.receiver import Deliveries, ShareReceiver
+    from lit_ess.rollout.process import Deliveries
+    from lit_ess.rollout.receiver import ShareReceiver
 
     r = ShareReceiver()
     r.start()

@@ -21,16 +21,16 @@ def test_token_truncate_caps_each_ratio():
     # w = [0.5, 1, 3], C = 2 -> [0.5, 1, 2]; with low 0.8 -> [0.8, 1, 2]
     c, m = weights("token", "truncate", [[LN(0.5), 0.0, LN(3)]], high=2.0)
     assert c == pytest.approx([0.5, 1.0, 2.0])
-    assert m["is_weight_mean"] == pytest.approx(3.5 / 3) and m["is_outside_frac"] == pytest.approx(1 / 3)
+    assert m["train/is_weight_mean"] == pytest.approx(3.5 / 3) and m["train/is_outside_frac"] == pytest.approx(1 / 3)
     c, m = weights("token", "truncate", [[LN(0.5), 0.0, LN(3)]], high=2.0, low=0.8)
-    assert c == pytest.approx([0.8, 1.0, 2.0]) and m["is_outside_frac"] == pytest.approx(2 / 3)
+    assert c == pytest.approx([0.8, 1.0, 2.0]) and m["train/is_outside_frac"] == pytest.approx(2 / 3)
 
 
 def test_token_mask_is_icepop():
     # bounds [1/2, 2] by default: w = [0.4, 0.5, 1.5, 3] -> [0, 0.5, 1.5, 0] (bounds inclusive)
     c, m = weights("token", "mask", [[LN(0.4), LN(0.5), LN(1.5), LN(3)]], high=2.0)
     assert c == pytest.approx([0.0, 0.5, 1.5, 0.0])
-    assert m["is_outside_frac"] == pytest.approx(0.5)
+    assert m["train/is_outside_frac"] == pytest.approx(0.5)
 
 
 def test_sequence_truncate_uses_the_product_of_the_ratios():
@@ -44,7 +44,7 @@ def test_geometric_reject_masks_whole_sequences_without_reweighting():
     # sequence 3: exp((ln 8 + ln 1/8) / 2) = 1 although each token is far off
     c, m = weights("geometric", "reject", [[LN(2), LN(2)], [LN(4), LN(4)], [LN(8), LN(1 / 8)]])
     assert c == pytest.approx([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
-    assert m["is_outside_frac"] == pytest.approx(2 / 6)
+    assert m["train/is_outside_frac"] == pytest.approx(2 / 6)
 
 
 def test_huge_log_ratios_give_finite_weights():
@@ -62,7 +62,7 @@ def test_reinforce_with_token_truncation_hand_computed():
     assert out.loss.item() == pytest.approx(-0.25 * LN(2), abs=1e-12)
     out.loss.backward()
     assert lp.grad.flatten().tolist() == pytest.approx([-0.75, 0.5])            # the weight is detached
-    assert out.metrics["is_weight_mean"].item() == pytest.approx(1.25)
+    assert out.metrics["train/is_weight_mean"].item() == pytest.approx(1.25)
 
 
 def test_a_correction_weights_the_surrogate_and_counts_the_mismatch_once():
@@ -85,7 +85,7 @@ def test_a_correction_weights_the_surrogate_and_counts_the_mismatch_once():
             by_hand = obj(lp, lp.detach(), adv * c, mask).loss
         assert with_c.loss.item() == pytest.approx(by_hand.item(), abs=1e-12), type(obj).__name__
         ratio_max = (lp.detach() - lb)[mask].exp().max().item()
-        assert with_c.metrics["ratio_max"].item() == pytest.approx(ratio_max, rel=1e-5)   # still against pi_b
+        assert with_c.metrics["train/ratio_max"].item() == pytest.approx(ratio_max, rel=1e-5)   # still against pi_b
 
 
 @pytest.mark.parametrize("objective", [GRPO, DecoupledPPO, REINFORCE])
@@ -108,7 +108,7 @@ def test_the_proximal_policy_sets_the_weight_when_given():
     prox = lb + LN(4)
     adv, mask = torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool)
     out = DecoupledPPO(correction=ISCorrection("token", "truncate", high=2.0))(lp, lb, adv, mask, proximal_logprobs=prox)
-    assert out.metrics["is_weight_mean"].item() == pytest.approx(2.0)
+    assert out.metrics["train/is_weight_mean"].item() == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("bad", [dict(level="tok"), dict(mode="clip"), dict(high=0.0), dict(low=3.0, high=2.0),

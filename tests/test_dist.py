@@ -15,12 +15,13 @@ import torch
 import torch.multiprocessing as mp
 
 from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
+from lit_ess.engines import SamplingConfig
 from lit_ess.objectives import P3O, ess_stats
 from lit_ess.rollout import Row, collate
 
 pytestmark = pytest.mark.dist
 
-SAMPLING = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "max_new_tokens": 6}
+SAMPLING = SamplingConfig(temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=6)
 
 
 def _free_port() -> int:
@@ -40,7 +41,7 @@ def _batch(rows: int = 6):
                        logprobs=(-5.5 + 0.5 * torch.randn(C, generator=g)).tolist(),
                        advantage=float(torch.randn((), generator=g)), reward=0.0, version=0, prompt_id=i,
                        prompt_text="", completion_text=""))
-    return collate(out, pad_id=0, sampling=dict(SAMPLING))
+    return collate(out, pad_id=0, sampling=SAMPLING)
 
 
 class RecordingP3O(P3O):
@@ -113,8 +114,8 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
     assert torch.allclose(got["ess"].double(), ref_ess.double(), atol=1e-6)
     for n, p in ref.policy.named_parameters():
         assert torch.allclose(got["grads"][n], p.grad, atol=1e-6, rtol=1e-4), n
-    for k in ("loss", "policy_loss", "kl_term", "ess", "tokens", "ratio_max", "ratio_min", "ratio_mean", "kl_behavior",
-              "capped_frac"):
+    for k in ("train/loss", "train/policy_loss", "train/kl_term", "train/ess", "train/tokens", "train/ratio_max",
+              "train/ratio_min", "train/ratio_mean", "train/kl_behavior", "train/capped_frac"):
         assert got["metrics"][k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
 
 

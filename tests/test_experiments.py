@@ -22,16 +22,15 @@ def test_apply_sets_dotted_keys():
 
 
 def test_a_runs_config_shares_no_list_with_its_cell(tmp_path):
-    """The temperature cells add ExportHF to their callbacks; that list was the cells' shared PROXIMAL list,
-    so every later run with ProximalLogprobs exported its weights into those cells' folders."""
+    """The temperature cells add ExportHF to their callbacks; a list shared between cells would make every
+    later run export its weights into those cells' folders."""
     from experiments.run import cell_config
 
     cells = [c for c in EXPERIMENTS["temperature"].cells if c.label.endswith("_anchor")]
     cfgs = [cell_config("temperature", c, 0, tmp_path, tmp_path / c.label, FULL) for c in cells]
     decoupled = next(c for c in EXPERIMENTS["stress_k"].cells if c.method == "decoupled")
     later = cell_config("stress_k", decoupled, 0, tmp_path, tmp_path / "d", FULL)
-    assert [cb["class_path"].rsplit(".", 1)[1] for cb in later["trainer"]["callbacks"]] == ["WeightSync",
-                                                                                          "ProximalLogprobs"]
+    assert [cb["class_path"].rsplit(".", 1)[1] for cb in later["trainer"]["callbacks"]] == ["WeightSync"]
     for c, cfg in zip(cells, cfgs):
         exports = [cb for cb in cfg["trainer"]["callbacks"] if cb["class_path"].endswith("ExportHF")]
         assert [e["init_args"]["dirpath"] for e in exports] == [str(tmp_path / c.label / "final")]

@@ -227,3 +227,17 @@ def test_tiny_takes_any_multiple_of_the_head_size(tmp_path, capsys):
         main([str(tmp_path / "n"), "--hidden-size", "100"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.startswith("lit-ess-tiny: error: --hidden-size 100 must be") and "\n" not in err
+
+
+@pytest.mark.parametrize("source, says", [
+    ("def score(c, a):\n    return 1.0\nif True\n    pass\n", "line 3: SyntaxError: expected ':'"),
+    ("import math\nx = undefined_name\n", "line 2: NameError: name 'undefined_name' is not defined"),
+], ids=["syntax error", "error at import"])
+def test_a_reward_module_that_fails_to_import_names_its_file_and_line(tiny_model_dir, tmp_path, source, says):
+    """(main: `lit-ess: error: expected ':'`, naming neither the file nor the line)"""
+    module = tmp_path / "my_reward.py"
+    module.write_text(source)
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", extra_data={"reward": "my_reward:score"})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], cwd=tmp_path)
+    line = one_line(res)
+    assert f"reward 'my_reward:score' cannot be imported: {module}, {says}" in line, line

@@ -1,35 +1,38 @@
 """The lag-0 ESS alarm (issue 18, item 6): when it applies, once-only warning, the count, the error switch."""
+from dataclasses import replace
+
 import pytest
 
-from lit_ess.engines import HFConfig, VLLMConfig
-from lit_ess.health import ESSAlarm
+from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig
+from lit_ess.health import ESSAlarm, StepFacts, exact_on_policy
 
-EXACT = dict(engine_dtype="float32", trainer_dtype="float32", sample_temperature=1.0, train_temperature=1.0)
+EXACT = StepFacts(lag_max=0, engine_dtype="float32", precision="32-true", model_dtype="float32", cast_dtype=None,
+                  lora=False, dropout=False, sample_temperature=1.0, train_temperature=1.0)
 
 
 def test_it_applies_only_where_the_ess_must_be_one():
-    a = ESSAlarm()
-    assert a.applies(0, "float32", "float32", 1.0, 1.0)
-    assert not a.applies(1, "float32", "float32", 1.0, 1.0)                # lag 1: stale rows
-    assert not a.applies(0, "bfloat16", "float32", 1.0, 1.0)               # precision mismatch
-    assert not a.applies(0, None, None, 1.0, 1.0)                          # the engine does not say
-    assert not a.applies(0, "float32", "float32", 1.5, 1.0)                # temperature mismatch
-    assert not ESSAlarm(None).applies(0, "float32", "float32", 1.0, 1.0)   # off
+    assert exact_on_policy(EXACT)
+    assert not exact_on_policy(replace(EXACT, lag_max=1))                                  # lag 1: stale rows
+    assert not exact_on_policy(replace(EXACT, engine_dtype="bfloat16"))                    # precision mismatch
+    assert not exact_on_policy(replace(EXACT, engine_dtype=None))                          # the engine does not say
+    assert not exact_on_policy(replace(EXACT, sample_temperature=1.5))                     # temperature mismatch
+    assert not exact_on_policy(replace(EXACT, dropout=True))                               # random masks
+    assert ESSAlarm(None).check(1, 0.1, 0.01, EXACT) is None                               # off
 
 
 def test_warns_once_with_the_numbers_and_counts_every_step():
     a = ESSAlarm(0.999)
-    assert a.check(3, 0.9995, 1.0, 0, **EXACT) is None and a.count == 0
-    first = a.check(4, 0.0213, 3e-7, 0, **EXACT)
+    assert a.check(3, 0.9995, 1.0, EXACT) is None and a.count == 0
+    first = a.check(4, 0.0213, 3e-7, EXACT)
     assert first.startswith("step 4: ESS 0.021300 (mean ratio pi_theta/pi_b 3e-07) below ess_alarm=0.999")
     assert "check the weight sync" in first and "\n" not in first
-    assert a.check(5, 0.5, 0.4, 0, **EXACT) is None and a.count == 2       # counted, not warned again
-    assert a.check(6, 0.5, 0.4, 2, **EXACT) is None and a.count == 2       # lag 2: not a fault
+    assert a.check(5, 0.5, 0.4, EXACT) is None and a.count == 2                    # counted, not warned again
+    assert a.check(6, 0.5, 0.4, replace(EXACT, lag_max=2)) is None and a.count == 2  # lag 2: not a fault
 
 
 def test_the_switch_makes_it_an_error():
     with pytest.raises(RuntimeError, match=r"^step 1: ESS 0\.100000 .*\(check the weight sync\)$"):
-        ESSAlarm(0.999, error=True).check(1, 0.1, 0.01, 0, **EXACT)
+        ESSAlarm(0.999, error=True).check(1, 0.1, 0.01, EXACT)
     with pytest.raises(ValueError, match="ess_alarm must be in"):
         ESSAlarm(1.5)
 
@@ -49,12 +52,18 @@ def test_the_trainers_dtype_follows_precision_and_fsdp2s_cast(tiny_model_dir):
     from lit_ess.module import PolicyModule
 
     m = PolicyModule(tiny_model_dir, model_dtype="bfloat16")
-    assert m._trainer_dtype() == "bfloat16"                          # no Trainer: "32-true", the stored dtype
+    m.configure_model()
+
+    def trainer_dtype():
+        return m.step_facts(SamplingConfig(), "bfloat16", 0.0).trainer_dtype
+
+    assert trainer_dtype() == "bfloat16"                             # no Trainer: "32-true", the stored dtype
     for precision, want in (("32-true", "bfloat16"), ("bf16-true", "bfloat16"), ("bf16-mixed", None), ("16-mixed", None)):
         m._trainer = SimpleNamespace(precision=precision)
-        assert m._trainer_dtype() == want, precision
-    m._trainer, m.compute_dtype = SimpleNamespace(precision="32-true"), "float16"   # FSDP2 param_dtype float16
-    assert m._trainer_dtype() == "float16"
+        assert trainer_dtype() == want, precision
+    m._trainer = SimpleNamespace(precision="32-true")
+    m.cast_forward("float16")                                       # FSDP2 param_dtype float16
+    assert trainer_dtype() == "float16"
 
 
 def test_dropout_or_fp32_adapters_on_a_16_bit_base_are_not_exact(tiny_model_dir):
@@ -68,11 +77,11 @@ def test_dropout_or_fp32_adapters_on_a_16_bit_base_are_not_exact(tiny_model_dir)
                       ({"lora": LoRA(rank=4), "model_dtype": "bfloat16"}, False)):
         m = PolicyModule(tiny_model_dir, ess_alarm_error=True, **kw)
         m.configure_model()
-        sampling = {"engine_dtype": m.hparams.model_dtype, "temperature": 1.0}
+        facts = m.step_facts(SamplingConfig(temperature=1.0), m.hparams.model_dtype, 0.0)
         if exact:
             with pytest.raises(RuntimeError, match="below ess_alarm=0.999"):
-                m._check_ess(dict(logs), sampling, step=1)
+                m._check_ess(dict(logs), facts, step=1)
         else:
             out = dict(logs)
-            m._check_ess(out, sampling, step=1)
+            m._check_ess(out, facts, step=1)
             assert out["train/ess_alarms"] == 0.0, kw

@@ -37,7 +37,7 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir, stale_batch, 
     g_full, m_full, e_full = grads(tiny_model_dir, stale_batch, objective=objective)
     g_micro, m_micro, e_micro = grads(tiny_model_dir, stale_batch, objective=objective, micro_batch_size=3)
     assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
-    assert m_micro["loss"] == pytest.approx(m_full["loss"], abs=1e-5)
+    assert m_micro["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-5)
     if objective is P3O:
         assert 0 < float(e_full) < 0.99 and float(e_micro) == pytest.approx(float(e_full), rel=1e-6)
 
@@ -58,7 +58,7 @@ def test_bad_module_settings_are_named(tiny_model_dir):
 def test_entropy_bonus_and_reference_kl_run_through_the_module(tiny_model_dir, stale_batch):
     g0, m0, _ = grads(tiny_model_dir, stale_batch)
     g1, m1, _ = grads(tiny_model_dir, stale_batch, objective_kwargs={"entropy_coef": 0.01, "ref_kl_coef": 0.1})
-    assert m1["entropy"] > 0 and m1["kl_ref"] == pytest.approx(0.0, abs=1e-6)   # reference = the start policy
+    assert m1["train/entropy"] > 0 and m1["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)   # reference = the start policy
     assert torch.isfinite(g1).all() and not torch.allclose(g0, g1)
 
 
@@ -66,7 +66,7 @@ def test_entropy_bonus_and_reference_kl_run_through_the_module(tiny_model_dir, s
 
 
 def _with_sampling(batch, **sampling):
-    return replace(batch, sampling={**batch.sampling, **sampling})
+    return replace(batch, sampling=replace(batch.sampling, **sampling))
 
 
 @pytest.mark.parametrize("sampling, train_temperature", [
@@ -79,7 +79,7 @@ def test_reference_kl_is_zero_when_reference_is_policy(tiny_model_dir, stale_bat
     batch = _with_sampling(stale_batch, **sampling)
     _, m, _ = grads(tiny_model_dir, batch, objective_kwargs={"ref_kl_coef": 0.1},
                     train_temperature=train_temperature)
-    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert m["train/kl_ref"] == pytest.approx(0.0, abs=1e-7)
 
 
 @pytest.mark.parametrize("objective", [P3O, GRPO], ids=lambda c: c.__name__)
@@ -95,7 +95,7 @@ def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, object
     stale_batch = replace(stale_batch, **masks)
     g_full, m_full, _ = grads(tiny_model_dir, stale_batch, **kw)
     g_micro, m_micro, _ = grads(tiny_model_dir, stale_batch, micro_batch_size=2, **kw)
-    assert m_micro["loss"] == pytest.approx(m_full["loss"], rel=1e-5, abs=1e-8)
+    assert m_micro["train/loss"] == pytest.approx(m_full["train/loss"], rel=1e-5, abs=1e-8)
     assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
     if objective is GRPO:     # hand-computed: sum of clipped surrogates / (N_seqs * max_new_tokens)
         from transformers import AutoModelForCausalLM
@@ -109,8 +109,8 @@ def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, object
         rho = (lp - b.behavior_logprobs).exp()
         adv = b.advantages[:, None]
         surr = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
-        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b.sampling["max_new_tokens"])
-        assert m_full["policy_loss"] == pytest.approx(float(want.detach()), rel=1e-5)
+        want = -(surr * m).sum() / ((m.sum(-1) > 0).sum() * b.sampling.max_new_tokens)
+        assert m_full["train/policy_loss"] == pytest.approx(float(want.detach()), rel=1e-5)
 
 
 def test_step_ess_does_not_depend_on_micro_batching_with_tokens_outside_top_k(tiny_model_dir, stale_batch):
@@ -119,9 +119,9 @@ def test_step_ess_does_not_depend_on_micro_batching_with_tokens_outside_top_k(ti
     batch = _with_sampling(stale_batch, top_k=3)
     _, m_full, e_full = grads(tiny_model_dir, batch)
     _, m_micro, e_micro = grads(tiny_model_dir, batch, micro_batch_size=2)
-    assert m_full["nonfinite_tokens"] > 0                     # the case is really exercised
+    assert m_full["train/nonfinite_tokens"] > 0                     # the case is really exercised
     assert float(e_micro) == pytest.approx(float(e_full), rel=1e-6)
-    assert m_micro["loss"] == pytest.approx(m_full["loss"], abs=1e-6)
+    assert m_micro["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-6)
 
 
 def test_nan_trainer_logprob_gives_a_finite_step_ess(tiny_model_dir, stale_batch):
@@ -141,7 +141,7 @@ def test_nan_trainer_logprob_gives_a_finite_step_ess(tiny_model_dir, stale_batch
         module.policy.get_input_embeddings().register_forward_hook(poison_row0)
         results.append(module.accumulate_gradients(stale_batch))
     (m_full, ess_full), (m_micro, ess_micro) = results
-    assert m_full["nonfinite_tokens"] == int(stale_batch.completion_mask[0].sum())
+    assert m_full["train/nonfinite_tokens"] == int(stale_batch.completion_mask[0].sum())
     assert torch.isfinite(ess_micro) and float(ess_micro) == pytest.approx(float(ess_full), rel=1e-6)
 
 
@@ -161,7 +161,7 @@ def test_dropout_is_off_in_the_trainer(dropout_model_dir):
     batch = dm.generate_phase()[0]
     batch.advantages = torch.randn(batch.input_ids.shape[0], generator=torch.Generator().manual_seed(0))
     _, m, ess = grads(dropout_model_dir, batch, micro_batch_size=4)
-    assert float(ess) >= 0.99999 and m["ratio_max"] < 1.0001
+    assert float(ess) >= 0.99999 and m["train/ratio_max"] < 1.0001
     _, _, ess_on = grads(dropout_model_dir, batch, micro_batch_size=4, disable_dropout=False)
     assert float(ess_on) < 0.999                              # the knob is real: dropout on breaks ESS 1
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, aggregate,
-                                k3)
+from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, ISCorrection,
+                                aggregate, k3)
 
 LN2, LN4 = math.log(2), math.log(4)
 
@@ -28,8 +28,8 @@ def test_p3o_hand_computed():
     out = P3O()(lp, lb, adv, mask)
     expected = -0.45 * LN2 + 0.1 * (LN2 - 0.5) / 2
     assert out.loss.item() == pytest.approx(expected, abs=1e-12)
-    assert out.metrics["ess"].item() == pytest.approx(0.9, abs=1e-7)
-    assert out.metrics["capped_frac"].item() == pytest.approx(1.0)   # 2 > 0.9 and 1 > 0.9
+    assert out.metrics["train/ess"].item() == pytest.approx(0.9, abs=1e-7)
+    assert out.metrics["train/capped_frac"].item() == pytest.approx(1.0)   # 2 > 0.9 and 1 > 0.9
     out.loss.backward()
     # d/dlp_t = (-w_t A_t + (1 - e) (1 - exp(-lr_t))) / n = [(-0.9 + 0.1 * 0.5) / 2, 0.9 / 2]
     assert lp.grad.tolist()[0] == pytest.approx([-0.425, 0.45], abs=1e-12)
@@ -66,7 +66,7 @@ def test_grpo_hand_computed():
     assert out.loss.item() == pytest.approx(-0.1, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([0.0, 0.5], abs=1e-12)
-    assert out.metrics["clip_ratio_high"].item() == pytest.approx(0.5)
+    assert out.metrics["train/clip_ratio_high"].item() == pytest.approx(0.5)
 
 
 def test_grpo_negative_advantage_is_not_clipped_above():
@@ -173,12 +173,12 @@ def test_nonfinite_tokens_are_masked_and_counted():
     for cls in OBJECTIVE_CLASSES:
         out = cls()(lp_bad, lb, adv, mask)
         assert torch.isfinite(out.loss), cls
-        assert out.metrics["nonfinite_tokens"].item() == 1, cls
+        assert out.metrics["train/nonfinite_tokens"].item() == 1, cls
         out.loss.backward()
         assert torch.isfinite(lp_bad.grad).all(), cls
         lp_bad.grad = None
         out = cls()(lp.detach(), lb_bad, adv, mask)
-        assert torch.isfinite(out.loss) and out.metrics["tokens"].item() == 1, cls
+        assert torch.isfinite(out.loss) and out.metrics["train/tokens"].item() == 1, cls
 
 
 def test_bad_shapes_and_dtypes_name_the_argument():
@@ -218,7 +218,7 @@ def test_on_policy_p3o_equals_reinforce(B, T, seed):
     assert p3o.loss.item() == pytest.approx(rf.loss.item(), abs=1e-12)
     assert torch.allclose(g1, lp.grad, atol=1e-12)
     if mask.any():
-        assert p3o.metrics["ess"].item() == pytest.approx(1.0, abs=1e-12)
+        assert p3o.metrics["train/ess"].item() == pytest.approx(1.0, abs=1e-12)
 
 
 # ---------------------------------------------------------------- proximal logprobs (issue 18, items 1 and 5)
@@ -231,21 +231,21 @@ def test_grpo_clips_around_the_proximal_policy_when_asked():
     prox = torch.log(torch.tensor([[0.45, 0.25]], dtype=torch.float64))
     lp, lb, adv, mask = two_tokens()
     out = GRPO()(lp, lb, adv, mask, proximal_logprobs=prox)           # default: around pi_b, prox unused
-    assert out.loss.item() == pytest.approx(-0.1, abs=1e-12) and out.metrics["clip_ratio"].item() == 0.5
+    assert out.loss.item() == pytest.approx(-0.1, abs=1e-12) and out.metrics["train/clip_ratio"].item() == 0.5
     lp, lb, adv, mask = two_tokens()
     out = GRPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
     assert out.loss.item() == pytest.approx(-1 / 18, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([-5 / 9, 0.5], abs=1e-12)
-    assert out.metrics["clip_ratio"].item() == 0.0                     # clip fraction around pi_prox
-    assert out.metrics["ratio_max"].item() == pytest.approx(2.0)       # ratio statistics stay against pi_b
+    assert out.metrics["train/clip_ratio"].item() == 0.0                     # clip fraction around pi_prox
+    assert out.metrics["train/ratio_max"].item() == pytest.approx(2.0)       # ratio statistics stay against pi_b
     # pi_prox = [.4, .25]: r = [1.25, 1]; GRPO clips t1 at 1.2, DAPO (clip_high .28) does not
     prox = torch.log(torch.tensor([[0.4, 0.25]], dtype=torch.float64))
     lp, lb, adv, mask = two_tokens()
     out = GRPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
-    assert out.loss.item() == pytest.approx(-0.1, abs=1e-12) and out.metrics["clip_ratio_high"].item() == 0.5
+    assert out.loss.item() == pytest.approx(-0.1, abs=1e-12) and out.metrics["train/clip_ratio_high"].item() == 0.5
     out = DAPO(old="proximal")(lp, lb, adv, mask, proximal_logprobs=prox)
-    assert out.loss.item() == pytest.approx(-0.125, abs=1e-12) and out.metrics["clip_ratio"].item() == 0.0
+    assert out.loss.item() == pytest.approx(-0.125, abs=1e-12) and out.metrics["train/clip_ratio"].item() == 0.0
 
 
 def test_a_call_without_proximal_logprobs_is_the_first_step_on_its_data():
@@ -268,7 +268,7 @@ def test_gspo_sequence_ratio_around_the_proximal_policy():
     assert out.loss.item() == pytest.approx(-s, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([-s / 2, -s / 2], abs=1e-12)
-    assert out.metrics["clip_ratio"].item() == 0.0
+    assert out.metrics["train/clip_ratio"].item() == 0.0
 
 
 def test_objectives_say_whether_they_need_proximal_logprobs():
@@ -277,6 +277,9 @@ def test_objectives_say_whether_they_need_proximal_logprobs():
     assert GRPO(old="proximal").needs_proximal and GSPO(old="proximal").needs_proximal
     assert P3O(kl_anchor="behavior_at_train_temperature").needs_proximal
     assert not P3O(kl_anchor="behavior_at_train_temperature", adaptive_kl=False).needs_proximal
+    for cls in (P3O, GRPO, DAPO, GSPO, CISPO, REINFORCE):            # a correction weighs pi_prox / pi_b
+        assert cls(correction=ISCorrection()).needs_proximal, cls.__name__
+    assert not P3O(correction=ISCorrection()).proximal_stands_for_behavior    # the anchor stays pi_b
     with pytest.raises(ValueError, match="old='pi_b' is not one of"):
         DAPO(old="pi_b")
     with pytest.raises(ValueError, match="kl_anchor='proximal' is not one of"):
@@ -291,8 +294,8 @@ def test_p3o_kl_anchor_at_the_train_temperature_hand_computed():
     la = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
     out = P3O(kl_anchor="behavior_at_train_temperature")(lp, lb, adv, mask, proximal_logprobs=la)
     assert out.loss.item() == pytest.approx(-0.45 * LN2 + 0.1 * (1 - LN2) / 2, abs=1e-12)
-    assert out.metrics["ess"].item() == pytest.approx(0.9, abs=1e-7)          # the ratio keeps the true pi_b
-    assert out.metrics["kl_term"].item() == pytest.approx((1 - LN2) / 2, abs=1e-12)
+    assert out.metrics["train/ess"].item() == pytest.approx(0.9, abs=1e-7)          # the ratio keeps the true pi_b
+    assert out.metrics["train/kl_term"].item() == pytest.approx((1 - LN2) / 2, abs=1e-12)
     out.loss.backward()
     assert lp.grad.tolist()[0] == pytest.approx([-0.45, 0.4], abs=1e-12)
 
@@ -318,7 +321,7 @@ def test_the_train_temperature_anchor_stops_the_pull_toward_a_tempered_copy():
     trainer = P3O(kl_anchor="behavior_at_train_temperature")(lp, lb, adv, mask, proximal_logprobs=la)
     trainer.loss.backward()
     e = float(batch_ess_of(lp.detach() - lb))
-    assert e < 1 and trainer.metrics["ess"].item() == pytest.approx(e) == sampler.metrics["ess"].item()
+    assert e < 1 and trainer.metrics["train/ess"].item() == pytest.approx(e) == sampler.metrics["train/ess"].item()
     # default: d/dlp_t = (1 - e) (1 - pi_b / pi) / 4; token 0 is likelier under pi than pi_b: pushed down
     want = (1 - e) * (1 - (lb - lp.detach()).exp()) / 4
     assert g_sampler[0].tolist() == pytest.approx(want[0].tolist(), abs=1e-12) and g_sampler[0, 0] > 0

@@ -6,14 +6,14 @@ import lightning as L
 import pytest
 import torch
 
-from lit_ess.callbacks import ProximalLogprobs, WeightSync
+from lit_ess.callbacks import WeightSync
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.logprobs import sequence_logprobs
 from lit_ess.lora import LoRA
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, DecoupledPPO
-from lit_ess.rollout import RolloutBuffer
+from lit_ess.rollout import Proximal, RolloutBuffer
 
 
 def data(model_dir, k=2, **kw):
@@ -41,7 +41,7 @@ class Recording(DecoupledPPO):
 def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_model_dir, phase, lora):
     """score_proximal in micro-batches of 3 rows (3 + 3 + 2) at train temperature 0.7 gives, for the batch
     trained at the phase's first step, exactly the lp.detach() of its gradient pass: the same forward
-    (with LoRA: adapters on, here non-zero). The callback's shortcut (mark that batch, score only the
+    (with LoRA: adapters on, here non-zero). score_phase's shortcut (mark that batch, score only the
     waiting ones) therefore gives the identical update."""
     grads = []
     for scored in (True, False):
@@ -55,9 +55,9 @@ def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_mo
         b0, b1 = (replace(b) for b in phase)
         if scored:
             m.score_proximal([b0, b1], pad=b0)
-            assert b0.prox_version == b1.prox_version == 0 and b1.prox_logprobs.shape == b1.behavior_logprobs.shape
+            assert b0.proximal == b1.proximal == Proximal(0, "scored") and b1.prox_logprobs.shape == b1.behavior_logprobs.shape
         else:
-            b0.prox_version = 0                    # what ProximalLogprobs does for the batch it is about to train
+            b0.proximal = Proximal(0, "own_pass")  # what score_phase does for the batch it is about to train
         m.accumulate_gradients(b0)
         assert len(m.objective.seen) == 3
         for lp, prox in m.objective.seen:
@@ -66,28 +66,30 @@ def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_mo
     assert torch.equal(*grads)
 
 
-def test_an_objective_that_needs_them_names_the_callback(tiny_model_dir, phase):
+def test_an_objective_that_needs_them_names_what_is_missing(tiny_model_dir, phase):
+    """A direct call with a batch no step has scored, and a step with no data side to take the phase's
+    waiting batches from, are named in one line."""
     m = PolicyModule(tiny_model_dir, objective=GRPO(old="proximal"))
     m.configure_model()
-    with pytest.raises(ValueError, match="objective GRPO uses the trainer's proximal logprobs, which this run does not "
-                                         "compute: add lit_ess.callbacks.ProximalLogprobs to trainer.callbacks"):
+    with pytest.raises(ValueError, match=r"^objective GRPO uses the trainer's proximal logprobs, which training_step "
+                                         r"scores .*: this batch has none \(batch.proximal is None\)$"):
         m.accumulate_gradients(replace(phase[0]))
-    with pytest.raises(ValueError, match="objective DecoupledPPO .* add lit_ess.callbacks.ProximalLogprobs"):
-        fit(tiny_model_dir, PolicyModule(tiny_model_dir, objective=DecoupledPPO()), [WeightSync()], steps=1)
+    with pytest.raises(ValueError, match=r"objective GRPO .*: no data module attached its phases \(attach_rollouts\)$"):
+        m.score_phase(replace(phase[0]))
 
 
 def test_select_and_the_buffer_state_keep_them(phase):
-    b = replace(phase[1], prox_logprobs=torch.randn(phase[1].behavior_logprobs.shape), prox_version=7)
+    b = replace(phase[1], prox_logprobs=torch.randn(phase[1].behavior_logprobs.shape), proximal=Proximal(7, "scored"))
     part = b.select([1, 3])
     width = part.input_ids.shape[1]
-    assert torch.equal(part.prox_logprobs, b.prox_logprobs[[1, 3], :width]) and part.prox_version == 7
+    assert torch.equal(part.prox_logprobs, b.prox_logprobs[[1, 3], :width]) and part.proximal == Proximal(7, "scored")
     buf = RolloutBuffer(2, 1)
     buf.put(0, [replace(phase[0]), b])
     buf.take(0)
     again = RolloutBuffer(2, 1)
     again.load_state_dict(buf.state_dict())            # a mid-phase checkpoint
     (kept,) = again.waiting(0)
-    assert torch.equal(kept.prox_logprobs, b.prox_logprobs) and kept.prox_version == 7
+    assert torch.equal(kept.prox_logprobs, b.prox_logprobs) and kept.proximal == Proximal(7, "scored")
 
 
 def fit(model_dir, module, callbacks, steps, k=2, **data_kw):
@@ -98,18 +100,23 @@ def fit(model_dir, module, callbacks, steps, k=2, **data_kw):
 
 
 class CheckProximal(L.Callback):
-    """After ProximalLogprobs: at a phase's first step, keep the weights and check the batch is marked and
-    the waiting one scored; at the second step, score its rows with the kept weights."""
+    """At a phase's first step, keep the weights before the step and check, after it, that the batch was
+    marked and the waiting one scored; at the second step, score its rows with the kept weights."""
 
     def __init__(self):
         self.checked = 0
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch.index == 0:
+            step = trainer.global_step - 1                    # the step just taken
+            assert batch.proximal == Proximal(step, "own_pass") and batch.prox_logprobs is None
+            (waiting,) = pl_module.rollouts.waiting_batches(batch.phase)
+            assert waiting.proximal == Proximal(step, "scored") and waiting.prox_logprobs is not None
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step
         if batch.index == 0:
-            assert batch.prox_version == step and batch.prox_logprobs is None
-            (waiting,) = trainer.datamodule.waiting_batches(batch.phase)
-            assert waiting.prox_version == step and waiting.prox_logprobs is not None
+            assert batch.proximal is None
             self.weights = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
             return
         from transformers import AutoModelForCausalLM
@@ -119,7 +126,7 @@ class CheckProximal(L.Callback):
         m = batch.completion_mask
         want, _ = sequence_logprobs(start.eval(), batch.input_ids, batch.attention_mask, m)
         now, _ = sequence_logprobs(pl_module.policy, batch.input_ids, batch.attention_mask, m)
-        assert batch.prox_version == step - 1
+        assert batch.proximal == Proximal(step - 1, "scored")
         assert torch.allclose(batch.prox_logprobs[m], want[m], atol=1e-5)
         assert (now[m] - want[m]).abs().max() > 1e-3                     # the first step really moved the policy
         self.checked += 1
@@ -127,13 +134,14 @@ class CheckProximal(L.Callback):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model_dir, mode):
-    """A plain Trainer, 2 steps per rollout, DecoupledPPO in micro-batches of 3: the second batch of each
-    phase carries the logprobs of the weights that trained the first, not the current ones (async: the
-    worker process generates ahead, max_staleness 2, and the buffer's waiting batches are scored alike)."""
+    """A plain Trainer, 2 steps per rollout, DecoupledPPO in micro-batches of 3, no callback for it: the
+    second batch of each phase carries the logprobs of the weights that trained the first, not the current
+    ones (async: the worker process generates ahead, max_staleness 2, and the buffer's waiting batches are
+    scored alike)."""
     check = CheckProximal()
     module = PolicyModule(tiny_model_dir, objective=DecoupledPPO(), micro_batch_size=3, lr=1e-2)
     extra = {"mode": "async", "max_staleness": 2} if mode == "async" else {}
-    fit(tiny_model_dir, module, [WeightSync(), ProximalLogprobs(), check], steps=4, **extra)
+    fit(tiny_model_dir, module, [WeightSync(), check], steps=4, **extra)
     assert check.checked == 2
 
 
@@ -148,10 +156,29 @@ def test_p3o_anchor_on_rows_older_than_their_proximal_policy_warns_once(tiny_mod
     m.configure_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")                           # rows of the proximal step itself: silent
-        m.accumulate_gradients(replace(phase[0], prox_version=0))
+        m.accumulate_gradients(replace(phase[0], proximal=Proximal(0, "own_pass")))
     with pytest.warns(UserWarning, match=r"rows sampled by the weights of step 0 are anchored at the proximal "
                                          r"policy of step 2 \(P3O\.kl_anchor: behavior_at_train_temperature\)"):
-        m.accumulate_gradients(replace(phase[0], prox_version=2))
+        m.accumulate_gradients(replace(phase[0], proximal=Proximal(2, "own_pass")))
     with warnings.catch_warnings():
         warnings.simplefilter("error")                           # once
-        m.accumulate_gradients(replace(phase[0], prox_version=2))
+        m.accumulate_gradients(replace(phase[0], proximal=Proximal(2, "own_pass")))
+
+
+@pytest.mark.e2e
+def test_a_config_that_lists_the_old_callback_runs_the_same_with_one_note(tiny_model_dir, tmp_path):
+    """`lit_ess.callbacks.ProximalLogprobs` in trainer.callbacks (configs written for it) is accepted through
+    LightningCLI: the same losses as without it (the module scores pi_prox itself), one note on stderr."""
+    from e2e_utils import cli, rl_config, scalars, write_config
+
+    losses = {}
+    for listed in (False, True):
+        out = tmp_path / f"listed_{listed}"
+        cfg = rl_config(tiny_model_dir, out, engine="HFConfig", max_steps=4, steps_per_rollout=2, objective="DecoupledPPO")
+        if listed:
+            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.ProximalLogprobs"})
+        res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
+        assert res.returncode == 0, res.stderr[-4000:]
+        assert res.stderr.count("ProximalLogprobs does nothing") == int(listed), res.stderr[-2000:]
+        losses[listed] = scalars(out)["train/loss"]
+    assert len(losses[True]) == 4 and losses[True] == losses[False]

@@ -1,12 +1,14 @@
-"""Rollout engines behind one interface: in-process vLLM (default) and transformers' `generate`.
+"""Rollout engines behind one interface: in-process vLLM (default), vLLM's own server, transformers' `generate`.
 
-Each engine has a typed config (`VLLMConfig`, `HFConfig`) whose `build(model_path)` starts it; configs
+Each engine has a typed config (`VLLMConfig`, `VLLMServerConfig`, `HFConfig`) whose `build(model_path)` starts it; configs
 name engines in YAML (`engine: {class_path: lit_ess.engines.HFConfig, init_args: {dtype: bfloat16}}`),
 code builds them the same way (`VLLMConfig(dtype="bfloat16").build(model_path)`).
 """
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed
 from .hf_engine import HFConfig
 from .vllm_engine import VLLMConfig
+from .vllm_server import VLLMServerConfig
 
-__all__ = ["Completion", "EngineConfig", "HFConfig", "RolloutEngine", "SamplingConfig", "VLLMConfig", "WeightTransfer",
+__all__ = ["Completion", "EngineConfig", "HFConfig", "RolloutEngine", "SamplingConfig", "VLLMConfig", "VLLMServerConfig",
+           "WeightTransfer",
            "derive_seed"]

@@ -88,12 +88,6 @@ class EngineConfig:
 
         return {"name": type(self).__name__, **asdict(self)}
 
-    def model_len(self, model_path: str) -> int:
-        """The longest prompt + completion the engine serves: the model's max_position_embeddings."""
-        from transformers import AutoConfig
-
-        return int(AutoConfig.from_pretrained(model_path).max_position_embeddings)
-
     def weight_transfer(self, in_process: bool) -> WeightTransfer:
         """How weights reach an engine built from this config: built in the trainer's process (sync
         mode) or in the async worker process. Default: the engine reads the trainer's tensors (in
@@ -112,6 +106,12 @@ class EngineConfig:
         or None when it can. Default: it takes full weights only."""
         return (f"model.lora.sync: adapter pushes adapters, which the {type(self).__name__} engine does not take: "
                 f"use model.lora.sync: merged, or lit_ess.engines.VLLMConfig with max_lora_rank")
+
+    def model_len(self, model_path: str) -> tuple[int, str] | None:
+        """The longest prompt + completion this engine takes with the model at `model_path`, and the knob
+        that sets it; None when the model's config does not say. Default: the model's
+        max_position_embeddings."""
+        return position_limit(model_path)
 
     def worker_env(self) -> dict[str, str]:
         """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an
@@ -153,6 +153,34 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Free the engine's resources."""
+
+
+def position_limit(model_path: str) -> tuple[int, str] | None:
+    """(max_position_embeddings, its name) of the model's config, or None when it has none."""
+    from transformers import AutoConfig
+
+    n = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return (n, "the model's max_position_embeddings") if isinstance(n, int) and n > 0 else None
+
+
+def prompt_budget(max_prompt_tokens: int | None, max_new_tokens: int, limit: tuple[int, str] | None) -> int:
+    """The longest prompt a run samples: `max_prompt_tokens`, or with None the engine's model length
+    minus `max_new_tokens`. Raises ValueError naming both knobs when prompt + completion cannot fit."""
+    if limit is None:
+        if max_prompt_tokens is None:
+            raise ValueError("max_prompt_tokens is null and the model's config has no max_position_embeddings: set "
+                             "data.max_prompt_tokens")
+        return max_prompt_tokens
+    n, what = limit
+    if max_prompt_tokens is None:
+        if max_new_tokens >= n:
+            raise ValueError(f"sampling.max_new_tokens={max_new_tokens} leaves no room for a prompt in {what} = {n}")
+        return n - max_new_tokens
+    if max_prompt_tokens + max_new_tokens > n:
+        raise ValueError(f"max_prompt_tokens={max_prompt_tokens} + sampling.max_new_tokens={max_new_tokens} = "
+                         f"{max_prompt_tokens + max_new_tokens} exceeds {what} = {n}: lower one of them (or leave "
+                         f"max_prompt_tokens null: the room the model length leaves)")
+    return max_prompt_tokens
 
 
 def truncate_at_stop(text_of, token_ids: list[int], eos_id: int | None, stop: list[str]) -> tuple[int, str]:

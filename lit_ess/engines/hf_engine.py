@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..health import NonFiniteError, first_nonfinite
 from ..logprobs import token_logprobs
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
 from ..lora import is_adapter_payload
@@ -101,7 +102,8 @@ class HFEngine(RolloutEngine):
                 input_ids=ids.to(self.device), attention_mask=att.to(self.device), do_sample=True,
                 temperature=s.temperature, top_k=s.top_k if s.top_k > 0 else 0, top_p=s.top_p,
                 max_new_tokens=s.max_new_tokens, return_dict_in_generate=True, output_logits=True,
-                pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id)
+                pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
+                logits_processor=[self._finite_scores])
         new = out.sequences[:, width:].cpu()                              # [N, T]
         logits = torch.stack(out.logits, dim=1).cpu()                     # [N, T, V], before processing
         lps, _ = token_logprobs(logits, new) if self.raw else token_logprobs(logits, new, s.temperature, s.top_k, s.top_p)
@@ -111,6 +113,16 @@ class HFEngine(RolloutEngine):
             keep, reason = truncate_at_stop(self._text, toks, self.tokenizer.eos_token_id, s.stop)
             result.append(Completion(toks[:keep], lps[r, :keep].tolist(), reason, self.version))
         return result
+
+    def _finite_scores(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        """A logits processor: next-token scores [N, V] with a NaN or +inf cannot be sampled from (torch.multinomial
+        would raise a bare error); stop with one line naming the first non-finite weight, if any."""
+        if bool(scores.isnan().any()) or bool(scores.isposinf().any()):
+            bad = first_nonfinite(self.model.named_parameters())
+            why = f"weight {bad} is not finite" if bad else f"the logits overflow in {self.model.dtype}"
+            raise NonFiniteError(f"hf engine: the next-token probabilities of the weights of step {self.version} are "
+                                 f"not finite ({why}): nothing can be sampled")
+        return scores
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)     # as vLLM matches stop strings

@@ -24,7 +24,8 @@ from torch import Tensor
 from ..console import harmless_stderr_dropped, verbose
 from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, require_cuda,
+from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, position_limit,
+                   require_cuda,
                    visible_devices)
 
 
@@ -81,7 +82,8 @@ class VLLMConfig(EngineConfig):
         gpu_memory_utilization: share of device memory (of RAM on CPU) vLLM may take, in (0, 1]; None = 0.1 on
             CPU, 0.4 on CUDA (colocated with the trainer).
         kv_cache_gib: KV-cache size on the CPU backend, in GiB (> 0).
-        max_model_len: longest prompt + completion, >= 1; None = the model's.
+        max_model_len: longest prompt + completion, >= 1; None = the model's (max_position_embeddings).
+            data.max_prompt_tokens + sampling.max_new_tokens must fit it (checked at start).
         enforce_eager: no CUDA graphs / compilation (fast start; needed for in-place reloads on CPU).
         seed: the engine's own seed, an integer >= 0 (each request also gets a derived seed from the sampling seed).
         behavior_logprobs: "processed" (vLLM's processed logprobs: the distribution it sampled from,
@@ -169,8 +171,11 @@ class VLLMConfig(EngineConfig):
         kw = self.vllm_kwargs
         return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
 
-    def model_len(self, model_path: str) -> int:
-        return self.max_model_len if self.max_model_len is not None else super().model_len(model_path)
+    def model_len(self, model_path: str) -> tuple[int, str] | None:
+        model = position_limit(model_path)
+        if self.max_model_len is not None and (model is None or self.max_model_len < model[0]):
+            return self.max_model_len, "engine.max_model_len"
+        return model
 
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)
@@ -368,13 +373,13 @@ def adapter_root() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def remove_orphan_adapter_dirs(root: str) -> list[str]:
-    """Remove the `lit-ess-adapter-<pid>-*` folders in `root` whose process is gone (a run killed with
-    kill -9 never closed its engine); returns them. A folder of a live process, or of another user's
-    (PermissionError), is left alone."""
+def remove_orphan_adapter_dirs(root: str, prefix: str = ADAPTER_DIR_PREFIX) -> list[str]:
+    """Remove the `<prefix><pid>-*` folders (default `lit-ess-adapter-<pid>-*`) in `root` whose process
+    is gone (a run killed with kill -9 never closed its engine); returns them. A folder of a live
+    process, or of another user's (PermissionError), is left alone."""
     removed = []
-    for path in Path(root).glob(f"{ADAPTER_DIR_PREFIX}*-*"):
-        pid = path.name.removeprefix(ADAPTER_DIR_PREFIX).split("-")[0]
+    for path in Path(root).glob(f"{prefix}*-*"):
+        pid = path.name.removeprefix(prefix).split("-")[0]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)

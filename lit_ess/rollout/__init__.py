@@ -1,13 +1,16 @@
 """The rollout layer: the worker that turns prompts into scored, batched samples, the versioned buffer
 the trainer reads from, and the worker's process for asynchronous training."""
-from .batch import RolloutBatch, Row, collate
+from .batch import Proximal, RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
-from .executor import InlineExecutor, RolloutExecutor, WorkerError, build_executor, placed
+from .data import RolloutConsumer, RolloutData
+from .executor import InlineExecutor, RolloutExecutor, WorkerError
+from .placement import build_executor, placed
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
 from .receiver import DedicatedWorker, ShareReceiver
 from .worker import EvalRequest, EvalShares, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["DedicatedWorker", "EvalRequest", "EvalShares", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor",
-           "ShareReceiver", "TorchRanks", "build_executor", "in_step", "placed", "PhaseResult", "PhaseShares", "RolloutBatch",
-           "RolloutBuffer", "RolloutRequest", "RolloutWorker", "Row", "WorkerConfig", "WorkerError", "WorkerProcess", "collate"]
+           "ShareReceiver", "TorchRanks", "build_executor", "in_step", "placed", "PhaseResult", "PhaseShares", "Proximal",
+           "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row",
+           "WorkerConfig", "WorkerError", "WorkerProcess", "collate"]

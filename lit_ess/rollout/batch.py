@@ -11,53 +11,124 @@ Tensors are `[B, T]` over prompt + completion tokens, left-aligned and right-pad
     rewards            [B]    float   reward of each row
     versions           [B]    long    policy version (optimizer step of the weights) that sampled each row
     prompt_ids         [B]    long    index of each row's prompt in its source (for audits)
-    prox_logprobs      [B, T] float   log pi_prox: the trainer's own logprobs with the weights that start the
-                                      batch's phase (lit_ess.callbacks.ProximalLogprobs), or None
-    prox_version       int            the optimizer step whose weights give pi_prox (-1: none). The batch
-                                      trained at the phase's first step has this step's version and no
-                                      prox_logprobs: its own gradient pass computes them (lp.detach()).
+    prox_logprobs      [B, T] float   log pi_prox, scored by the trainer (`proximal`), or None
+    proximal           Proximal       where pi_prox comes from; None: no step has scored the batch's phase
 
-plus what the step needs to score tokens as the engine sampled them (`sampling`: temperature, top_k,
-top_p, max_new_tokens, and `engine_dtype`, the dtype whose logprobs match the trainer's, for the ESS
+plus the engine's sampling settings (`sampling`, a SamplingConfig: the trainer scores tokens as the
+engine sampled them) and `engine_dtype` (the dtype whose logprobs match the trainer's, for the ESS
 alarm; None when none does), the texts for logging, the rollout statistics of the phase the rows come
 from, and `max_staleness`: the trainer refuses a batch whose oldest row is more than that many
 optimizer steps old.
+
+Each field declares its kind once (`token`, `row`, `texts`, `config`, `plain`), and slicing
+(`select`, `micro_batches`), collation (`collate`), checkpoints (`to_state` / `from_state`) and device
+moves (`to`) follow from it:
+
+    kind     select              to(device)     to_state           collate
+    token    [rows, :width]      moved          tensor             the Row's completion values, 0 elsewhere
+    row      [rows]              moved          tensor             one value per Row
+    texts    the rows' strings   kept           list               one string per Row
+    config   kept                kept           plain dict         a keyword of collate
+    plain    kept                kept           as is              a keyword of collate
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import Field, asdict, dataclass, field, fields, replace
+from functools import cache
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from lit_ess.engines import SamplingConfig
+
+TOKEN, ROW, TEXTS, CONFIG, PLAIN = "token", "row", "texts", "config", "plain"
+KINDS = (TOKEN, ROW, TEXTS, CONFIG, PLAIN)
+
+
+def token(dtype: torch.dtype, row: str | None = None, **kw) -> Field:
+    """A [B, T] tensor field; `row`: the Row attribute that holds its value on each completion token."""
+    return field(metadata={"kind": TOKEN, "dtype": dtype, "row": row}, **kw)
+
+
+def row(dtype: torch.dtype, row: str) -> Field:
+    """A [B] tensor field, one value per row: the Row attribute `row`."""
+    return field(metadata={"kind": ROW, "dtype": dtype, "row": row})
+
+
+def texts(row: str) -> Field:
+    """A list of strings, one per row (empty for a batch built without texts): the Row attribute `row`."""
+    return field(default_factory=list, metadata={"kind": TEXTS, "row": row})
+
+
+def config(cls: type, **kw) -> Field:
+    """A typed dataclass (or None), a plain dict in checkpoints."""
+    return field(metadata={"kind": CONFIG, "cls": cls}, **kw)
+
+
+def plain(**kw) -> Field:
+    """A value of the whole batch (numbers, a dict of floats): the same in every slice."""
+    return field(metadata={"kind": PLAIN}, **kw)
+
+
+def kind(f: Field) -> str:
+    """The declared kind of a RolloutBatch field; a field that declares none is named."""
+    k = f.metadata.get("kind")
+    if k not in KINDS:
+        raise ValueError(f"RolloutBatch field {f.name!r} declares no kind: give it one of lit_ess.rollout.batch's "
+                         f"token(), row(), texts(), config(), plain()")
+    return k
+
+
+@cache
+def declared(cls: type) -> tuple[tuple[Field, str], ...]:
+    """(field, kind) of every field of a RolloutBatch class, read once per class."""
+    return tuple((f, kind(f)) for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class Proximal:
+    """Where a batch's proximal policy pi_prox comes from: the weights of optimizer step `step`.
+
+    source  scored:    its logprobs are the batch's `prox_logprobs` (scored when the phase started)
+            own_pass:  the batch is trained at `step` itself: its gradient pass's lp.detach() are pi_prox
+                       (same weights, same forward: no extra pass)
+    """
+    step: int
+    source: Literal["scored", "own_pass"]
+
 
 @dataclass
 class RolloutBatch:
-    input_ids: Tensor
-    attention_mask: Tensor
-    completion_mask: Tensor
-    behavior_logprobs: Tensor
-    advantages: Tensor
-    rewards: Tensor
-    versions: Tensor
-    prompt_ids: Tensor
-    sampling: dict = field(default_factory=dict)      # temperature, top_k, top_p, max_new_tokens
-    prompt_texts: list[str] = field(default_factory=list)
-    completion_texts: list[str] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)          # rollout/... of the phase, floats
-    phase: int = 0
-    index: int = 0                                     # position of this batch in its phase
-    max_staleness: int = 0
-    prox_logprobs: Tensor | None = None
-    prox_version: int = -1
+    input_ids: Tensor = token(torch.long)
+    attention_mask: Tensor = token(torch.long)
+    completion_mask: Tensor = token(torch.bool)
+    behavior_logprobs: Tensor = token(torch.float32, row="logprobs")
+    advantages: Tensor = row(torch.float32, "advantage")
+    rewards: Tensor = row(torch.float32, "reward")
+    versions: Tensor = row(torch.long, "version")
+    prompt_ids: Tensor = row(torch.long, "prompt_id")
+    sampling: SamplingConfig = config(SamplingConfig, default_factory=SamplingConfig)
+    engine_dtype: str | None = plain(default=None)
+    prompt_texts: list[str] = texts("prompt_text")
+    completion_texts: list[str] = texts("completion_text")
+    stats: dict = plain(default_factory=dict)          # rollout/... of the phase, floats
+    phase: int = plain(default=0)
+    index: int = plain(default=0)                      # position of this batch in its phase
+    max_staleness: int = plain(default=0)
+    prox_logprobs: Tensor | None = token(torch.float32, default=None)
+    proximal: Proximal | None = config(Proximal, default=None)
 
     def to_state(self) -> dict:
         """Plain containers and tensors, for checkpoints (torch.load's weights_only accepts them)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: _plain(getattr(self, f.name)) if k == CONFIG else getattr(self, f.name)
+                for f, k in declared(type(self))}
 
     @classmethod
     def from_state(cls, state: dict) -> "RolloutBatch":
-        return cls(**state)
+        state = _current(state)
+        return cls(**{f.name: _typed(f, state[f.name]) if k == CONFIG else state[f.name]
+                      for f, k in declared(cls) if f.name in state})
 
     @property
     def rows(self) -> int:
@@ -72,18 +143,42 @@ class RolloutBatch:
         """These rows (a slice gives views), trimmed to the longest of them."""
         idx = range(self.rows)[rows] if isinstance(rows, slice) else rows
         width = int(self.attention_mask[rows].sum(-1).max())
-        return replace(
-            self, input_ids=self.input_ids[rows, :width], attention_mask=self.attention_mask[rows, :width],
-            completion_mask=self.completion_mask[rows, :width], behavior_logprobs=self.behavior_logprobs[rows, :width],
-            advantages=self.advantages[rows], rewards=self.rewards[rows], versions=self.versions[rows],
-            prompt_ids=self.prompt_ids[rows], prompt_texts=_pick(self.prompt_texts, idx),
-            completion_texts=_pick(self.completion_texts, idx),
-            prox_logprobs=None if self.prox_logprobs is None else self.prox_logprobs[rows, :width])
+
+        def part(k: str, v):
+            if v is None or k in (CONFIG, PLAIN):
+                return v
+            if k == TOKEN:
+                return v[rows, :width]
+            return v[rows] if k == ROW else [v[i] for i in idx] if v else []
+        return replace(self, **{f.name: part(k, getattr(self, f.name)) for f, k in declared(type(self))})
+
+    def to(self, device: torch.device | str, **kwargs) -> "RolloutBatch":
+        """The batch with its tensors on `device` (Lightning's batch transfer calls it)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device, **kwargs) for f, k in declared(type(self))
+                                if k in (TOKEN, ROW) and getattr(self, f.name) is not None})
 
 
-def _pick(texts: list[str], idx) -> list[str]:
-    """The texts of rows `idx`; a batch built without texts (benchmarks, tests) keeps none."""
-    return [texts[i] for i in idx] if texts else []
+def _plain(value):
+    return None if value is None else asdict(value)
+
+
+def _typed(f: Field, value):
+    return value if value is None or isinstance(value, f.metadata["cls"]) else f.metadata["cls"](**value)
+
+
+def _current(state: dict) -> dict:
+    """A checkpointed batch in this layout: states written with the sampling settings as one dict (holding
+    `engine_dtype`) and the proximal step as an int (-1: none) are converted."""
+    state = dict(state)
+    if isinstance(state.get("sampling"), dict) and "engine_dtype" in state["sampling"]:
+        settings = dict(state["sampling"])
+        state["engine_dtype"] = settings.pop("engine_dtype")
+        state["sampling"] = replace(SamplingConfig(), **settings)
+    if "prox_version" in state:
+        step = state.pop("prox_version")
+        state["proximal"] = None if step < 0 else Proximal(step, "scored" if state.get("prox_logprobs") is not None
+                                                              else "own_pass")
+    return state
 
 
 @dataclass(kw_only=True)
@@ -102,8 +197,10 @@ class Row:
                                        # episode's environment tokens are False: context, not the policy's
 
 
-def collate(rows: list[Row], pad_id: int, **fields) -> RolloutBatch:
-    """Pad rows into a RolloutBatch; `fields` fills sampling, stats, phase, index, max_staleness."""
+def collate(rows: list[Row], pad_id: int, **values) -> RolloutBatch:
+    """Pad rows into a RolloutBatch. The layout (input_ids, attention_mask, completion_mask) comes from each
+    Row's prompt and completion; every other field that names a Row attribute is filled from it; `values`
+    give the rest (sampling, engine_dtype, stats, phase, index, max_staleness)."""
     if not rows:
         raise ValueError("collate: no rows")
     T = max(len(r.prompt) + len(r.completion) for r in rows)
@@ -111,17 +208,24 @@ def collate(rows: list[Row], pad_id: int, **fields) -> RolloutBatch:
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.zeros(B, T, dtype=torch.long)
     comp = torch.zeros(B, T, dtype=torch.bool)
-    blp = torch.zeros(B, T, dtype=torch.float32)
     for b, r in enumerate(rows):
         P, C = len(r.prompt), len(r.completion)
         input_ids[b, :P + C] = torch.tensor(r.prompt + r.completion)
         attention[b, :P + C] = 1
         comp[b, P:P + C] = True if r.mask is None else torch.tensor(r.mask, dtype=torch.bool)
-        blp[b, P:P + C] = torch.tensor(r.logprobs, dtype=torch.float32)
-    return RolloutBatch(
-        input_ids=input_ids, attention_mask=attention, completion_mask=comp, behavior_logprobs=blp,
-        advantages=torch.tensor([r.advantage for r in rows], dtype=torch.float32),
-        rewards=torch.tensor([r.reward for r in rows], dtype=torch.float32),
-        versions=torch.tensor([r.version for r in rows], dtype=torch.long),
-        prompt_ids=torch.tensor([r.prompt_id for r in rows], dtype=torch.long),
-        prompt_texts=[r.prompt_text for r in rows], completion_texts=[r.completion_text for r in rows], **fields)
+    out = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": comp}
+    for f, k in declared(RolloutBatch):
+        source = f.metadata.get("row")
+        if source is None:
+            continue
+        if k == TOKEN:                                     # [B, T]: the row's values on its completion tokens
+            t = torch.zeros(B, T, dtype=f.metadata["dtype"])
+            for b, r in enumerate(rows):
+                P = len(r.prompt)
+                t[b, P:P + len(r.completion)] = torch.tensor(getattr(r, source), dtype=t.dtype)
+            out[f.name] = t
+        elif k == ROW:
+            out[f.name] = torch.tensor([getattr(r, source) for r in rows], dtype=f.metadata["dtype"])
+        else:
+            out[f.name] = [getattr(r, source) for r in rows]
+    return RolloutBatch(**out, **values)

@@ -31,14 +31,11 @@ and when (the buffer's admission rule, lit_ess/rollout/buffer.py), the same way 
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Iterable, Protocol
 
-import torch
 from torch import Tensor
 
-from .ranks import Ranks
 from .worker import PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 
@@ -66,38 +63,7 @@ class RolloutExecutor(Protocol):
 
     def restore(self, reward_counters: dict) -> None: ...
 
-    def close(self) -> None: ...
-
-
-def placed(mode: str, placement: str, world: int) -> str:
-    """The placement in force: "dedicated" (one worker, rank 0's, for every rank) is async on several ranks;
-    otherwise each rank generates its own share ("colocated"), whatever the knob says."""
-    return "dedicated" if mode == "async" and placement == "dedicated" and world > 1 else "colocated"
-
-
-def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,
-                   worker_timeout: float) -> RolloutExecutor:
-    """This rank's executor (every rank calls it: the dedicated placement exchanges addresses). sync: the
-    worker in this process; async colocated: a worker process per rank (on the rank's own GPU); async
-    dedicated: rank 0's worker process generates for all, the other ranks receive."""
-    from lit_ess.engines.base import visible_devices
-
-    from .process import WorkerProcess
-    from .receiver import dedicated_executor
-
-    if mode == "sync":
-        return InlineExecutor(config, rank=ranks.rank)
-    if placed(mode, placement, ranks.world) == "dedicated":
-        return dedicated_executor(config, ranks, worker_timeout)
-    own_devices = "CUDA_VISIBLE_DEVICES" in config.engine.worker_env()
-    if ranks.world > 1 and own_devices:
-        raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
-                         "rank's worker on the same devices: use placement: dedicated (one worker on those devices)")
-    env = None
-    if torch.cuda.is_available() and not own_devices:    # the rank's own GPU, not every worker on cuda:0
-        env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
-                                                       os.environ.get("CUDA_VISIBLE_DEVICES"))}
-    return WorkerProcess(config, progress_timeout=worker_timeout, env=env, rank=ranks.rank)
+    def close(self, grace: float = 60.0) -> None: ...       # grace: seconds a worker may take to finish
 
 
 class OwnShare:
@@ -149,6 +115,6 @@ class InlineExecutor(OwnShare):
         out, self.done = self.done, []
         return out
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         if self.worker is not None:
             self.worker.close()

@@ -13,7 +13,7 @@ default (the trainer copies into a slot no queued request names; the worker's en
 `reload_weights`, then resets and checks its prefix cache), or vLLM's NCCL weight transfer on GPUs.
 Transport messages share the request queue, so the worker applies them in order with the requests.
 The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for dedicated
-GPUs). It exits when told to, or when it finds the trainer process gone (kill -9).
+GPUs). It exits when told to, and the kernel stops it when the trainer process ends (lit_ess.lifetime).
 
 A progress watchdog: the worker reports each stage it begins (loading weights, sampling, scoring a
 request) and each result. When a request is in flight and the worker has sent nothing for
@@ -32,6 +32,7 @@ import pickle
 import queue
 import time
 import traceback
+from multiprocessing.connection import Client, Connection
 
 import torch
 
@@ -180,15 +181,16 @@ class WorkerProcess(OwnShare):
         if not self.started:
             raise WorkerError(f"the rollout worker did not start within {timeout:.0f} s")
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         """Stop the worker: it finishes the request it is on, skips the queued ones, and exits; unread
-        results are drained meanwhile (a child cannot exit while its queue's pipe is full)."""
+        results are drained meanwhile (a child cannot exit while its queue's pipe is full). After `grace`
+        seconds (an interrupted run: 1) it is killed."""
         atexit.unregister(self.close)
         if self.proc is None:
             return
         self.stop.set()
         self.requests.put(("stop", -1, None, None))               # wakes a worker waiting for requests
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + grace
         while self.proc.is_alive() and time.monotonic() < deadline:
             try:
                 self.results.get(timeout=0.1)
@@ -214,9 +216,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     import threading
 
     from lit_ess.console import quiet_console
+    from lit_ess.lifetime import die_with_parent
 
-    from .receiver import Deliveries
-
+    die_with_parent()                    # a trainer killed or stopped takes its worker with it at once
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
         worker = RolloutWorker(config, in_process=False)
@@ -323,3 +325,25 @@ def _what(kind: str, payload) -> str:
     if isinstance(payload, EvalShares):
         return f"{len(payload.merged().prompts)} held-out prompts (all {len(payload.shares)} ranks')"
     return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"
+
+
+Address = tuple[str, int, bytes]          # host, port, authkey of a rank's ShareReceiver
+
+
+class Deliveries:
+    """The worker process's side: one connection per rank > 0, opened at the first send."""
+
+    def __init__(self, addresses: list[Address | None]):
+        self.addresses, self.conns = addresses, {}
+
+    def send(self, rank: int, result, clock: tuple[float, float]) -> None:
+        """`result` for `rank`, with the engine's (idle, busy) seconds so far."""
+        if rank not in self.conns:
+            host, port, key = self.addresses[rank]
+            self.conns[rank] = Client((host, port), authkey=key)
+        conn: Connection = self.conns[rank]
+        conn.send_bytes(pickle.dumps((result, clock)))
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.close()

@@ -3,7 +3,7 @@ rank its own share directly, so rows never pass through rank 0's trainer.
 
     rank r > 0: ShareReceiver                        worker process (rank 0's DedicatedWorker)
     ----------------------------                     -----------------------------------------
-    Listener(host, port, authkey) in setup()   <-    Deliveries.send(r, result): connects once, then
+    Listener(host, port, authkey) in setup()   <-    process.Deliveries.send(r, result): connects once, then
     a reader thread: connection -> queue              pickled results, request by request, in order
     poll(timeout) -> [(rid, result)]                 (each with the engine's idle/busy clock)
 
@@ -28,14 +28,13 @@ import socket
 import threading
 import time
 from collections import deque
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Listener
 
 from .executor import WorkerError
-from .process import WorkerProcess
+from .process import Address, WorkerProcess
 from .ranks import Ranks, TorchRanks, in_step
 from .worker import EvalShares, PhaseResult, PhaseShares, RolloutRequest, WorkerConfig
 
-Address = tuple[str, int, bytes]          # host, port, authkey
 
 
 def dedicated_executor(config: WorkerConfig, ranks: Ranks, worker_timeout: float) -> "DedicatedWorker | ShareReceiver":
@@ -208,7 +207,7 @@ class ShareReceiver:
             self.received = _newest(self.received, out)
             return out
 
-    def close(self) -> None:
+    def close(self, grace: float = 60.0) -> None:
         """Stop listening. A reader still waiting for the worker to connect is woken by a bare connection
         (its handshake fails, it sees `closed`); one reading a connection ends when the worker closes it
         (a daemon thread: it never holds the process)."""
@@ -219,22 +218,3 @@ class ShareReceiver:
             except OSError:
                 pass
         self.listener.close()
-
-
-class Deliveries:
-    """The worker process's side: one connection per rank > 0, opened at the first send."""
-
-    def __init__(self, addresses: list[Address | None]):
-        self.addresses, self.conns = addresses, {}
-
-    def send(self, rank: int, result, clock: tuple[float, float]) -> None:
-        """`result` for `rank`, with the engine's (idle, busy) seconds so far."""
-        if rank not in self.conns:
-            host, port, key = self.addresses[rank]
-            self.conns[rank] = Client((host, port), authkey=key)
-        conn: Connection = self.conns[rank]
-        conn.send_bytes(pickle.dumps((result, clock)))
-
-    def close(self) -> None:
-        for c in self.conns.values():
-            c.close()

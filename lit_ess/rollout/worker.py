@@ -145,8 +145,9 @@ class RolloutWorker:
                                    in_worker=c.reward_in_worker)
         self.runner = None
         if c.env is not None:
-            env = c.env if c.env.max_episode_tokens is not None else replace(
-                c.env, max_episode_tokens=c.engine.model_len(c.model_path))
+            env, limit = c.env, c.engine.model_len(c.model_path)
+            if env.max_episode_tokens is None and limit is not None:
+                env = replace(env, max_episode_tokens=limit[0])
             self.runner = episodes.EpisodeRunner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
@@ -253,12 +254,10 @@ class RolloutWorker:
         if self.runner is not None:
             stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
                 "rollout/env_errors": float(self.runner.errors), "rollout/env_timeouts": float(self.runner.timeouts)})
-        sampling = {"temperature": c.sampling.temperature, "top_k": c.sampling.top_k, "top_p": c.sampling.top_p,
-                    "max_new_tokens": c.sampling.max_new_tokens, "engine_dtype": c.engine.exact_dtype()}
         k = c.steps_per_rollout
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
-        batches = [collate(chunk, self.pad_id, sampling=sampling, stats=dict(stats), phase=req.phase, index=i,
-                           max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
+        batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
+                           phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, self.counters(), t_gen)
 
     def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],

@@ -1,0 +1,527 @@
+"""vLLM's own OpenAI server as the rollout engine: one or more servers by URL, or one launched here.
+
+Token ids in, token ids out: each sample is one `POST /inference/v1/generate` with its own derived
+seed (a batched call with one seed returns copies for repeated prompts), sent concurrently from a
+background event loop and spread over the servers by least outstanding requests. A response carries
+the sampled ids, vLLM's *processed* logprob of each (what it sampled from: pi_b) and the weight-version
+spans of its tokens; a completion's version is the oldest span's label.
+
+Weights (CPU path, and wherever NCCL is not there): the trainer's tensors are written as safetensors
+into a folder the servers can read (written under a temporary name, then renamed), and every server
+
+    POST /pause?mode=wait        finish what runs, hold new requests
+    POST /collective_rpc         {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
+    POST /update_weight_version  {"new_version": "<optimizer step>"}
+    POST /reset_prefix_cache     body {"success": true} checked: no KV entry of the old weights is reused
+    POST /resume                 always (finally)
+    GET  /weight_info            the label must now be the pushed version
+
+The dev routes need `VLLM_SERVER_DEV_MODE=1`, the token route `--enable-scale-out`; both are checked at
+start, with the vLLM version, processed logprobs, the dtype and the model (`model_fingerprint`), and a
+server that fails a check is refused with the flag to add. The dev routes are not guarded by
+`--api-key`: bind servers to a private interface (a launched server listens on 127.0.0.1).
+
+A server for other machines: `python -m lit_ess.engines.serve --model DIR --port P` (lit_ess/engines/serve.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Literal
+
+import torch
+from torch import Tensor
+
+from ..knobs import check
+from ..lora import is_adapter_payload
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed
+from .vllm_engine import adapter_root, remove_orphan_adapter_dirs
+
+VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
+WEIGHTS_PREFIX = "lit-ess-weights-"
+# config.json keys that do not change what the network computes, left out of the fingerprint
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "use_cache", "name_or_path"}
+
+
+@dataclass
+class VLLMServerConfig(EngineConfig):
+    """vLLM's own server (`vllm.entrypoints.openai.api_server`): servers by URL, or one launched here.
+
+    Args:
+        urls: base URLs of running servers (`http://host:port`), each started with the flags of
+            `python -m lit_ess.engines.serve` (the same model folder, dev mode, scale-out
+            routes, processed logprobs). None or [] = launch one server on this machine.
+        dtype: the servers' precision: float32, bfloat16, float16 or auto. Launched servers get it as
+            --dtype; servers by URL must run it (checked at start).
+        max_model_len: longest prompt + completion: a launched server's --max-model-len; servers by URL
+            must take at least this many tokens (checked at start). None = the model's.
+        gpu_memory_utilization: launched server: share of device memory (of RAM on CPU) vLLM may take;
+            None = 0.1 on CPU, 0.4 on CUDA (as the in-process engine).
+        kv_cache_gib: launched server on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).
+        enforce_eager: launched server: no CUDA graphs / compilation (faster start).
+        seed: launched server: the engine's own seed, an integer >= 0 (each request also gets a derived seed).
+        port: launched server: its port on 127.0.0.1; None = a free one.
+        server_args: launched server: more command-line flags, as they are (e.g. ["--max-num-seqs", "512"]).
+        log_file: launched server: where its output goes; None = a file in the temp folder. Every error
+            names it.
+        startup_timeout: seconds to wait for a launched server's /health (start-up takes 60-140 s on
+            CPU) and for a server by URL to answer at all.
+        request_timeout: seconds one generate request may take before the call fails.
+        control_timeout: seconds one control call (pause, reload, version, reset, resume) may take.
+        max_concurrency: requests in flight over all servers at once.
+        weights_dir: where pushed weights are written as safetensors; every server must read it at the
+            same path (a shared filesystem for servers on other machines). None = a folder of this
+            process in /dev/shm (memory), enough for servers on this machine.
+    """
+
+    urls: list[str] | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
+    seed: int = 0
+    port: int | None = None
+    server_args: list[str] = field(default_factory=list)
+    log_file: str | None = None
+    startup_timeout: float = 300.0
+    request_timeout: float = 600.0
+    control_timeout: float = 120.0
+    max_concurrency: int = 512
+    weights_dir: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype={self.dtype!r} is not one of ('float32', 'bfloat16', 'float16', 'auto')")
+        for url in self.urls or []:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"urls: {url!r} is not a base URL such as http://10.0.0.5:8000")
+        if self.urls and len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"urls lists a server twice: {self.urls}")
+        check("VLLMServerConfig.max_model_len", self.max_model_len, ge=2, integer=True, null=True)
+        check("VLLMServerConfig.gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1, null=True)
+        check("VLLMServerConfig.kv_cache_gib", self.kv_cache_gib, gt=0)
+        check("VLLMServerConfig.seed", self.seed, ge=0, integer=True)
+        check("VLLMServerConfig.port", self.port, ge=1, le=65535, integer=True, null=True)
+        if not all(isinstance(a, str) for a in self.server_args):
+            raise ValueError(f"VLLMServerConfig.server_args must be strings (command-line flags), got {self.server_args}")
+        for knob in ("startup_timeout", "request_timeout", "control_timeout"):
+            check(f"VLLMServerConfig.{knob}", getattr(self, knob), gt=0, hint=" (seconds)")
+        check("VLLMServerConfig.max_concurrency", self.max_concurrency, ge=1, integer=True)
+        if self.urls and (self.port is not None or self.server_args or self.log_file):
+            raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
+                             "elsewhere: start them with `python -m lit_ess.engines.serve`")
+
+    def exact_dtype(self) -> str | None:
+        if self.dtype == "auto" or any(a.split("=")[0] in ("--quantization", "-q", "--kv-cache-dtype")
+                                       for a in self.server_args):
+            return None
+        return self.dtype          # processed logprobs and this dtype are checked on every server at start
+
+    def build(self, model_path: str) -> "VLLMServerEngine":
+        return VLLMServerEngine(model_path, self)
+
+
+def model_fingerprint(model_path: str) -> str:
+    """What a served model must share with the trainer's: a short hash of its config.json (less the keys
+    that change no computation) and of its tokenizer's vocabulary. Weights are not in it: the trainer
+    pushes its own before the first rollout."""
+    folder = Path(model_path)
+    config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items()
+              if k not in _VOLATILE_CONFIG_KEYS}
+    h = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=6)
+    tok = folder / "tokenizer.json"
+    if tok.exists():
+        h.update(json.dumps(json.loads(tok.read_text()).get("model", {}).get("vocab"), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def served_model_name(model_path: str) -> str:
+    """The --served-model-name lit-ess gives a server: the folder's name and its `model_fingerprint`."""
+    return f"{Path(model_path).resolve().name}@{model_fingerprint(model_path)}"
+
+
+def same_model(served: str, want: str) -> bool:
+    """Whether a server's model name `served` is the model of `served_model_name` `want`: the same
+    fingerprint after its "@", or a model folder readable here with that fingerprint (a server started
+    by hand on this machine)."""
+    if "@" in served:
+        return served.rpartition("@")[2] == want.rpartition("@")[2]
+    try:
+        return model_fingerprint(served) == want.rpartition("@")[2]
+    except (OSError, ValueError):
+        return False
+
+
+def server_command(model_path: str, c: VLLMServerConfig, host: str, port: int) -> list[str]:
+    """The command that starts a server lit-ess can use (also `serve`'s)."""
+    gmu = c.gpu_memory_utilization
+    if gmu is None:
+        gmu = 0.4 if torch.cuda.is_available() else 0.1
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
+           "--served-model-name", served_model_name(model_path), "--dtype", c.dtype,
+           "--gpu-memory-utilization", str(gmu), "--seed", str(c.seed), "--logprobs-mode", "processed_logprobs",
+           "--enable-scale-out", "--generation-config", "vllm", "--host", host, "--port", str(port)]
+    if c.max_model_len is not None:
+        cmd += ["--max-model-len", str(c.max_model_len)]
+    if c.enforce_eager:
+        cmd += ["--enforce-eager"]
+    if not torch.cuda.is_available():
+        # as the in-process engine: vLLM 0.32 on CPU crashes on seeded requests whose prefill is split,
+        # and its default 128-token KV blocks make short RL sequences read mostly padding
+        cmd += ["--no-enable-chunked-prefill", "--block-size", "32"]
+    return cmd + list(c.server_args)
+
+
+def server_env(c: VLLMServerConfig) -> dict[str, str]:
+    """The launched server's environment: dev routes on, one OpenMP thread unless the caller set more."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, c.kv_cache_gib))))
+    env.pop("VLLM_DIST_IDENT", None)           # set by an in-process CPU engine of this process, unknown to the server
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM the server when the process (the thread) that launched it dies, even by kill -9."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+
+
+class LaunchedServer:
+    """A vLLM server process on this machine, in its own process group, its output in `log_file`."""
+
+    def __init__(self, cmd: list[str], env: dict, log_file: str | None, url: str):
+        self.url = url
+        if log_file is None:
+            fd, log_file = tempfile.mkstemp(prefix=f"lit-ess-vllm-server-{os.getpid()}-", suffix=".log")
+            os.close(fd)
+        self.log_file = str(log_file)
+        Path(self.log_file).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        atexit.register(self.stop)
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until GET /health answers 200; one-line errors if the process exits or time runs out."""
+        import urllib.error
+        import urllib.request
+
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            if (rc := self.proc.poll()) is not None:
+                raise RuntimeError(f"the vLLM server for {self.url} exited with code {rc} during start-up: "
+                                   f"{self.last_line()!r} (log: {self.log_file})")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"the vLLM server for {self.url} was not ready after {timeout:.0f} s (engine.startup_timeout; "
+                           f"log: {self.log_file})")
+
+    def last_line(self) -> str:
+        try:
+            lines = [ln for ln in Path(self.log_file).read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][-300:] if lines else ""
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the server's process group (the API server and its engine core), SIGKILL it after `grace` s."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:                                       # children that outlived the API server
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class ServerError(RuntimeError):
+    """A failed HTTP call to a server: one line with the URL, the call and what came back."""
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Rollouts on vLLM servers for `model_path` with the settings of `config`."""
+
+    def __init__(self, model_path: str, config: VLLMServerConfig | None = None):
+        c = self.config = config if config is not None else VLLMServerConfig()
+        self.model_path, self.version, self.closed = str(model_path), 0, False
+        self.startup_seconds, self.pushes = 0.0, 0
+        self.weights_path: str | None = None       # the folder the servers loaded last
+        if c.weights_dir is None:
+            remove_orphan_adapter_dirs(adapter_root(), WEIGHTS_PREFIX)     # left by runs killed with kill -9
+        self.weights_root = c.weights_dir or tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}-", dir=adapter_root())
+        os.makedirs(self.weights_root, exist_ok=True)
+        self.loop = asyncio.new_event_loop()       # the HTTP client's, in its own thread: callable from any thread
+        self.thread = threading.Thread(target=self.loop.run_forever, name="lit-ess-vllm-server-client", daemon=True)
+        self.thread.start()
+        self.client = self._run(self._make_client())
+        self.server: LaunchedServer | None = None
+        atexit.register(self.close)
+        t0 = time.perf_counter()
+        try:
+            if c.urls:
+                self.urls = [u.rstrip("/") for u in c.urls]
+            else:
+                port = c.port if c.port is not None else free_port()
+                url = f"http://127.0.0.1:{port}"
+                self.server = LaunchedServer(server_command(model_path, c, "127.0.0.1", port), server_env(c),
+                                             c.log_file, url)
+                self.urls = [url]
+                self.server.wait_ready(c.startup_timeout)
+            self.outstanding = {u: 0 for u in self.urls}
+            self._run_all([self._check_server(u) for u in self.urls])
+        except BaseException:
+            self.close()
+            raise
+        self.startup_seconds = time.perf_counter() - t0
+
+    async def _make_client(self):
+        import aiohttp
+
+        self.slots = asyncio.Semaphore(self.config.max_concurrency)
+        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_concurrency, keepalive_timeout=2.0))
+
+    def _run(self, coro):
+        """Run `coro` on the client's event loop (its own thread) and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _run_all(self, coros) -> list:
+        """Run the coroutines concurrently on the client's event loop; their results in order."""
+        async def gather():
+            return await asyncio.gather(*coros)
+
+        return self._run(gather())
+
+    def _where(self, url: str) -> str:
+        log = f"; server log: {self.server.log_file}" if self.server is not None and self.server.url == url else ""
+        return f"vLLM server {url}{log}"
+
+    async def _request(self, url: str, method: str, route: str, body: dict | None, timeout: float,
+                       call: str) -> tuple[int, str]:
+        """One HTTP call: its status and text, or a ServerError naming the URL and the call."""
+        import aiohttp
+
+        async def once():
+            async with self.client.request(method, url + route, json=body,
+                                           timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status, await r.text()
+
+        try:
+            try:
+                return await once()
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                # a kept-alive connection the server closed as the request left: once more, on a new one
+                # (every call here may run twice: a seeded sample comes back the same, a reload loads the same)
+                return await once()
+        except asyncio.TimeoutError:
+            raise ServerError(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s") from None
+        except aiohttp.ClientError as e:
+            raise ServerError(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
+
+    async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
+                    what: str | None = None, ok: tuple[int, ...] = (200,)) -> tuple[int, dict]:
+        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty)."""
+        call = what or f"{method} {route}"
+        status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
+        if status not in ok:
+            raise ServerError(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
+        try:
+            return status, json.loads(text) if text else {}
+        except json.JSONDecodeError:
+            raise ServerError(f"{self._where(url)}: {call} answered no JSON: {text[:300]!r}") from None
+
+    async def _check_server(self, url: str) -> None:
+        """Refuse a server lit-ess cannot use, with the flag to add."""
+        fix = "start it with `python -m lit_ess.engines.serve --model MODEL_DIR`, or add"
+        version = (await self._call(url, "GET", "/version", timeout=self.config.startup_timeout))[1].get("version", "?")
+        if not str(version).startswith(VLLM_SERIES):
+            raise ServerError(f"{self._where(url)} runs vLLM {version}; lit-ess speaks the routes of vLLM "
+                              f"{VLLM_SERIES}x: install that release there (pyproject.toml pins it)")
+        status, info = await self._call(url, "GET", "/server_info?config_format=json", ok=(200, 404))
+        if status == 404:
+            raise ServerError(f"{self._where(url)} has no dev routes (GET /server_info: 404): {fix} the environment "
+                              f"variable VLLM_SERVER_DEV_MODE=1 to its start")
+        vc = info["vllm_config"]
+        m = vc["model_config"]
+        if (vc.get("device_config") or {}).get("device") == "cpu" and (vc.get("scheduler_config") or {}).get("enable_chunked_prefill"):
+            raise ServerError(f"{self._where(url)} splits prefills on CPU, where vLLM 0.32 crashes on seeded requests "
+                              f"so split: {fix} --no-enable-chunked-prefill")
+        if m.get("logprobs_mode") != "processed_logprobs":
+            raise ServerError(f"{self._where(url)} reports {m.get('logprobs_mode')} logprobs, not what it sampled from: "
+                              f"{fix} --logprobs-mode processed_logprobs")
+        if self.config.dtype != "auto" and m.get("dtype") != f"torch.{self.config.dtype}":
+            raise ServerError(f"{self._where(url)} runs {m.get('dtype')}, engine.dtype is {self.config.dtype}: "
+                              f"{fix} --dtype {self.config.dtype} (or set engine.dtype to the server's)")
+        if self.config.max_model_len is not None and m.get("max_model_len", 0) < self.config.max_model_len:
+            raise ServerError(f"{self._where(url)} takes sequences up to {m.get('max_model_len')} tokens, "
+                              f"engine.max_model_len is {self.config.max_model_len}: {fix} --max-model-len "
+                              f"{self.config.max_model_len}")
+        want = served_model_name(self.model_path)
+        names = [str(d.get("id")) for d in (await self._call(url, "GET", "/v1/models"))[1].get("data", [])]
+        if not any(same_model(name, want) for name in names):
+            raise ServerError(f"{self._where(url)} serves {names}, whose config.json and tokenizer are not those of "
+                              f"{self.model_path} (or cannot be read here): {fix} --served-model-name {want}")
+        probe = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "logprobs": 0}}
+        status, _ = await self._call(url, "POST", "/inference/v1/generate", probe, self.config.request_timeout,
+                                     ok=(200, 403))
+        if status == 403:
+            raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
+                              f"403): {fix} --enable-scale-out")
+        if (await self._call(url, "GET", "/weight_info"))[1].get("weight_version") == "default":
+            await self._call(url, "POST", "/update_weight_version", {"new_version": "0"})   # the weights it started with
+
+    # ---- generation ----
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, call_seed: int = 0,
+                 prompt_keys: list[int] | None = None) -> list[list[Completion]]:
+        """One request per sample, seeded as the in-process engine seeds them (derive_seed(seed, call
+        seed, prompt key, sample)), all in flight at once up to max_concurrency."""
+        keys = range(len(prompts)) if prompt_keys is None else prompt_keys
+        jobs = [(list(p), None if sampling.seed is None else derive_seed(sampling.seed, call_seed, key, j), key, j)
+                for key, p in zip(keys, prompts) for j in range(n)]
+        flat = self._run_all([self._sample(p, seed, sampling, f"prompt {key} sample {j}") for p, seed, key, j in jobs])
+        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    async def _sample(self, prompt: list[int], seed: int | None, s: SamplingConfig, what: str) -> Completion:
+        params = {"n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
+                  "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "max_tokens": s.max_new_tokens, "stop": list(s.stop) or None, "include_stop_str_in_output": True,
+                  "detokenize": bool(s.stop), "seed": seed, "logprobs": 0}
+        async with self.slots:
+            url = min(self.urls, key=self.outstanding.__getitem__)        # least outstanding requests
+            self.outstanding[url] += 1
+            try:
+                _, out = await self._call(url, "POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
+                                       timeout=self.config.request_timeout,
+                                       what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
+            finally:
+                self.outstanding[url] -= 1
+        choice = out["choices"][0]
+        ids = list(choice["token_ids"])
+        lps = [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+        if len(lps) != len(ids):
+            raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
+                              f"with {len(lps)} logprobs")
+        return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
+                          self._span_version(url, choice.get("weight_versions")))
+
+    def _span_version(self, url: str, spans: list[dict] | None) -> int:
+        """The oldest weight version among a response's spans (its tokens' behaviour versions)."""
+        try:
+            return min(int(sp["version"]) for sp in spans)
+        except (TypeError, ValueError, KeyError):
+            raise ServerError(f"{self._where(url)}: a response's weight_versions {spans!r} are not optimizer steps: "
+                              f"another client relabelled the server (POST /update_weight_version)") from None
+
+    # ---- weights ----
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
+        """Write the weights as safetensors into a new folder of weights_dir (renamed into place when
+        whole), make every server reload them, label them `version`, reset its prefix cache, check.
+        The whole state dict is held in host memory while the file is written (one file)."""
+        it = iter(named_tensors)
+        first = next(it, None)
+        if first is not None and is_adapter_payload([first[0]]):
+            raise ValueError("model.lora.sync: adapter pushes adapters, which lit_ess.engines.VLLMServerConfig does not "
+                             "take yet: use model.lora.sync: merged")
+        folder = self._write_weights(([first] if first is not None else []) + list(it), version)
+        try:
+            self._run_all([self._reload(u, folder, version) for u in self.urls])
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if self.weights_path is not None:
+            shutil.rmtree(self.weights_path, ignore_errors=True)      # no server reads it any more
+        self.weights_path, self.version = folder, version
+
+    def _write_weights(self, named: list[tuple[str, Tensor]], version: int) -> str:
+        from safetensors.torch import save_file
+
+        self.pushes += 1
+        name = f"v{version}-{self.pushes}"                           # a version may be pushed twice (validation)
+        tmp = os.path.join(self.weights_root, f".{name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        seen, tensors = set(), {}
+        for k, v in named:
+            t = v.detach().to("cpu").contiguous()
+            key = (t.untyped_storage().data_ptr(), t.storage_offset())
+            tensors[k] = t.clone() if key in seen else t             # tied weights: safetensors stores no shared memory
+            seen.add(key)
+        save_file(tensors, os.path.join(tmp, "model.safetensors"))
+        final = os.path.join(self.weights_root, name)
+        os.rename(tmp, final)
+        return final
+
+    async def _reload(self, url: str, folder: str, version: int) -> None:
+        await self._call(url, "POST", "/pause?mode=wait")
+        try:
+            await self._call(url, "POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": folder}},
+                             what=f"POST /collective_rpc reload_weights from {folder}")
+            await self._call(url, "POST", "/update_weight_version", {"new_version": str(version)})
+            _, reset = await self._call(url, "POST", "/reset_prefix_cache")
+            if reset.get("success") is not True:
+                raise ServerError(f"{self._where(url)}: POST /reset_prefix_cache answered {reset}: the prefix cache of "
+                                  f"the old weights would be reused")
+        finally:
+            await self._call(url, "POST", "/resume")
+        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        if label != str(version):
+            raise ServerError(f"{self._where(url)}: GET /weight_info says version {label!r} after pushing {version}: "
+                              f"another client updates this server")
+
+    def close(self) -> None:
+        """Stop the client, the launched server and remove the weights written here (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        if self.client is not None and self.loop.is_running():
+            self._run(self.client.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        if self.server is not None:
+            self.server.stop()
+            atexit.unregister(self.server.stop)
+        if self.config.weights_dir is None:
+            shutil.rmtree(self.weights_root, ignore_errors=True)
+        elif self.weights_path is not None:
+            shutil.rmtree(self.weights_path, ignore_errors=True)
+        self.weights_path = None

@@ -1,0 +1,325 @@
+"""vLLM's own server as the rollout engine (lit_ess.engines.VLLMServerConfig): one server for the whole
+module (its start takes 60-140 s here), launched by the engine on the tiny model; the identity checks
+against HTTP answers faked by a small local server (starting vLLM once per refusal would cost minutes)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_utils import cli, rl_config, scalars, write_config
+from test_engines import PROMPTS, max_logprob_gap
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_ess.engines import SamplingConfig, VLLMServerConfig
+from lit_ess.engines.vllm_engine import adapter_root
+from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
+
+
+# ---- fast: knobs, command, identity checks against faked answers ----
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"urls": ["localhost:8000"]}, "urls"), ({"urls": ["http://a:1", "http://a:1"]}, "twice"),
+    ({"dtype": "fp8"}, "dtype"), ({"max_model_len": 1}, "max_model_len"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"kv_cache_gib": 0}, "kv_cache_gib"),
+    ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
+    ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
+])
+def test_bad_knobs_are_one_line(kwargs, says):
+    with pytest.raises(ValueError, match=says) as e:
+        VLLMServerConfig(**kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_exact_dtype_as_the_in_process_engine():
+    assert VLLMServerConfig().exact_dtype() == "float32"
+    assert VLLMServerConfig(dtype="bfloat16").exact_dtype() == "bfloat16"
+    assert VLLMServerConfig(dtype="auto").exact_dtype() is None
+    assert VLLMServerConfig(server_args=["--quantization", "fp8"]).exact_dtype() is None
+    assert VLLMServerConfig(server_args=["--kv-cache-dtype=fp8"]).exact_dtype() is None
+
+
+def test_launch_command_has_the_flags_of_the_design(tiny_model_dir):
+    cmd = server_command(tiny_model_dir, VLLMServerConfig(max_model_len=256), "127.0.0.1", 8123)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    line = " ".join(cmd)
+    for flag in ("--dtype float32", "--max-model-len 256", "--gpu-memory-utilization 0.1", "--no-enable-chunked-prefill",
+                 "--block-size 32", "--logprobs-mode processed_logprobs", "--enable-scale-out", "--port 8123",
+                 "--host 127.0.0.1", f"--served-model-name {served_model_name(tiny_model_dir)}"):
+        assert flag in line, flag
+
+
+def test_demo_server_config_is_the_demo_with_a_launched_server(tiny_model_dir):
+    """configs/demo_server.yaml parses as lit-ess fit parses it, every knob in --print_config, and differs
+    from configs/demo.yaml only in the engine and the output folders."""
+    import dataclasses
+
+    import yaml
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    res = cli(["fit", "--config", str(configs / "demo_server.yaml"), "--model.init_args.model_path", tiny_model_dir,
+               "--print_config"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    engine = yaml.safe_load(res.stdout)["data"]["init_args"]["engine"]
+    assert engine["class_path"] == "lit_ess.engines.VLLMServerConfig"
+    assert set(engine["init_args"]) == {f.name for f in dataclasses.fields(VLLMServerConfig)}
+    assert engine["init_args"]["urls"] is None                              # launched here
+    demo, server = (yaml.safe_load((configs / f).read_text()) for f in ("demo.yaml", "demo_server.yaml"))
+    assert {k: v for k, v in server["data"]["init_args"].items() if k != "engine"} == \
+        {k: v for k, v in demo["data"]["init_args"].items() if k != "engine"}
+    assert server["model"] == demo["model"]
+
+
+class FakeVLLM(BaseHTTPRequestHandler):
+    """A vLLM 0.32 server's answers to the start-up checks; `answers` (a class attribute) overrides them."""
+    answers: dict = {}
+    hits: list = []
+
+    def log_message(self, *args):
+        pass
+
+    def _answer(self):
+        route = self.path.split("?")[0]
+        self.hits.append(self.path)
+        if route in self.answers:
+            code, body = self.answers[route]
+        else:
+            code, body = 200, self.defaults.get(route, {})
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+
+@pytest.fixture
+def fake_server(tiny_model_dir):
+    FakeVLLM.defaults = {
+        "/version": {"version": "0.32.0"}, "/weight_info": {"weight_version": "0"},
+        "/server_info": {"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs", "dtype": "torch.float32",
+                                                          "max_model_len": 256},
+                                         "device_config": {"device": "cpu"},
+                                         "scheduler_config": {"enable_chunked_prefill": False}}},
+        "/v1/models": {"data": [{"id": served_model_name(tiny_model_dir)}]},
+        "/inference/v1/generate": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]},
+                                                "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}}
+    FakeVLLM.hits = []
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    FakeVLLM.answers = {}
+
+
+def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
+    orphan = tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{2**22 + 12345}-", dir=adapter_root())   # no such process
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    assert not os.path.exists(orphan)                        # weights left by a run killed with kill -9
+    groups = engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
+    assert [[(c.token_ids, c.logprobs, c.version) for c in g] for g in groups] == [[([5], [-1.0], 0)] * 2]
+    engine.close()
+    assert not os.path.exists(engine.weights_root)
+
+
+def test_a_refused_prefix_cache_reset_fails_the_update_and_still_resumes(fake_server, tiny_model_dir):
+    """/reset_prefix_cache answers 200 with success false while requests run: the update must not
+    pass as done (stale KV would be reused), and the server must not stay paused."""
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": False}), "/weight_info": (200, {"weight_version": "0"})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ServerError, match=r"POST /reset_prefix_cache answered \{'success': False\}") as e:
+        engine.load_weights(model.state_dict().items(), version=3)
+    assert "\n" not in str(e.value) and fake_server in str(e.value)
+    calls = [h.split("?")[0] for h in FakeVLLM.hits]
+    assert calls[-5:] == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
+    assert engine.version == 0 and os.listdir(engine.weights_root) == []     # the refused folder is not kept
+    engine.close()
+
+
+@pytest.mark.parametrize("route, answer, says", [
+    ("/inference/v1/generate", (403, {"error": {"message": "disabled"}}), "--enable-scale-out"),
+    ("/server_info", (404, {"detail": "Not Found"}), "VLLM_SERVER_DEV_MODE=1"),
+    ("/version", (200, {"version": "0.31.2"}), "runs vLLM 0.31.2"),
+    ("/v1/models", (200, {"data": [{"id": "other@0123456789ab"}]}), "--served-model-name"),
+    ("/v1/models", (200, {"data": [{"id": "/no/such/folder"}]}), "--served-model-name"),
+])
+def test_unusable_servers_are_refused_with_the_flag_to_add(route, answer, says, fake_server, tiny_model_dir):
+    """The answers of a server started without --enable-scale-out (403 on the token route), without
+    VLLM_SERVER_DEV_MODE=1 (404 on dev routes), of another vLLM or serving another model (faked: a real
+    server per case would cost minutes of start-up)."""
+    FakeVLLM.answers = {route: answer}
+    with pytest.raises(ServerError, match=says) as e:
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    assert "\n" not in str(e.value) and fake_server in str(e.value)
+
+
+@pytest.mark.parametrize("key, value, says", [
+    ("logprobs_mode", "raw_logprobs", "--logprobs-mode processed_logprobs"), ("dtype", "torch.bfloat16", "--dtype float32"),
+    ("max_model_len", 128, "--max-model-len 256")])
+def test_server_settings_are_checked(key, value, says, fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["model_config"][key] = value
+    with pytest.raises(ServerError, match=says):
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_model_len=256).build(tiny_model_dir)
+
+
+def test_a_server_by_hand_on_the_same_folder_is_accepted(fake_server, tiny_model_dir):
+    """`vllm ... --model DIR` without lit-ess's name: the folder is readable here and fingerprints alike."""
+    FakeVLLM.answers = {"/v1/models": (200, {"data": [{"id": tiny_model_dir}]})}
+    VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir).close()
+
+
+def test_a_dead_url_fails_in_one_line(tiny_model_dir):
+    with pytest.raises(ServerError, match=r"http://127.0.0.1:9: GET /version failed") as e:
+        VLLMServerConfig(urls=["http://127.0.0.1:9"], startup_timeout=5).build(tiny_model_dir)
+    assert "\n" not in str(e.value)
+
+
+def test_the_launched_server_dies_with_its_parent(tmp_path):
+    """A parent killed with kill -9 takes its server with it (PR_SET_PDEATHSIG), shown with a stand-in
+    for vLLM: a sleeping process launched as the engine launches the server."""
+    code = ("import sys, time; from lit_ess.engines.vllm_server import LaunchedServer; "
+            "s = LaunchedServer([sys.executable, '-c', 'import time; time.sleep(600)'], {}, sys.argv[1], 'http://x'); "
+            "print(s.proc.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "log")], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ))
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)                                       # alive
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the server outlived the process that launched it")
+
+
+def test_serve_names_a_missing_model_folder(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "lit_ess.engines.serve", "--model", str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "--model" in res.stderr and "config.json" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.e2e
+def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir, tmp_path):
+    """The documented command with a flag vLLM refuses: the server exits during start-up, and `serve`
+    says so in one line that names its log file, where vLLM's own message is."""
+    log = tmp_path / "server.log"
+    res = subprocess.run([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port",
+                          str(free_port()), "--log-file", str(log), "--no-such-vllm-flag"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "exited with code" in last and f"(log: {log})" in last
+    assert "--no-such-vllm-flag" in log.read_text()
+
+
+# ---- one real server for the module ----
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    engine = VLLMServerConfig(max_model_len=256).build(tiny_model_dir)
+    print(f"vLLM server ready in {engine.startup_seconds:.0f} s (log: {engine.server.log_file})")
+    yield engine
+    engine.close()
+    assert engine.server.proc.poll() is not None
+
+
+def weight_label(server) -> str:
+    with urllib.request.urlopen(server.urls[0] + "/weight_info", timeout=10) as r:
+        return json.load(r)["weight_version"]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("s", [SamplingConfig(temperature=t, max_new_tokens=16, seed=2) for t in (0.7, 1.0)] +
+                         [SamplingConfig(temperature=1.2, top_k=7, top_p=0.85, max_new_tokens=16, seed=11)],
+                         ids=["T0.7", "T1.0", "topk-topp"])
+def test_logprobs_equal_the_trainers(server, hf_model, s):
+    groups = server.generate(PROMPTS, 4, s)
+    assert [len(g) for g in groups] == [4, 4, 4]
+    assert max_logprob_gap(hf_model, PROMPTS, groups, s) < 1e-5
+    assert all(c.version == 0 and len(c.token_ids) == len(c.logprobs) > 0 for g in groups for c in g)
+
+
+@pytest.mark.e2e
+def test_samples_of_a_group_are_not_copies(server):
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=1234)
+    groups = server.generate(PROMPTS, 8, s, call_seed=3)
+    for g in groups:
+        assert len({tuple(c.token_ids) for c in g}) == 8
+    assert [c.token_ids for c in groups[0]] != [c.token_ids for c in groups[2]]        # equal prompts differ
+    assert [c.token_ids for c in server.generate(PROMPTS, 8, s, call_seed=3)[0]] == [c.token_ids for c in groups[0]]
+    assert [c.token_ids for c in server.generate(PROMPTS, 8, s, call_seed=4)[0]] != [c.token_ids for c in groups[0]]
+
+
+@pytest.mark.e2e
+def test_stop_strings_and_eos_end_completions(server, tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=24, stop=["a", "b", "c", "1"], seed=5)
+    reasons = set()
+    for g in server.generate(PROMPTS, 6, s):
+        for c in g:
+            text = tok.decode(c.token_ids, skip_special_tokens=True)
+            reasons.add(c.finish_reason)
+            if c.finish_reason == "stop" and c.token_ids[-1] != tok.eos_token_id:
+                assert any(x in text for x in s.stop)
+            else:
+                assert not any(x in text for x in s.stop), (c, text)
+                assert c.finish_reason == "stop" or len(c.token_ids) == s.max_new_tokens
+    assert "stop" in reasons
+
+
+@pytest.mark.e2e
+def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    s = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=3)
+    before = max_logprob_gap(model, PROMPTS, server.generate(PROMPTS, 2, s), s)
+    t0 = time.perf_counter()
+    server.load_weights(model.state_dict().items(), version=7)          # tied lm_head / embeddings included
+    print(f"weight update {time.perf_counter() - t0:.2f} s")
+    groups = server.generate(PROMPTS, 2, s)
+    assert before > 1e-3
+    assert max_logprob_gap(model, PROMPTS, groups, s) < 1e-5
+    assert server.version == 7 and all(c.version == 7 for g in groups for c in g)
+    assert weight_label(server) == "7"
+    assert len(os.listdir(server.weights_root)) == 1                     # the previous folder is gone
+
+
+@pytest.mark.e2e
+def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_path):
+    """`lit-ess fit` with the server engine by URL (the module's server; a launched one is the same
+    engine): every step's ESS is 1, the lag-0 alarm applies (fp32 on both sides) and stays silent."""
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, extra_data={
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": server.urls}}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    ess = [v for _, v in s["train/ess"]]
+    assert len(ess) == 3 and min(ess) >= 0.9999, ess
+    assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
+    assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
+    assert weight_label(server) == "2"                                    # pushed before step 2
