@@ -7,6 +7,7 @@ from pathlib import Path
 
 import lightning as L
 
+from lit_ess.checkpoint import not_replaceable
 from lit_ess.export import save_adapted, save_model
 from lit_ess.lora import is_peft, merged_weights, peft_state
 
@@ -19,8 +20,8 @@ class ExportHF(L.Callback):
     """
 
     def __init__(self, dirpath: str):
-        if Path(dirpath).is_file():        # transformers would log an error at the end and write nothing
-            raise ValueError(f"ExportHF.dirpath={dirpath!r} is an existing file: give a folder")
+        if (why := not_replaceable(Path(dirpath))) is not None:     # refused now, not after the run
+            raise ValueError(f"ExportHF.dirpath={dirpath!r} {why}")
         self.dirpath = dirpath
 
     def on_train_end(self, trainer, pl_module) -> None:

@@ -25,12 +25,19 @@ gather full tensors one at a time in a fixed order (`lit_ess.module.full_weights
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import lightning as L
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@runtime_checkable
+class CastAware(Protocol):
+    """A module whose checks depend on the forward's dtype (PolicyModule: its lag-0 ESS alarm); SFTModule is not."""
+
+    def cast_forward(self, dtype: str | None) -> None: ...
 
 
 class FSDP2(L.Callback):
@@ -77,7 +84,8 @@ class FSDP2(L.Callback):
         pl_module.configure_model()
         for model in pl_module.sharded_models():
             self.shard(model, mesh["data_parallel"])
-        pl_module.cast_forward(self.param_dtype)            # PolicyModule: a fact of its lag-0 ESS alarm
+        if isinstance(pl_module, CastAware):
+            pl_module.cast_forward(self.param_dtype)        # PolicyModule: a fact of its lag-0 ESS alarm
 
     def shard(self, model: torch.nn.Module, mesh) -> None:
         """fully_shard every decoder layer, then the root."""

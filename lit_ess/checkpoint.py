@@ -17,7 +17,9 @@ that would look like a model. Temp names carry the writer's pid, so two writers 
 One run per checkpoint folder. `lock_folder` puts a lock file (pid and host) beside each
 ModelCheckpoint folder when a run starts and removes it when the process exits; a second run into the
 folder refuses to start with one line naming the folder and the first run's pid. A lock whose process
-is gone (a run killed with kill -9) is taken over with a notice.
+is gone (a run killed with kill -9) is taken over with a notice. A process on another host cannot be
+checked (a run requeued on another node, a new container): the holder refreshes its lock's mtime every
+LOCK_REFRESH_S, and a lock from another host not refreshed for LOCK_STALE_S is taken over.
 
 Sharded checkpoints (ModelParallelStrategy, a folder of DCP shards and `meta.pt`) do not go through
 a CheckpointIO: torch.distributed.checkpoint writes the shards in place, renames its `.metadata` into
@@ -40,6 +42,8 @@ import os
 import re
 import shutil
 import socket
+import threading
+import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +56,8 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from .lifetime import alive
 
 TMP_SUFFIX = ".tmp"
+LOCK_REFRESH_S = 60.0              # a held lock's mtime is refreshed this often (seconds)
+LOCK_STALE_S = 600.0               # a lock of another host not refreshed for this long is taken over
 SHARDED_META = "meta.pt"           # Lightning's name for the non-tensor state of a sharded checkpoint
 
 
@@ -109,6 +115,8 @@ def atomic_folder(out: str | Path, what: str = "folder") -> Iterator[Path]:
     from safetensors import SafetensorError
 
     out = Path(out)
+    if (why := not_replaceable(out)) is not None:
+        raise ValueError(f"{what} {out}: {why}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, old = (out.with_name(f".{out.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
@@ -132,6 +140,18 @@ def atomic_folder(out: str | Path, what: str = "folder") -> Iterator[Path]:
     _fsync_folder(out.parent)
 
 
+def not_replaceable(out: Path) -> str | None:
+    """Why `atomic_folder` must not replace `out` (it removes the old folder whole): a file, or a folder
+    holding files that are not a previous export (no config.json, no adapter_config.json: a run folder,
+    a checkpoint folder); None when it may."""
+    if out.is_file():
+        return "is an existing file: give a folder"
+    if not out.is_dir() or not any(out.iterdir()) or (out / "config.json").is_file() \
+            or (out / "adapter_config.json").is_file():
+        return None
+    return "is a folder holding other files (not a model folder), which writing the model would delete: give an empty or new folder"
+
+
 def _os_error(message: str) -> int | None:
     """The errno in a Rust I/O error's text ("... (os error 28)"), or None."""
     found = re.search(r"os error (\d+)", message)
@@ -150,7 +170,7 @@ def lock_folder(folder: str | Path) -> str | None:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         os.write(fd, (me + "\n").encode())
         os.close(fd)
-        atexit.register(_unlock, lock, me)
+        _hold(lock, me)
         return None
     except FileExistsError:
         pass
@@ -162,17 +182,56 @@ def lock_folder(folder: str | Path) -> str | None:
     notice = None
     if pid is not None and f"{pid} {host}" != me:
         if host != socket.gethostname():
-            raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid} on {host}; {lock}): "
-                             f"give this run its own dirpath, or remove the lock if that run is gone")
-        if alive(pid):
+            idle = _idle(lock)
+            if idle < LOCK_STALE_S:
+                raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid} on {host}; {lock}, "
+                                 f"refreshed {idle:.0f} s ago): give this run its own dirpath, or remove the lock if "
+                                 f"that run is gone (it is taken over {LOCK_STALE_S:.0f} s after its last refresh)")
+            notice = (f"checkpoint folder {folder}: taking over the lock of pid {pid} on {host}, not refreshed for "
+                      f"{idle:.0f} s")
+        elif alive(pid):
             raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid}): give this run its own "
                              f"dirpath, or stop that run first")
-        notice = f"checkpoint folder {folder}: taking over the lock of pid {pid}, which is no longer running"
+        else:
+            notice = f"checkpoint folder {folder}: taking over the lock of pid {pid}, which is no longer running"
     tmp = lock.with_name(f"{lock.name}.{os.getpid()}")
     tmp.write_text(me + "\n")
     os.replace(tmp, lock)
-    atexit.register(_unlock, lock, me)
+    _hold(lock, me)
     return notice
+
+
+def _idle(lock: Path) -> float:
+    """Seconds since `lock` was last refreshed (0 when it cannot be read)."""
+    try:
+        return max(0.0, time.time() - lock.stat().st_mtime)
+    except OSError:
+        return 0.0
+
+
+_held: set[Path] = set()           # the locks this process holds (refreshed by one thread each)
+
+
+def _hold(lock: Path, me: str) -> None:
+    """Remove `lock` when this process exits; meanwhile refresh its mtime every LOCK_REFRESH_S (a daemon
+    thread that stops once the lock is no longer this process's)."""
+    if lock in _held:
+        return
+    _held.add(lock)
+    atexit.register(_unlock, lock, me)
+
+    def refresh() -> None:
+        while True:
+            time.sleep(LOCK_REFRESH_S)
+            try:
+                if lock.read_text().strip() != me:
+                    break
+                os.utime(lock)
+            except OSError:
+                break
+        _held.discard(lock)
+
+    threading.Thread(target=refresh, name="lit-ess-lock-refresh", daemon=True).start()
 
 
 def _unlock(lock: Path, me: str) -> None:

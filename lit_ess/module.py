@@ -496,11 +496,12 @@ class PolicyModule(L.LightningModule):
                     "perf/train_seconds": train_seconds, **batch.stats}
         logs = dict(metrics)                                              # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
-        if proximal_seconds is not None:
-            logs["perf/proximal_seconds"] = proximal_seconds              # this rank's (rank 0's is written)
         self._check_ess(logs, self.step_facts(batch.sampling, batch.engine_dtype, logs["train/policy_lag_max"]), step)
         self.last_step["policy_lag"] = lag.cpu()
         self._log_step(logs)
+        if proximal_seconds is not None:        # on every step that starts a phase, whatever log_every_n_steps
+            for lg in self.loggers:             # this rank's (rank 0's is written)
+                lg.log_metrics({"perf/proximal_seconds": proximal_seconds}, step=self.global_step)
 
     def check_batch(self, batch: RolloutBatch) -> Tensor:
         """The policy lag of each row, [B] (optimizer steps since the weights that sampled it); a row older

@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from lit_ess.advantages import group_advantages  # noqa: E402
 from lit_ess.datamodules.prompts import Arithmetic, PromptOrder, encode_prompt  # noqa: E402
 from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig  # noqa: E402
+from lit_ess.knobs import check  # noqa: E402
 from lit_ess.logprobs import sequence_logprobs  # noqa: E402
 from lit_ess.objectives import OBJECTIVE_CLASSES, batch_ess  # noqa: E402
 from lit_ess.rewards import RewardScorer  # noqa: E402
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--engine", default="VLLMConfig", choices=["VLLMConfig", "HFConfig"], help="the engine's config class")
     p.add_argument("--seed", type=int, default=0, help="prompt order, sampling seeds, torch")
     args = p.parse_args(argv)
+    check("--max_grad_norm", args.max_grad_norm, gt=0)      # before the model and engine load, not at step 1
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

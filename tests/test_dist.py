@@ -286,3 +286,22 @@ def test_micro_scope_ess_ignores_padding_passes(tiny_model_dir, tmp_path):
     got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", ess_scope="micro")
     assert len(got["seen"]) == 2
     assert got["seen"][1] == pytest.approx(got["alone"], abs=1e-6)
+
+
+@pytest.mark.e2e
+def test_sft_trains_under_fsdp2(tiny_model_dir, tmp_path):
+    """The SFT warm start (SFTModule, SFTDataModule) under ModelParallelStrategy + lit_ess.callbacks.FSDP2 on
+    one device, with a param_dtype cast: FSDP2 shards SFTModule.sharded_models and the run trains."""
+    cfg = {"seed_everything": 0,
+           "model": {"class_path": "lit_ess.sft.SFTModule", "init_args": {"model_path": tiny_model_dir}},
+           "data": {"class_path": "lit_ess.datamodules.SFTDataModule",
+                    "init_args": {"source": {"class_path": "lit_ess.datamodules.Arithmetic",
+                                             "init_args": {"digits": 2, "size": 64}}, "batch_size": 8}},
+           "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
+                       "enable_checkpointing": False, "logger": False,
+                       "default_root_dir": str(tmp_path), "strategy": {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                    "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}},
+                       "callbacks": [{"class_path": "lit_ess.callbacks.FSDP2",
+                                      "init_args": {"param_dtype": "bfloat16"}}]}}
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]

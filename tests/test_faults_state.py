@@ -123,6 +123,19 @@ def test_vllm_max_model_len_is_the_engine_limit(tiny_model_dir):
     assert VLLMConfig(max_model_len=64).model_len(tiny_model_dir) == (64, "engine.max_model_len")
 
 
+def test_vllm_server_max_model_len_is_the_engine_limit(tiny_model_dir):
+    """VLLMServerConfig.max_model_len is the launched server's --max-model-len (and the least a server by URL
+    takes): the prompt budget must use it, not the model's 256 positions (review of issue 25: it did not, so
+    a prompt the server rejects was sampled)."""
+    from lit_ess.engines import VLLMServerConfig
+    from lit_ess.engines.base import prompt_budget
+
+    assert VLLMServerConfig().model_len(tiny_model_dir) == (256, "the model's max_position_embeddings")
+    limit = VLLMServerConfig(max_model_len=64).model_len(tiny_model_dir)
+    assert limit == (64, "engine.max_model_len")
+    assert prompt_budget(None, 8, limit) == 56
+
+
 def _long_prompt_file(tmp_path) -> str:
     """Short arithmetic prompts and one of 303 tokens (the tiny model's byte tokenizer: a token a digit)."""
     import json

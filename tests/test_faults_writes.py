@@ -82,6 +82,28 @@ def test_a_checkpoint_folder_lock_names_a_live_holder_and_takes_over_a_dead_one(
         lock_folder(folder)
 
 
+
+def test_a_lock_left_by_a_run_killed_on_another_host_is_taken_over_once_it_is_stale(tmp_path, monkeypatch):
+    """A run killed on host A (preempted, requeued on host B, or a new container: a new host name) leaves its
+    lock; its liveness cannot be checked from B. The holder refreshes the lock's mtime; a lock from another
+    host not refreshed for LOCK_STALE_S is taken over with a notice, a fresh one still refuses (review of
+    issue 25: the resume on B refused for ever)."""
+    import lit_ess.checkpoint as ck
+
+    monkeypatch.setattr(ck, "LOCK_REFRESH_S", 0.05)
+    folder, lock = tmp_path / "ckpt", tmp_path / ".ckpt.lit-ess.lock"
+    lock.write_text("4242 another-host\n")
+    with pytest.raises(ValueError, match="pid 4242 on another-host"):       # refreshed just now: a live run
+        ck.lock_folder(folder)
+    old = time.time() - ck.LOCK_STALE_S - 60
+    os.utime(lock, (old, old))
+    notice = ck.lock_folder(folder)
+    assert notice is not None and "taking over the lock of pid 4242 on another-host" in notice, notice
+    assert lock.read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+    os.utime(lock, (old, old))                                     # the holder keeps its lock fresh
+    time.sleep(ck.LOCK_REFRESH_S + 1.5)
+    assert time.time() - lock.stat().st_mtime < 5
+
 @pytest.mark.e2e
 def test_a_second_run_into_one_checkpoint_folder_refuses_to_start(tiny_model_dir, tmp_path):
     """Run A writes checkpoints into runs/ckpt; run B, started into the same folder, stops at start with
@@ -101,3 +123,31 @@ def test_a_second_run_into_one_checkpoint_folder_refuses_to_start(tiny_model_dir
         assert f"checkpoint folder {tmp_path / 'ckpt'} is in use by another run (pid {first.pid})" in line, line
     finally:
         kill_session(first)
+
+
+def test_export_onto_a_folder_that_is_not_a_model_keeps_its_files(tiny_model_dir, tmp_path, capsys):
+    """`lit-ess-export CKPT OUT` with OUT the checkpoint's own folder (or a run folder): the export replaces
+    OUT whole, so it must refuse a folder that holds other files, naming it, and delete nothing (review of
+    issue 25: the checkpoint was deleted)."""
+    from lit_ess.export import main
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    ckpt = _checkpoint(tiny_model_dir, folder / "last.ckpt")
+    with pytest.raises(SystemExit) as e:
+        main([str(ckpt), str(folder)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err.startswith("lit-ess-export: error: ") and str(folder) in err, err
+    assert os.listdir(folder) == ["last.ckpt"] and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_export_hf_refuses_a_folder_that_is_not_a_model_at_start(tmp_path):
+    """ExportHF replaces its dirpath whole at the end of fit: a folder holding other files is refused when
+    the callback is built, not after the run (review of issue 25)."""
+    from lit_ess.callbacks import ExportHF
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="ExportHF.dirpath"):
+        ExportHF(dirpath=str(tmp_path))
+    (tmp_path / "notes.txt").unlink()
+    ExportHF(dirpath=str(tmp_path))                       # an empty folder is fine

@@ -85,3 +85,23 @@ def test_dropout_or_fp32_adapters_on_a_16_bit_base_are_not_exact(tiny_model_dir)
             out = dict(logs)
             m._check_ess(out, facts, step=1)
             assert out["train/ess_alarms"] == 0.0, kw
+
+
+@pytest.mark.parametrize("precision, model_dtype, cast, lora, engine, exact", [
+    ("bf16-true", "float32", None, False, "bfloat16", True),          # the whole forward in bf16, a bf16 engine
+    ("bf16-true", "float32", None, False, "float32", False),          # a bf16 trainer against an fp32 engine
+    ("bf16-mixed", "float32", None, False, "bfloat16", False),        # autocast mixes dtypes: never exact
+    ("bf16-mixed", "float32", None, False, "float32", False),
+    ("32-true", "float32", "bfloat16", False, "bfloat16", True),      # FSDP2 param_dtype bf16
+    ("32-true", "float32", "bfloat16", False, "float32", False),
+    ("32-true", "bfloat16", None, False, "bfloat16", True),           # stored in bf16, no cast
+    ("32-true", "bfloat16", None, True, "bfloat16", False),           # LoRA's fp32 adapters on a bf16 base
+    ("bf16-true", "float32", None, True, "bfloat16", False),          # LoRA under bf16-true
+    ("32-true", "float32", "bfloat16", True, "bfloat16", False),      # LoRA under FSDP2's bf16 cast
+    ("32-true", "float32", None, True, "float32", True),              # LoRA on an fp32 base, fp32 engine
+])
+def test_the_alarm_table_for_bf16_fsdp2_and_lora(precision, model_dtype, cast, lora, engine, exact):
+    """Whether a lag-0 step's ESS must be 1 for each precision set-up users run (the same decisions as
+    the trainer-dtype and ESSAlarm.applies logic before `exact_on_policy`, checked case by case)."""
+    facts = replace(EXACT, precision=precision, model_dtype=model_dtype, cast_dtype=cast, lora=lora, engine_dtype=engine)
+    assert exact_on_policy(facts) is exact

@@ -311,3 +311,12 @@ def test_clip_gradients_refuses_a_norm_that_would_negate_or_zero_the_gradient():
     assert w.grad.tolist() == pytest.approx([0.6, 0.8])
     w.grad = torch.tensor([3.0, 4.0])
     assert clip_gradients([w], None).item() == pytest.approx(5.0) and w.grad.tolist() == [3.0, 4.0]
+
+
+def test_reference_loop_checks_max_grad_norm_before_loading_anything(tmp_path):
+    """`python -m lit_ess.reference --max_grad_norm -1` is refused before the model and engine load (review
+    of issue 25: the check ran at the first optimizer step, after the engine start and the first rollout)."""
+    from lit_ess.reference import main
+
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        main(["--model_path", str(tmp_path / "absent"), "--max_grad_norm", "-1"])

@@ -182,3 +182,31 @@ def test_a_config_that_lists_the_old_callback_runs_the_same_with_one_note(tiny_m
         assert res.stderr.count("ProximalLogprobs does nothing") == int(listed), res.stderr[-2000:]
         losses[listed] = scalars(out)["train/loss"]
     assert len(losses[True]) == 4 and losses[True] == losses[False]
+
+
+class Recorded(L.pytorch.loggers.Logger):
+    """A logger that keeps every (step, key) it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[int, str]] = []
+
+    name, version = "recorded", 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.seen += [(step, k) for k in metrics]
+
+
+def test_proximal_seconds_are_logged_at_every_phase_start_whatever_log_every_n_steps(tiny_model_dir):
+    """perf/proximal_seconds is written on the steps that start a phase (x = the step after its update),
+    also when log_every_n_steps skips those steps (2 steps per rollout, log_every_n_steps 2: the phases
+    start at x = 1 and 3, the step metrics are written at x = 2 and 4)."""
+    rec = Recorded()
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=rec, log_every_n_steps=2, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[WeightSync()])
+    trainer.fit(PolicyModule(tiny_model_dir, objective=DecoupledPPO()), data(tiny_model_dir, 2))
+    assert [s for s, k in rec.seen if k == "perf/proximal_seconds"] == [1, 3]
+    assert [s for s, k in rec.seen if k == "train/loss"] == [2, 4]

@@ -163,6 +163,15 @@ def position_limit(model_path: str) -> tuple[int, str] | None:
     return (n, "the model's max_position_embeddings") if isinstance(n, int) and n > 0 else None
 
 
+def capped_limit(max_model_len: int | None, model_path: str) -> tuple[int, str] | None:
+    """An engine's `max_model_len` knob when it is below the model's max_position_embeddings (or the
+    model does not say), else the model's limit (position_limit)."""
+    model = position_limit(model_path)
+    if max_model_len is not None and (model is None or max_model_len < model[0]):
+        return max_model_len, "engine.max_model_len"
+    return model
+
+
 def prompt_budget(max_prompt_tokens: int | None, max_new_tokens: int, limit: tuple[int, str] | None) -> int:
     """The longest prompt a run samples: `max_prompt_tokens`, or with None the engine's model length
     minus `max_new_tokens`. Raises ValueError naming both knobs when prompt + completion cannot fit."""

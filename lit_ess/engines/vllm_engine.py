@@ -24,7 +24,7 @@ from torch import Tensor
 from ..console import harmless_stderr_dropped, verbose
 from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed, position_limit,
+from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit, derive_seed,
                    require_cuda,
                    visible_devices)
 
@@ -172,10 +172,7 @@ class VLLMConfig(EngineConfig):
         return int(kw.get("tensor_parallel_size", 1)) * int(kw.get("pipeline_parallel_size", 1))
 
     def model_len(self, model_path: str) -> tuple[int, str] | None:
-        model = position_limit(model_path)
-        if self.max_model_len is not None and (model is None or self.max_model_len < model[0]):
-            return self.max_model_len, "engine.max_model_len"
-        return model
+        return capped_limit(self.max_model_len, model_path)
 
     def build(self, model_path: str) -> "VLLMEngine":
         return VLLMEngine(model_path, self)

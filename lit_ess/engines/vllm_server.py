@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..knobs import check
 from ..lora import is_adapter_payload
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed
+from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, capped_limit, derive_seed
 from .vllm_engine import adapter_root, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
@@ -130,6 +130,9 @@ class VLLMServerConfig(EngineConfig):
                                        for a in self.server_args):
             return None
         return self.dtype          # processed logprobs and this dtype are checked on every server at start
+
+    def model_len(self, model_path: str) -> tuple[int, str] | None:
+        return capped_limit(self.max_model_len, model_path)
 
     def build(self, model_path: str) -> "VLLMServerEngine":
         return VLLMServerEngine(model_path, self)
