@@ -3,7 +3,9 @@
 Every `every_n_steps` optimizer steps it writes a markdown table of up to `max_rows` rows of the step's
 batch: prompt, completion, reward, advantage, the behaviour log-probability of the completion
 (sum over its tokens, the log pi_b the engine sampled it with) and the policy version that sampled it. A reward bug shows here long before
-the curves look odd. Rank 0 writes; the rows come from rank 0's batch.
+the curves look odd. Rank 0 writes; the rows come from rank 0's batch. A multi-turn episode (data.env)
+shows its whole conversation after the prompt, the environment's parts marked: `121[env: wrong↵37+85=]122`
+(its log pi_b sums the policy's tokens only).
 """
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
+from lit_ess.envs import EnvConfig
 from lit_ess.rewards import resolve_reward
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
@@ -127,7 +128,14 @@ class RolloutDataModule(L.LightningDataModule):
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function" (checked at start: it must
-            import and be callable as f(completion, answer)).
+            import and be callable as f(completion, answer)). With `env`, the environment gives the
+            training rewards and `reward` scores the held-out prompts (one turn each).
+        env: multi-turn rollouts (lit_ess.envs.EnvConfig): each sample is an episode of this environment
+            (e.g. {env: retry_arithmetic, kwargs: {max_tries: 3}, max_turns: 3}) in which the policy and
+            the environment take turns, token in, token out; the environment's tokens are context with
+            completion mask 0 and no behaviour logprob, a row's version is its episode's oldest turn's.
+            Environment failures count as failing rewards (max_reward_error_rate). None (default): one
+            completion per sample, scored by `reward`.
         reward_timeout: seconds per completion for rewards run in a worker process (> 0); a completion that
             takes longer scores 0 and is counted in `rollout/reward_timeouts`.
         reward_in_worker: run the reward in a worker process with `reward_timeout`, so a verifier that
@@ -207,6 +215,7 @@ class RolloutDataModule(L.LightningDataModule):
         val_prompts: int = 64,
         val_samples: int = 1,
         val_sampling: dict | None = None,
+        env: EnvConfig | None = None,
     ):
         super().__init__()
         for name, value in (("prompts_per_rollout", prompts_per_rollout), ("samples_per_prompt", samples_per_prompt),
@@ -234,13 +243,15 @@ class RolloutDataModule(L.LightningDataModule):
         if placement == "dedicated" and mode != "async":
             raise ValueError("placement: dedicated runs one rollout worker process beside the trainers: it needs "
                              "mode: async (mode: sync generates in each trainer's process)")
+        if env is not None and not isinstance(env, EnvConfig):
+            raise ValueError(f"env must be an environment config (lit_ess.envs.EnvConfig) or null, got {env!r}")
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
         self.model_path = model_path
         self.source = source if source is not None else Arithmetic()
         self.engine_config, self.sampling = engine, sampling
         self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
-        self.reward_in_worker = reward_in_worker
+        self.reward_in_worker, self.env = reward_in_worker, env
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
         self.steps_per_rollout, self.mode, self.placement = steps_per_rollout, mode, placement
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
@@ -260,7 +271,8 @@ class RolloutDataModule(L.LightningDataModule):
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
             "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__,
-            "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None})
+            "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None,
+            "env": asdict(env) if env is not None else None})
         self.executor: RolloutExecutor | None = None
         self.ranks: Ranks | None = None                    # set in setup() from the trainer (a test may set it)
         self.tokenizer = None
@@ -301,9 +313,12 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"each of the {self.world} ranks gets {rows} rows per rollout "
                              f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
                              f"{self.steps_per_rollout}: every step needs a row on every rank")
+        limit = self.engine_config.model_len(self.model_path)          # before the engine starts
+        budget = self.env.max_episode_tokens if self.env is not None else None
+        if budget is not None and limit is not None and budget > limit[0]:
+            raise ValueError(f"env.max_episode_tokens={budget} exceeds the engine's model length {limit[0]} ({limit[1]})")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens,
-                                          self.engine_config.model_len(self.model_path))     # before the engine starts
+        self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
         self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
 
@@ -313,7 +328,7 @@ class RolloutDataModule(L.LightningDataModule):
             reward_timeout=self.reward_timeout, samples_per_prompt=self.samples_per_prompt,
             steps_per_rollout=self.steps_per_rollout, advantage=self.advantage, drop_degenerate=self.drop_degenerate,
             seed=self.seed, max_staleness=self.max_staleness, reward_counters=dict(self.reward_counters),
-            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker)
+            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker, env=self.env)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:

@@ -135,6 +135,15 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/reward_errors": SUM,              # cumulative, each rank's own scorer
     "rollout/reward_timeouts": SUM,
     "rollout/phase": RANK_MEAN,                # the same phase on every rank
+    # lit_ess/envs/episodes.py (data.env): multi-turn episodes, each rank over its own (equally many)
+    "rollout/turns": RANK_MEAN,                # policy turns per episode
+    "rollout/env_tokens": RANK_MEAN,           # environment tokens per episode
+    "rollout/env_seconds": RANK_MEAN,          # environment step seconds per episode
+    "rollout/tool_calls": RANK_MEAN,           # tool calls per episode
+    "rollout/truncated_turns": SUM,            # episodes of the phase stopped by env.max_turns
+    "rollout/truncated_tokens": SUM,           # ... by env.max_episode_tokens
+    "rollout/env_errors": SUM,                 # cumulative, each rank's own environments
+    "rollout/env_timeouts": SUM,
     # datamodules/rollout.py: the data stream, each rank its own buffer over the same prompt order
     "rollout/skipped_long_prompts": MAX,       # every rank draws the same prompts (dedicated: rank 0 alone)
     "data/skipped_rows": RANK_MEAN,

@@ -296,3 +296,16 @@ def session_processes(sid: int) -> list[int]:
         except (ProcessLookupError, PermissionError):
             pass
     return out
+
+
+from lit_ess.envs import RetryArithmetic, Step  # noqa: E402
+
+
+class FlakyRetry(RetryArithmetic):
+    """RetryArithmetic whose step raises on answers of odd length (counted environment errors), the same
+    for the same sampled tokens: a resumed run fails where the uninterrupted one did."""
+
+    def step(self, action) -> Step:
+        if len(action.text) % 2:
+            raise ValueError("flaky environment")
+        return super().step(action)

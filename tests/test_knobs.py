@@ -81,8 +81,7 @@ DOCUMENTED = {
     ("LoRA", "dropout", 0): "dropout: dropout on the adapter's input, in [0, 1) (0 = none)",
     ("Arithmetic", "seed", 0): "seed: draws the example pool (an integer >= 0)",
     ("HFPrompts", "limit", None): "None = all",
-    ("EnvConfig", "max_episode_tokens", None): "None: no budget of its own",
-    ("EnvConfig", "max_error_rate", 0): "(1.0: never; 0.0: at the first)",
+    ("EnvConfig", "max_episode_tokens", None): "None: the engine's model length",
     ("Calculator", "max_calls", 0): "(>= 0; 0 = a call ends the episode with reward 0)",
 }
 # knobs a message names as the user writes them: ESSAlarm(threshold) is built from PolicyModule's ess_alarm

@@ -53,7 +53,7 @@ class Step:
 
 class Environment(ABC):
     """One episode of a text environment. Subclasses take their settings as keyword arguments
-    (`EnvConfig.init_args`)."""
+    (`EnvConfig.kwargs`)."""
 
     observation_role: ClassVar[str] = "user"      # the chat role of text observations
 

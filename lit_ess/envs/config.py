@@ -37,39 +37,36 @@ class EnvConfig:
 
     Args:
         env: a built-in name (single_turn, retry_arithmetic, calculator) or 'package.module:Class'.
-        init_args: keyword arguments of its constructor (one environment per episode).
+        kwargs: keyword arguments of its constructor (one environment per episode).
         max_turns: policy turns per episode at most; an episode still running after them ends,
             truncated, and is counted (rollout/truncated_turns).
         max_episode_tokens: prompt + every turn + every observation, at most (the context); an episode
             that would pass it ends, truncated at the budget, and is counted (rollout/truncated_tokens).
-            None: no budget of its own (the engine's context limit applies).
+            None: the engine's model length (the rollout worker sets it; a budget above it is refused).
         step_timeout: seconds an environment step may take; one that takes longer ends its episode with
             reward 0 and is counted (rollout/env_timeouts). Python cannot stop a thread: a step that
-            can hang in C code for ever should do its work in a process of its own.
-        max_error_rate: a run in which more than this share of the episodes end by an environment
-            error or timeout raises EnvError (1.0: never; 0.0: at the first).
+            can hang in C code for ever should do its work in a process of its own. Failures count as
+            failing rewards do: data.max_reward_error_rate stops a run that has too many.
     """
 
     env: str = "single_turn"
-    init_args: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)
     max_turns: int = 1
     max_episode_tokens: int | None = None
     step_timeout: float = 10.0
-    max_error_rate: float = 0.5
 
     def __post_init__(self):
         check("env.max_turns", self.max_turns, ge=1, integer=True)
         check("env.max_episode_tokens", self.max_episode_tokens, ge=2, integer=True, null=True,
               hint=" (a prompt token and a turn's)")
         check("env.step_timeout", self.step_timeout, gt=0, hint=" seconds")
-        check("env.max_error_rate", self.max_error_rate, ge=0, le=1)
         cls = resolve_env(self.env)                 # a typo fails now, not after the engine starts
         try:
-            inspect.signature(cls).bind(**self.init_args)
+            inspect.signature(cls).bind(**self.kwargs)
         except TypeError as e:
-            raise ValueError(f"env.init_args {self.init_args} do not fit environment {self.env!r} "
+            raise ValueError(f"env.kwargs {self.kwargs} do not fit environment {self.env!r} "
                              f"({cls.__name__}{inspect.signature(cls)}): {e}") from None
 
     def make(self) -> Environment:
         """A fresh environment for one episode."""
-        return resolve_env(self.env)(**self.init_args)
+        return resolve_env(self.env)(**self.kwargs)

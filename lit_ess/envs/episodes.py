@@ -19,13 +19,15 @@ still running (the first turn is the single-turn rollout's call: n samples of ea
 seeds), then every environment step at once, each in its own thread with `step_timeout`. A step that
 raises, times out, or returns something that is not a Step with a finite reward ends its episode with
 reward 0, counted (env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes
-fail raises EnvError. Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt
+fail raises EnvError (the worker passes data.max_reward_error_rate: environment failures count as failing
+rewards do). Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt
 included); an episode stopped by one is truncated and counted (truncated = "turns" or "tokens"): a turn
 that would pass the token budget is cut at it (a prefix of a sample is a sample: its logprobs stay
 exact) and not stepped, an observation that would reach it is dropped. The reward is then what the
 steps so far gave.
 
-`collate_episodes` turns episodes into a RolloutBatch whose completion mask is the episodes' token mask.
+`to_row` makes an episode a batch row whose `mask` is the episode's token mask; `collate_episodes` pads
+episodes into a RolloutBatch whose completion mask is that mask.
 """
 from __future__ import annotations
 
@@ -36,9 +38,8 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
-import torch
-
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
+from lit_ess.knobs import check
 from lit_ess.rewards import RewardError, as_score
 from lit_ess.rollout.batch import RolloutBatch, Row, collate
 
@@ -51,7 +52,7 @@ TRUNCATIONS = ("turns", "tokens")
 
 class EnvError(RewardError):
     """Environment steps failed (raised, timed out, bad reward) in more than `max_error_rate` of a run's
-    episodes."""
+    episodes (data.max_reward_error_rate)."""
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)      # log pi_b on policy tokens, 0.0 elsewhere
     turn_versions: list[int] = field(default_factory=list)   # weight version of each policy turn
     turn_starts: list[int] = field(default_factory=list)     # where each policy turn starts in the completion
+    finish_reasons: list[str] = field(default_factory=list)  # each policy turn's: "stop" or "length"
     parts: list[tuple[str, str]] = field(default_factory=list)   # ("policy" | "env", text), in order
     reward: float = 0.0
     turns: int = 0
@@ -132,12 +134,15 @@ def _run_timed(calls: list, timeout: float) -> list[tuple[str, object, float]]:
 
 
 class EpisodeRunner:
-    """Plays episodes of `config`'s environment with an engine; `tokenizer` is the policy's.
+    """Plays episodes of `config`'s environment with an engine; `tokenizer` is the policy's. A run in
+    which more than `max_error_rate` of the episodes fail raises EnvError (1.0: never; 0.0: at the first).
 
     Counters `errors` and `timeouts` add up over runs (kept across a resume: `state_dict`)."""
 
-    def __init__(self, config: EnvConfig, tokenizer):
+    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5):
+        check("max_reward_error_rate", max_error_rate, ge=0, le=1)
         self.config, self.tokens, self.tokenizer = config, EpisodeTokens(tokenizer), tokenizer
+        self.max_error_rate = max_error_rate
         self.errors = self.timeouts = 0
 
     def run(self, engine: RolloutEngine, examples: list[Example], n: int, sampling: SamplingConfig,
@@ -172,9 +177,9 @@ class EpisodeRunner:
             self._finish(x)
         episodes = [x.episode for x in live]
         failed = [e for e in episodes if e.failed]
-        if episodes and len(failed) / len(episodes) > c.max_error_rate:
+        if episodes and len(failed) / len(episodes) > self.max_error_rate:
             raise EnvError(f"environment {c.env!r} failed in {len(failed)} of {len(episodes)} episodes, more than "
-                           f"env.max_error_rate={c.max_error_rate}; first error: {failed[0].error}")
+                           f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
         return episodes
 
     def _start(self, example: Example, key: int, version: int) -> _Live:
@@ -225,6 +230,7 @@ class EpisodeRunner:
         e.mask += [1] * len(ids)
         e.logprobs += lps
         e.turn_versions.append(s.version)
+        e.finish_reasons.append(s.finish_reason)
         e.turns += 1
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         e.parts.append(("policy", text))
@@ -304,8 +310,9 @@ class EpisodeRunner:
 
 
 def episode_stats(episodes: list[Episode]) -> dict[str, float]:
-    """Means per episode (turns, environment tokens and seconds, tool calls) and counts (truncations,
-    failures) of one batch of episodes, under the rollout/ names the dashboards show."""
+    """Means per episode (turns, environment tokens and seconds, tool calls) and counts of truncations of
+    one batch of episodes, under the rollout/ names the dashboards show. (Failures are the runner's
+    cumulative counters, `EpisodeRunner.state_dict`, logged as rollout/env_errors and rollout/env_timeouts.)"""
     n = max(len(episodes), 1)
     return {
         "rollout/turns": sum(e.turns for e in episodes) / n,
@@ -314,17 +321,17 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
         "rollout/truncated_turns": float(sum(e.truncated == "turns" for e in episodes)),
         "rollout/truncated_tokens": float(sum(e.truncated == "tokens" for e in episodes)),
-        "rollout/env_errors": float(sum(e.env_errors for e in episodes)),
-        "rollout/env_timeouts": float(sum(e.env_timeouts for e in episodes)),
     }
 
 
 def to_row(episode: Episode, advantage: float, prompt_id: int, prompt_text: str) -> Row:
     """A batch row of the episode: the completion is every token after the prompt (the environment's
-    too, with logprob 0), the version its oldest turn's. Its token mask is `episode.mask` (collate_episodes)."""
+    too, with logprob 0 and mask False), the version its oldest turn's, the text the whole conversation
+    with the environment's parts marked."""
     e = episode
     return Row(prompt=e.prompt_ids, completion=e.completion_ids, logprobs=e.logprobs, advantage=advantage,
-               reward=e.reward, version=e.version, prompt_id=prompt_id, prompt_text=prompt_text, completion_text=e.text())
+               reward=e.reward, version=e.version, prompt_id=prompt_id, prompt_text=prompt_text, completion_text=e.text(),
+               mask=[bool(m) for m in e.mask])
 
 
 def collate_episodes(episodes: list[Episode], advantages: list[float], prompt_ids: list[int],
@@ -332,8 +339,4 @@ def collate_episodes(episodes: list[Episode], advantages: list[float], prompt_id
     """Pad episodes into a RolloutBatch (lit_ess.rollout.batch.collate) whose completion_mask is True on
     the policy's tokens only: the environment's tokens are context, never trained on, never in the ESS."""
     rows = [to_row(e, a, i, t) for e, a, i, t in zip(episodes, advantages, prompt_ids, prompt_texts, strict=True)]
-    batch = collate(rows, pad_id, **fields)
-    for b, e in enumerate(episodes):
-        P = len(e.prompt_ids)
-        batch.completion_mask[b, P:P + len(e.mask)] = torch.tensor(e.mask, dtype=torch.bool)
-    return batch
+    return collate(rows, pad_id, **fields)

@@ -4,7 +4,8 @@ Tensors are `[B, T]` over prompt + completion tokens, left-aligned and right-pad
 
     input_ids          [B, T] long    prompt tokens, then completion tokens, then padding
     attention_mask     [B, T] long    1 on prompt and completion tokens
-    completion_mask    [B, T] bool    True on completion tokens (the tokens that are trained on)
+    completion_mask    [B, T] bool    True on completion tokens that are trained on (the policy's; not a
+                                      multi-turn episode's environment tokens, Row.mask)
     behavior_logprobs  [B, T] float   log pi_b of each completion token (0 elsewhere)
     advantages         [B]    float   group advantage of each row
     rewards            [B]    float   reward of each row
@@ -192,6 +193,8 @@ class Row:
     prompt_id: int
     prompt_text: str
     completion_text: str
+    mask: list[bool] | None = None     # per completion token: trained on (None = every token). A multi-turn
+                                       # episode's environment tokens are False: context, not the policy's
 
 
 def collate(rows: list[Row], pad_id: int, **values) -> RolloutBatch:
@@ -209,7 +212,7 @@ def collate(rows: list[Row], pad_id: int, **values) -> RolloutBatch:
         P, C = len(r.prompt), len(r.completion)
         input_ids[b, :P + C] = torch.tensor(r.prompt + r.completion)
         attention[b, :P + C] = 1
-        comp[b, P:P + C] = True
+        comp[b, P:P + C] = True if r.mask is None else torch.tensor(r.mask, dtype=torch.bool)
     out = {"input_ids": input_ids, "attention_mask": attention, "completion_mask": comp}
     for f, k in declared(RolloutBatch):
         source = f.metadata.get("row")

@@ -14,7 +14,8 @@
                                                    or an evaluation's {"reward": [P, n], "length": [P, n]}
     executor.drain() -> [(rid, result)]            before a checkpoint (every rank): results every rank must
                                                    have read, so that the ranks' checkpoints agree
-    executor.restore(reward_counters)              a resumed run's reward counters
+    executor.restore(reward_counters)              a resumed run's failure counters (RolloutWorker.counters:
+                                                   the reward scorer's and the environment's)
     executor.version                               the newest weights loaded (-1: none yet)
     executor.idle_seconds, executor.busy_seconds   the engine's clock
     executor.close()
@@ -100,8 +101,7 @@ class InlineExecutor(OwnShare):
         self.worker.load_weights(named_tensors, version)
 
     def restore(self, reward_counters: dict) -> None:
-        if reward_counters:
-            self.worker.scorer.load_state_dict(reward_counters)
+        self.worker.load_counters(reward_counters)
 
     def submit(self, kind: str, payload) -> int:
         rid, self.next_id = self.next_id, self.next_id + 1

@@ -92,7 +92,7 @@ class WorkerProcess(OwnShare):
         self.stage = "starting its engine"
 
     def restore(self, reward_counters: dict) -> None:
-        """A resumed run's reward counters, applied before any request queued after them."""
+        """A resumed run's failure counters (RolloutWorker.counters), applied before any request queued after them."""
         if reward_counters:
             self.requests.put(("restore", -1, reward_counters, None))
 
@@ -275,7 +275,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 return                           # (a killed trainer: skip what it had queued)
             t1 = time.perf_counter()
             if kind == "restore":
-                worker.scorer.load_state_dict(payload)
+                worker.load_counters(payload)
                 continue
             if kind == "transport":
                 report("receiving weights")
@@ -289,7 +289,11 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 clock["weights"] += time.perf_counter() - t1
             report(f"sampling {_what(kind, payload)}")
             whole = payload.merged() if isinstance(payload, (PhaseShares, EvalShares)) else payload
-            sampled = worker.sample(whole) if kind == "phase" else worker.sample_eval(whole)
+            try:
+                sampled = worker.sample(whole) if kind == "phase" else worker.sample_eval(whole)
+            except RewardError as e:             # an environment failing in too many episodes (EnvError): bad
+                results.put(("error", rid, e, None))      # input, one line, as the scorer's in score_loop
+                return
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
     except BaseException:

@@ -1,5 +1,11 @@
 """RolloutWorker: prompts -> engine -> rewards -> group advantages -> optimizer-step batches.
 
+With an environment (`WorkerConfig.env`, lit_ess/envs) a sample is an episode: the policy and the
+environment take turns (lit_ess.envs.EpisodeRunner, token in, token out) and the episode's reward is
+what the environment's steps gave; a row is the whole episode, its environment tokens masked
+(`Row.mask`), its version the oldest turn's. Without one (the default) a sample is one completion
+scored by the reward, as it always was.
+
 One `RolloutRequest` is one rollout *phase*: `P` prompts (chosen by the DataModule, which owns the
 prompt cursor) x `n` samples each, split into `steps_per_rollout` batches. The worker holds the engine
 and the reward scorer; it runs in the trainer's process (sync mode) or in its own (async mode, see
@@ -11,21 +17,29 @@ its engine samples the next one, so a reward that waits (a remote verifier) over
 
 Weights change only between requests, so every token of a phase was sampled by one policy version and
 each row carries it (`RolloutBatch.versions`).
+
+Counters that survive a resume (`counters`, `load_counters`): the reward scorer's failures, and the
+environment's (`"env"`), each cumulative and logged as rollout/reward_* and rollout/env_*.
 """
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lit_ess.advantages import group_advantages
 from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_seed
+import lit_ess.envs.episodes as episodes        # a module, not its names: lit_ess.envs imports this package
+from lit_ess.envs.config import EnvConfig
 from lit_ess.rewards import RewardScorer
 
 from .batch import RolloutBatch, Row, collate
 from .transport import Ticket, build_transport
+
+
+COUNTERS = ("rollout/reward_errors", "rollout/reward_timeouts", "rollout/env_errors", "rollout/env_timeouts")
 
 
 @dataclass
@@ -113,6 +127,7 @@ class WorkerConfig:
     reward_counters: dict = field(default_factory=dict)
     max_reward_error_rate: float = 0.5
     reward_in_worker: bool | None = None
+    env: EnvConfig | None = None       # episodes of this environment (None: one completion per sample, scored)
 
 
 class RolloutWorker:
@@ -128,8 +143,13 @@ class RolloutWorker:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
                                    in_worker=c.reward_in_worker)
-        if c.reward_counters:
-            self.scorer.load_state_dict(c.reward_counters)
+        self.runner = None
+        if c.env is not None:
+            env, limit = c.env, c.engine.model_len(c.model_path)
+            if env.max_episode_tokens is None and limit is not None:
+                env = replace(env, max_episode_tokens=limit[0])
+            self.runner = episodes.EpisodeRunner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
+        self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
     @property
@@ -148,26 +168,49 @@ class RolloutWorker:
         """Make the engine hold the weights `ticket` names."""
         self.transport.load(self.engine, ticket)
 
+    def counters(self) -> dict:
+        """The cumulative failure counters, for checkpoints: the scorer's, and the environment's under "env"."""
+        return {**self.scorer.state_dict(), **({"env": self.runner.state_dict()} if self.runner is not None else {})}
+
+    def load_counters(self, state: dict) -> None:
+        """A resumed run's counters (`counters`); {} leaves them at 0."""
+        if state:
+            self.scorer.load_state_dict(state)
+            if self.runner is not None:
+                self.runner.load_state_dict(state.get("env", {}))
+
     def run(self, req: RolloutRequest) -> PhaseResult:
         return self.score(req, *self.sample(req))
 
     @torch.no_grad()
-    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]], list[str], float]:
-        """Stage 1, the engine: n completions per prompt, their texts and the generation time."""
+    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[episodes.Episode]], list[str], float]:
+        """Stage 1, the engine: n completions (or, with an environment, episodes) per prompt, their texts
+        and the generation time (an episode's environment steps included)."""
+        c, n = self.config, self.config.samples_per_prompt
         t0 = time.perf_counter()
-        groups = self.engine.generate(req.prompts, self.config.samples_per_prompt, self.config.sampling,
-                                      call_seed=req.phase, prompt_keys=req.prompt_keys)
-        t_gen = time.perf_counter() - t0
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
-        return groups, texts, t_gen
+        if self.runner is None:
+            groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+            return groups, texts, time.perf_counter() - t0
+        from lit_ess.datamodules.prompts import Example      # (lit_ess.datamodules imports this package)
 
-    def score(self, req: RolloutRequest, groups: list[list[Completion]], texts: list[str], t_gen: float) -> PhaseResult:
-        """Stage 2, no engine: rewards, group advantages, rows, the phase's batches and statistics.
-        (The worker process runs it in a thread, beside the next phase's sampling.)"""
+        examples = [Example(p, a) for p, a in zip(req.prompt_texts, req.answers)]
+        eps = self.runner.run(self.engine, examples, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
+        groups = [eps[i * n:(i + 1) * n] for i in range(len(req.prompts))]
+        return groups, [e.text() for e in eps], time.perf_counter() - t0
+
+    def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]], texts: list[str],
+              t_gen: float) -> PhaseResult:
+        """Stage 2, no engine: rewards (an episode's are its environment's), group advantages, rows, the
+        phase's batches and statistics. (The worker process runs it in a thread, beside the next phase's
+        sampling.)"""
         c, n = self.config, self.config.samples_per_prompt
         answers = [a for a in req.answers for _ in range(n)]
         t0 = time.perf_counter()
-        rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+        if self.runner is None:
+            rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+        else:
+            rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
         t_reward = time.perf_counter() - t0
         adv, degenerate = group_advantages(rewards, c.advantage)
 
@@ -176,20 +219,29 @@ class RolloutWorker:
         restore = [g for g in range(len(groups)) if g not in keep]
         while len(keep) * n < c.steps_per_rollout:
             keep.append(restore.pop(0))
-        rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
-                    advantage=float(adv[g, j]), reward=float(rewards[g, j]), version=groups[g][j].version,
-                    prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j])
-                for g in keep for j in range(n)]
+        if self.runner is None:
+            rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
+                        advantage=float(adv[g, j]), reward=float(rewards[g, j]), version=groups[g][j].version,
+                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j])
+                    for g in keep for j in range(n)]
+            lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
+            cut = sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel()
+        else:
+            rows = [episodes.to_row(groups[g][j], float(adv[g, j]), req.prompt_ids[g], req.prompt_texts[g])
+                    for g in keep for j in range(n)]
+            # the policy's tokens of an episode; the share of its turns cut by max_new_tokens
+            lengths = torch.tensor([sum(e.mask) for g in groups for e in g], dtype=torch.float32)
+            reasons = [r for g in groups for e in g for r in e.finish_reasons]
+            cut = sum(r == "length" for r in reasons) / max(len(reasons), 1)
         random.Random(derive_seed(c.seed, req.phase)).shuffle(rows)     # per phase: same order in sync and async
 
-        lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
         stats = {
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "rollout/rows": float(rewards.numel()),
             "rollout/response_len": float(lengths.mean()),
             "rollout/response_len_max": float(lengths.max()),
-            "rollout/truncated_frac": sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel(),
+            "rollout/truncated_frac": cut,
             "rollout/degenerate_frac": float(degenerate.float().mean()),
             "rollout/dropped_groups": float(len(groups) - len(keep)),
             "rollout/gen_seconds": t_gen,
@@ -199,11 +251,14 @@ class RolloutWorker:
             "rollout/reward_timeouts": float(self.scorer.timeouts),
             "rollout/phase": float(req.phase),
         }
+        if self.runner is not None:
+            stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
+                "rollout/env_errors": float(self.runner.errors), "rollout/env_timeouts": float(self.runner.timeouts)})
         k = c.steps_per_rollout
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
         batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
                            phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
-        return PhaseResult(req.phase, batches, self.scorer.state_dict(), t_gen)
+        return PhaseResult(req.phase, batches, self.counters(), t_gen)
 
     def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],
                      t_gen: float) -> list[PhaseResult]:
@@ -221,7 +276,7 @@ class RolloutWorker:
             if r > 0:
                 out[r].reward_counters = {}
                 for batch in out[r].batches:
-                    batch.stats.update({"rollout/reward_errors": 0.0, "rollout/reward_timeouts": 0.0})
+                    batch.stats.update({k: 0.0 for k in COUNTERS if k in batch.stats})
         return out
 
     def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:

@@ -1,0 +1,187 @@
+"""Multi-turn rollouts as users meet them: the data module's `env` knob, the worker's batches (environment
+tokens masked), failures and their counters, and (e2e) configs/demo_multiturn.yaml on vLLM: on-policy at
+ESS 1 over several turns, kill -9 and resume, async within the lag bound."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from e2e_utils import cli, kill_after_checkpoint, scalars, trained_prompts, write_config
+from lit_ess.datamodules import Arithmetic, RolloutDataModule
+from lit_ess.datamodules.prompts import encode_prompt
+from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.envs import EnvConfig, EnvError, Environment, Step
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+RETRY = EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3, max_episode_tokens=64)
+
+
+class AlwaysFails(Environment):
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action) -> Step:
+        raise RuntimeError("tool server down")
+
+
+def data_module(model_dir, env=RETRY, **kw) -> RolloutDataModule:
+    dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), source=Arithmetic(size=50), prompts_per_rollout=4,
+                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env, **kw)
+    dm.setup("fit")
+    return dm
+
+
+def test_worker_batches_mask_the_environments_tokens(tiny_model_dir):
+    """The collated batch the trainer gets: after the prompt, the tokens with completion mask 0 are exactly
+    the environment's parts of the conversation ('wrong\\n' + the question), with behaviour logprob 0;
+    the policy's tokens carry the logprob the trainer computes (on-policy)."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_ess.logprobs import sequence_logprobs
+
+    dm = data_module(tiny_model_dir)
+    (batch,) = dm.generate_phase()
+    tok, env_tokens = dm.tokenizer, 0
+    assert batch.stats["rollout/turns"] > 1                          # a random model answers wrong: it retries
+    for b in range(batch.rows):
+        P = len(encode_prompt(tok, batch.prompt_texts[b]))
+        after = batch.attention_mask[b].bool()
+        after[:P] = False
+        m = batch.completion_mask[b]
+        env = after & ~m
+        parts = re.findall(r"\[env: (.*?)\]", batch.completion_texts[b], re.S)
+        assert parts == [f"wrong\n{batch.prompt_texts[b]}"] * len(parts)
+        assert tok.decode(batch.input_ids[b][env]) == "".join(parts)
+        assert not (m[:P]).any() and (batch.behavior_logprobs[b][env] == 0).all()
+        assert (batch.behavior_logprobs[b][m] < 0).all()
+        env_tokens += int(env.sum())
+    assert env_tokens > 0 and env_tokens / batch.rows == batch.stats["rollout/env_tokens"]
+    assert batch.versions.tolist() == [0] * batch.rows
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    assert (lp - batch.behavior_logprobs)[batch.completion_mask].abs().max() < 1e-5
+
+
+def test_environment_failures_count_as_reward_failures_and_survive_a_checkpoint(tiny_model_dir, tmp_path):
+    failing = EnvConfig(env=f"{__name__}:AlwaysFails")
+    dm = data_module(tiny_model_dir, env=failing, max_reward_error_rate=1.0)
+    with pytest.warns(UserWarning, match="tool server down"):
+        (batch,) = dm.generate_phase()
+    assert batch.stats["rollout/env_errors"] == 8.0 and batch.rewards.tolist() == [0.0] * 8
+    torch.save(dm.state_dict(), tmp_path / "state.pt")
+    fresh = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50), env=failing)
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    fresh.setup("fit")
+    assert fresh.executor.worker.counters() == {"errors": 0, "timeouts": 0, "env": {"errors": 8, "timeouts": 0}}
+    strict = data_module(tiny_model_dir, env=failing, max_reward_error_rate=0.5)
+    with pytest.warns(UserWarning), pytest.raises(EnvError, match=r"failed in 8 of 8 episodes, more than "
+                                                                  r"max_reward_error_rate=0.5"):
+        strict.generate_phase()
+
+
+def test_an_episode_budget_above_the_models_length_is_refused(tiny_model_dir):
+    env = EnvConfig(env="retry_arithmetic", max_turns=3, max_episode_tokens=1000)
+    with pytest.raises(ValueError, match=r"env.max_episode_tokens=1000 exceeds the engine's model length 256"):
+        data_module(tiny_model_dir, env=env)
+    with pytest.raises(ValueError, match=r"env must be an environment config"):
+        RolloutDataModule(model_path=tiny_model_dir, env="retry_arithmetic")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# e2e: configs/demo_multiturn.yaml on vLLM, from a short warm start
+
+
+@pytest.fixture(scope="module")
+def warm_start(tmp_path_factory):
+    """configs/demo_sft.yaml cut to 300 steps: a policy that answers in the arithmetic format, often wrong."""
+    from lit_ess.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("warm")
+    build_tiny_model(root / "runs/demo/init")
+    cfg = yaml.safe_load((CONFIGS / "demo_sft.yaml").read_text())
+    cfg["trainer"].update(max_steps=300, enable_progress_bar=False, logger=False)
+    res = cli(["fit", "--config", str(write_config(cfg, root / "sft.yaml"))], cwd=root)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return root / "runs/demo/sft"
+
+
+def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None = None, **data) -> Path:
+    """configs/demo_multiturn.yaml, smaller (16 prompts x 4 episodes), no validation or export, every
+    step's prompts and row versions recorded."""
+    cfg = yaml.safe_load((CONFIGS / "demo_multiturn.yaml").read_text())
+    cfg["model"]["init_args"]["model_path"] = str(model)
+    d = cfg["data"]["init_args"]
+    d.update(prompts_per_rollout=16, samples_per_prompt=4, **data)
+    for k in ("val_source", "val_prompts", "val_samples"):
+        d.pop(k)
+    t = cfg["trainer"]
+    t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=ckpt_every is not None)
+    t.pop("check_val_every_n_epoch")
+    t["logger"]["init_args"] = {"save_dir": str(out), "name": "tb", "version": "run"}
+    t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "LogCompletions")]
+    if ckpt_every is not None:
+        t["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                               "init_args": {"dirpath": str(out / "ckpt"), "save_last": True,
+                                             "every_n_train_steps": ckpt_every, "save_top_k": -1}})
+    t["callbacks"].append({"class_path": "e2e_utils.RecordPrompts", "init_args": {"path": str(out / "prompts.jsonl")}})
+    return write_config(cfg, out / "config.yaml")
+
+
+def fit(cfg: Path, *extra) -> dict:
+    res = cli(["fit", "--config", str(cfg), *extra], timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return scalars(cfg.parent)
+
+
+@pytest.mark.e2e
+def test_demo_multiturn_is_on_policy_over_several_turns(warm_start, tmp_path):
+    s = fit(multiturn_config(warm_start, tmp_path, steps=6))
+    ess, turns = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/turns"]]
+    assert len(ess) == 6 and min(ess) >= 0.9999, ess
+    assert min(turns) > 1 and max(turns) <= 3, turns
+    # the weights moved (a step whose groups all score alike has no gradient): ESS 1 says something
+    assert sum(v > 0 for _, v in s["train/grad_norm"]) >= 4
+    assert min(v for _, v in s["rollout/env_tokens"]) > 0
+    for tag in ("rollout/env_seconds", "rollout/tool_calls", "rollout/truncated_turns", "rollout/truncated_tokens",
+                "rollout/env_errors", "rollout/env_timeouts"):
+        assert tag in s, tag
+
+
+@pytest.mark.e2e
+def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
+    """kill -9 after the step-3 checkpoint, then --ckpt_path last: the same episodes (prompts, turns,
+    environment tokens), losses and cumulative environment-failure counters as the uninterrupted run."""
+    env = {"env": "e2e_utils:FlakyRetry", "kwargs": {"max_tries": 3}, "max_turns": 3, "max_episode_tokens": 96}
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    ref = fit(multiturn_config(warm_start, ref_dir, steps=6, ckpt_every=3, env=env, max_reward_error_rate=1.0))
+    cfg = multiturn_config(warm_start, run_dir, steps=6, ckpt_every=3, env=env, max_reward_error_rate=1.0)
+    kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
+    got = fit(cfg, "--ckpt_path", "last")
+    lines = (run_dir / "prompts.jsonl").read_text().splitlines()
+    assert sum('"step": 0,' in ln for ln in lines) == 1               # really resumed, not started again
+    for tag in ("train/loss", "train/ess", "rollout/reward_mean", "rollout/turns", "rollout/env_tokens",
+                "rollout/env_errors"):
+        assert len(got[tag]) == 6 and [s for s, _ in got[tag]] == [s for s, _ in ref[tag]], tag
+        assert [v for _, v in got[tag]] == pytest.approx([v for _, v in ref[tag]], abs=1e-6), tag
+    errors = [v for _, v in got["rollout/env_errors"]]
+    assert errors[-1] > errors[2] > 0                                 # cumulative, also across the resume
+    a, b = trained_prompts(ref_dir / "prompts.jsonl"), trained_prompts(run_dir / "prompts.jsonl")
+    assert Counter(p for r in b.values() for p in r["prompt_ids"]) == Counter(p for r in a.values() for p in r["prompt_ids"])
+
+
+@pytest.mark.e2e
+def test_async_multiturn_stays_within_the_lag_bound(warm_start, tmp_path):
+    S = 2
+    s = fit(multiturn_config(warm_start, tmp_path, steps=6, mode="async", max_staleness=S))
+    lag_max = [v for _, v in s["train/policy_lag_max"]]
+    assert 1 <= max(lag_max) <= S, lag_max                           # the worker really ran ahead
+    steps = trained_prompts(tmp_path / "prompts.jsonl")
+    assert sorted(steps) == list(range(6))
+    assert all(step - v <= S for step, r in steps.items() for v in r["versions"])
+    assert min(v for _, v in s["rollout/turns"]) > 1
