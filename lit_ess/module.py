@@ -3,7 +3,7 @@
 Manual optimization: a step's batch (one `RolloutBatch`) is split into micro-batches, each
 is forwarded and back-propagated, then gradients are clipped and the optimizer steps once. Token-mean
 losses are normalised by the token count of the *whole step* (all micro-batches, all ranks), so the
-update does not depend on `micro_batch_size`.
+update does not depend on how the step is cut (`micro_batch_size` or `micro_batch_tokens`).
 
 The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with several micro-batches a
 no-grad pre-pass collects its statistics first. `ess_scope: micro` reproduces the authors' reference,
@@ -47,6 +47,7 @@ from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_ada
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
+from .packing import plan_micro_batches
 from .engines import SamplingConfig
 from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
@@ -83,6 +84,14 @@ class PolicyModule(L.LightningModule):
             run that no longer learns. Non-finite weights stop the run at once, naming the tensor: they are
             checked when the run starts (policy, reference, a resumed checkpoint's) and at a skipped step.
         micro_batch_size: rows per forward/backward, >= 1 (None = the whole step at once).
+        micro_batch_tokens: instead of micro_batch_size, the most tokens one forward/backward holds, >= 1,
+            counted as a trimmed micro-batch holds them: rows x its longest row (prompt + completion).
+            Rows are grouped by length, longest first (lit_ess.packing.plan_micro_batches), so short rows
+            are no longer padded to the step's longest; a row longer than the budget gets a micro-batch
+            of its own. The ESS pre-pass, the proximal scoring and the reference model use the same
+            micro-batches, and the update is the same as with one micro-batch. Data-parallel ranks plan
+            their own rows (no token balancing across ranks) and run the same number of passes.
+            None (default) = micro_batch_size decides.
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
@@ -121,6 +130,7 @@ class PolicyModule(L.LightningModule):
         min_lr_ratio: float = 0.0,
         max_grad_norm: float | None = 1.0,
         micro_batch_size: int | None = None,
+        micro_batch_tokens: int | None = None,
         ess_scope: Literal["step", "micro"] = "step",
         train_temperature: float | None = None,
         gradient_checkpointing: bool = False,
@@ -140,6 +150,10 @@ class PolicyModule(L.LightningModule):
         check("model.min_lr_ratio", min_lr_ratio, ge=0, le=1)
         check("model.max_grad_norm", max_grad_norm, gt=0, null=True, hint=": use null for no clipping")
         check("model.micro_batch_size", micro_batch_size, ge=1, integer=True, null=True)
+        check("model.micro_batch_tokens", micro_batch_tokens, ge=1, integer=True, null=True)
+        if micro_batch_size is not None and micro_batch_tokens is not None:
+            raise ValueError(f"model.micro_batch_size={micro_batch_size} and model.micro_batch_tokens={micro_batch_tokens} "
+                             f"are alternatives: set one of them (or neither, for the whole step at once)")
         check("model.train_temperature", train_temperature, gt=0, null=True)
         self.save_hyperparameters()
         check_model_path(model_path)
@@ -305,6 +319,20 @@ class PolicyModule(L.LightningModule):
             self.check_weights(f"after step {step}", f"after step {step}")
         self.skip_guard.update(skipped, step, float(grad_norm))
 
+    def micro_batches(self, batch: RolloutBatch) -> list[tuple[slice | list[int], RolloutBatch]]:
+        """The step's micro-batches, each with the rows of `batch` it holds (a slice or row indices), each
+        trimmed to its longest row: micro_batch_tokens plans rows by their real length (attention-mask
+        tokens) with lit_ess.packing.plan_micro_batches, else consecutive slices of micro_batch_size rows
+        (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
+        reference model in it) and the proximal scoring all use these."""
+        budget = self.hparams.micro_batch_tokens
+        if budget is None:
+            size = batch.rows if self.hparams.micro_batch_size is None else self.hparams.micro_batch_size
+            cuts = [slice(s, s + size) for s in range(0, batch.rows, size)]
+        else:
+            cuts = plan_micro_batches(batch.attention_mask.sum(-1).tolist(), budget)
+        return [(rows, batch.select(rows)) for rows in cuts]
+
     def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
         `pad` when this rank has no micro-batch)."""
@@ -319,7 +347,7 @@ class PolicyModule(L.LightningModule):
     def score_proximal(self, batches: list[RolloutBatch], pad: RolloutBatch) -> None:
         """Store on each batch its proximal logprobs: the policy's logprobs with the current weights,
 
-            prox_logprobs [B, T] = policy(batch) in micro-batches of micro_batch_size rows, no grad
+            prox_logprobs [B, T] = policy(batch) in the step's micro-batches (`micro_batches`), no grad
             proximal             = Proximal(this optimizer step, "scored")
 
         scored exactly as the gradient pass scores (`_forward`: train temperature, top-k, top-p, LoRA
@@ -327,17 +355,16 @@ class PolicyModule(L.LightningModule):
         also one with nothing to score; the ranks run the same number of forwards (no-op repeats of a
         micro-batch of `pad`, a batch this rank holds).
         """
-        jobs = []                                             # (batch, first row, micro-batch)
+        jobs = []                                             # (batch, its rows, micro-batch)
         for b in batches:
-            size = b.rows if self.hparams.micro_batch_size is None else self.hparams.micro_batch_size
             b.prox_logprobs = torch.zeros_like(b.behavior_logprobs)
-            jobs += [(b, start, mb) for start, mb in zip(range(0, b.rows, size), b.micro_batches(size))]
-        passes = self._same_count([mb for _, _, mb in jobs], pad=pad.micro_batches(self.hparams.micro_batch_size)[0])
+            jobs += [(b, rows, mb) for rows, mb in self.micro_batches(b)]
+        passes = self._same_count([mb for _, _, mb in jobs], pad=self.micro_batches(pad)[0][1])
         for i, (mb, weight) in enumerate(passes):
             lp = self._forward(mb.to(self.device), mb.sampling, False)[0]
             if weight:
-                b, start, _ = jobs[i]
-                b.prox_logprobs[start:start + mb.rows, :lp.shape[1]] = lp.to(b.prox_logprobs)
+                b, rows, _ = jobs[i]
+                b.prox_logprobs[rows, :lp.shape[1]] = lp.to(b.prox_logprobs)
         for b in batches:
             b.proximal = Proximal(self.global_step, "scored")
 
@@ -361,7 +388,8 @@ class PolicyModule(L.LightningModule):
         step, step ESS e_B or None). Gradients accumulate in the parameters' .grad; the caller clips
         and steps.
 
-            micro-batches    `micro_batch_size` rows each, the same count on every rank (`_same_count`)
+            micro-batches    `micro_batches` (micro_batch_size rows or micro_batch_tokens), the same count
+                             on every rank (`_same_count`)
             counts           N tokens and sequences of the whole step (`_step_counts`)
             ESS pre-pass     e_B over the whole step, when it spans several passes (`ess_prepass`)
             gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
@@ -378,7 +406,7 @@ class PolicyModule(L.LightningModule):
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
                            f"max_staleness > steps_per_rollout - 1); warned once")
         sampling = batch.sampling
-        mbs = batch.micro_batches(self.hparams.micro_batch_size)
+        mbs = [mb for _, mb in self.micro_batches(batch)]
         passes = self._same_count(mbs)
         counts = self._step_counts(mbs)
         step_ess = None

@@ -52,15 +52,15 @@ class RecordingP3O(P3O):
         return super().__call__(*args, ess=ess, **kwargs)
 
 
-def _module(model_dir, ess_scope="step"):
+def _module(model_dir, ess_scope="step", cut=None):
     from lit_ess.module import PolicyModule
 
-    m = PolicyModule(model_dir, objective=RecordingP3O(), micro_batch_size=2, ess_scope=ess_scope)
+    m = PolicyModule(model_dir, objective=RecordingP3O(), ess_scope=ess_scope, **(cut or {"micro_batch_size": 2}))
     m.configure_model()
     return m
 
 
-def _rank_main(rank, world, port, model_dir, out, ess_scope="step"):
+def _rank_main(rank, world, port, model_dir, out, ess_scope="step", cut=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -69,7 +69,7 @@ def _rank_main(rank, world, port, model_dir, out, ess_scope="step"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        m = _module(model_dir, ess_scope)
+        m = _module(model_dir, ess_scope, cut)
         FSDP2().shard(m.policy, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)))
         rows = [0, 1, 2, 3] if rank == 0 else [4, 5]           # 2 micro-batches on rank 0, 1 on rank 1
         batch = _batch().select(rows)
@@ -86,10 +86,10 @@ def _rank_main(rank, world, port, model_dir, out, ess_scope="step"):
         dist.destroy_process_group()
 
 
-def _two_ranks(tiny_model_dir, out, ess_scope="step") -> dict:
+def _two_ranks(tiny_model_dir, out, ess_scope="step", cut=None) -> dict:
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, tiny_model_dir, out, ess_scope)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, tiny_model_dir, out, ess_scope, cut)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -102,13 +102,15 @@ def _two_ranks(tiny_model_dir, out, ess_scope="step") -> dict:
     return torch.load(out)
 
 
-def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path):
-    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2): the ranks' pass counts differ, which
-    deadlocks FSDP unless padded; gradients are averaged by FSDP, so each rank's loss is scaled by W.
-    The sharded step's gradients, ESS and metrics equal one process's on all 6 rows."""
-    got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt")
+@pytest.mark.parametrize("cut", [{"micro_batch_size": 2}, {"micro_batch_tokens": 20}], ids=["rows", "tokens"])
+def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path, cut):
+    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2; or a budget of 20 tokens, rows of 7-10
+    tokens: [[1, 2], [3, 0]] against [[5, 4]]): the ranks' pass counts differ, which deadlocks FSDP unless
+    padded; gradients are averaged by FSDP, so each rank's loss is scaled by W. The sharded step's
+    gradients, ESS and metrics equal one process's on all 6 rows."""
+    got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", cut=cut)
 
-    ref = _module(tiny_model_dir)
+    ref = _module(tiny_model_dir, cut=cut)
     ref_metrics, ref_ess = ref.accumulate_gradients(_batch())
     assert float(ref_ess) < 0.99                                   # off-policy: the ESS is doing something
     assert torch.allclose(got["ess"].double(), ref_ess.double(), atol=1e-6)

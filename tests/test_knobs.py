@@ -41,6 +41,7 @@ DOCUMENTED = {
     ("PolicyModule", "min_lr_ratio", 0): "min_lr_ratio: final learning rate as a fraction of lr, in [0, 1] (0 = decay to 0)",
     ("PolicyModule", "max_grad_norm", None): "None = no clipping",
     ("PolicyModule", "micro_batch_size", None): "(None = the whole step at once)",
+    ("PolicyModule", "micro_batch_tokens", None): "None (default) = micro_batch_size decides",
     ("PolicyModule", "train_temperature", None): "None = the rollout's (on-policy)",
     ("PolicyModule", "ess_alarm", None): "None = off",
     ("SFTModule", "weight_decay", 0): "weight_decay: AdamW weight decay, >= 0 (0 = none)",
