@@ -14,18 +14,12 @@ import glob
 import hashlib
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from lit_ess.envs.base import Example     # its home: what an environment starts an episode from
 from lit_ess.envs.tokens import encode_prompt  # noqa: F401  (its home: the episodes' tokens)
 from lit_ess.knobs import check
-
-
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    answer: str
 
 
 class PromptOrder:

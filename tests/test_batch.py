@@ -94,7 +94,7 @@ def test_collate_fills_every_row_attribute():
     """Each Row attribute reaches the batch: the layout (prompt, completion) and every field that names one."""
     rows, b = _rows(), _batch()
     sources = {f.metadata["row"]: f for f in fields(RolloutBatch) if f.metadata.get("row")}
-    assert set(sources) | {"prompt", "completion"} == {f.name for f in fields(Row)}
+    assert set(sources) | {"prompt", "completion", "mask"} == {f.name for f in fields(Row)}   # mask: the layout's
     for i, r in enumerate(rows):
         P, C = len(r.prompt), len(r.completion)
         assert b.input_ids[i, :P + C].tolist() == r.prompt + r.completion and not b.attention_mask[i, P + C:].any()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Union
+from typing import ClassVar, Union
 
 Message = dict[str, str]
 Observation = Union[str, list[Message]]
@@ -28,8 +28,10 @@ def is_observation(obs) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obs)
 
 
-class Example(Protocol):
-    """What an environment reads of a prompt-source example (lit_ess.datamodules.prompts.Example)."""
+@dataclass(frozen=True)
+class Example:
+    """A prompt-source example, what an environment starts an episode from (lit_ess.datamodules.prompts
+    re-exports it: prompt sources make them)."""
     prompt: str
     answer: str
 

@@ -192,7 +192,7 @@ class RolloutWorker:
             groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
             return groups, texts, time.perf_counter() - t0
-        from lit_ess.datamodules.prompts import Example      # (lit_ess.datamodules imports this package)
+        from lit_ess.envs.base import Example
 
         examples = [Example(p, a) for p, a in zip(req.prompt_texts, req.answers)]
         eps = self.runner.run(self.engine, examples, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
