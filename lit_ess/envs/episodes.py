@@ -22,11 +22,11 @@ tool calls, an observation of text or messages unless done) ends its episode wit
 (env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes fail raises EnvError
 (the worker passes data.max_reward_error_rate: environment failures count as failing rewards do). What
 every episode would do alike stops the run at once, an EnvError naming the environment: a constructor or
-`reset` that raises or returns no observation, chat messages for a tokenizer without a chat template. Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt
-included); an episode stopped by one is truncated and counted (truncated = "turns" or "tokens"): a turn
-that would pass the token budget is cut at it (a prefix of a sample is a sample: its logprobs stay
-exact) and not stepped, an observation that would reach it is dropped. The reward is then what the
-steps so far gave.
+`reset` that raises or returns no observation, chat messages for a tokenizer without a chat template.
+Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt included); an episode stopped
+by one is truncated and counted (truncated = "turns" or "tokens"): a turn that would pass the token
+budget is cut at it (a prefix of a sample is a sample: its logprobs stay exact) and not stepped, an
+observation that would reach it is dropped. The reward is then what the steps so far gave.
 
 `to_row` makes an episode a batch row whose `mask` is the episode's token mask; `collate_episodes` pads
 episodes into a RolloutBatch whose completion mask is that mask.
