@@ -243,20 +243,21 @@ def test_async_multiturn_stays_within_the_lag_bound(warm_start, tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("placement, engine", [("colocated", "HFConfig"), ("dedicated", "VLLMConfig")])
+@pytest.mark.parametrize("placement, engine", [("colocated", {"class_path": "lit_ess.engines.HFConfig"}),
+                                               ("dedicated", None)], ids=["colocated-hf", "dedicated-vllm"])
 def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(tiny_model_dir, tmp_path, placement,
                                                                                 engine):
     """The multi-turn config on 2 ranks (DDP, gloo), async with S = 2, from a random policy (wrong answers,
-    so episodes of 3 turns), its vLLM engine in one worker (dedicated) or the hf engine in each rank's
-    (colocated: two vLLM engines on this CPU cost more than they show): kill -9 after the step-3 checkpoint, which holds episodes not yet trained
-    (phases planned or sampled for steps >= 3), then --ckpt_path last. Every step is trained on both
-    ranks; each phase's prompts are the ones the prompt order draws, split between the ranks, and every
-    episode (prompt x sample) is trained once; no row is dropped as stale; the lag stays within S, in
-    TensorBoard and on every trained row."""
-    S, P, n, steps = 2, 8, 4, 6
-    cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=1, devices=2, mode="async",
+    so episodes of 3 turns), its own vLLM engine in one worker (dedicated) or the hf engine in each rank's
+    (colocated: two vLLM engines on this CPU cost more than they show). kill -9 after the step-3
+    checkpoint, which holds episodes not yet trained (phases planned or sampled for steps >= 3), then
+    --ckpt_path last. Every step is trained on both ranks; each phase's prompts are the ones the prompt
+    order draws, split between the ranks, and every episode (prompt x sample) is trained once; no row is
+    dropped as stale; the lag stays within S, in TensorBoard and on every trained row."""
+    S, P, n, steps = 2, 8, 4, 5
+    cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=3, devices=2, mode="async",
                            placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n,
-                           engine={"class_path": f"lit_ess.engines.{engine}"})
+                           **({"engine": engine} if engine else {}))
     kill_after_checkpoint(cfg, tmp_path / "ckpt", 3)
     (ckpt,) = (tmp_path / "ckpt").glob("*step=3*.ckpt")
     ranks = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["ranks"]
@@ -275,7 +276,9 @@ def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(ti
     assert all(r["step"] - v <= S for r in recs for v in r["versions"])
     src = yaml.safe_load(cfg.read_text())["data"]["init_args"]["source"]["init_args"]
     order = PromptOrder(len(Arithmetic(**src)), seed=0)
-    for phase, got in by_phase(recs).items():
-        want = order.take(P)
+    phases = by_phase(recs)
+    assert sorted(phases) == list(range(steps))                     # one phase per step
+    for phase in range(steps):
+        got, want = phases[phase], order.take(P)
         assert not set(got[0]) & set(got[1]), f"phase {phase}: both ranks trained a prompt"
         assert Counter(got[0] + got[1]) == Counter(want * n), phase
