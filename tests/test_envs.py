@@ -327,8 +327,8 @@ def test_an_environment_that_cannot_start_or_answer_in_the_tokenizers_format_sto
     tokenizer without a chat template) is no episode's failure: one line naming the environment, an
     EnvError (a worker process reports it as it is, not as a crash)."""
     engine = ScriptedEngine({0: [[50]] * 2}, byte_tok.eos_token_id)
-    for env, answer, why in [(f"{__name__}:Unbuildable", "ok", r"cannot be built from env.kwargs \{\}: RuntimeError: no "
-                                                               r"licence"),
+    built = r"cannot be built from env.kwargs \{\}: RuntimeError: no licence"
+    for env, answer, why in [(f"{__name__}:Unbuildable", "ok", built),
                              (f"{__name__}:Flaky", "bad reset", "reset returned 42, not text"),
                              (f"{__name__}:Flaky", "messages", "answered with chat messages, but the tokenizer has no "
                                                                "chat template")]:

@@ -261,7 +261,8 @@ def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(ti
     kill_after_checkpoint(cfg, tmp_path / "ckpt", 3)
     (ckpt,) = (tmp_path / "ckpt").glob("*step=3*.ckpt")
     ranks = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["ranks"]
-    held = {r["phase"] for st in ranks for r in st["requests"]} | {int(p) for st in ranks for p in st["buffer"]["ready"]}
+    held = {r["phase"] for st in ranks for r in st["requests"]} | {int(p) for st in ranks
+                                                                    for p in st["buffer"]["ready"]}
     assert held and min(held) >= 3, held                            # episodes in flight at the kill
     s = fit(cfg, "--ckpt_path", "last")
     lines = (tmp_path / "prompts.jsonl").read_text().splitlines()

@@ -41,6 +41,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
 from lit_ess.knobs import check
 from lit_ess.rewards import as_score

@@ -185,8 +185,8 @@ class RolloutWorker:
         return self.score(req, *self.sample(req))
 
     @torch.no_grad()
-    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[episodes.Episode]], list[str], float,
-                                                   dict[str, int] | None]:
+    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[episodes.Episode]], list[str],
+                                                   float, dict[str, int] | None]:
         """Stage 1, the engine: n completions (or, with an environment, episodes) per prompt, their texts,
         the generation time (an episode's environment steps included) and the environment's cumulative
         failure counters once this phase's episodes ended (None without an environment)."""
@@ -257,7 +257,8 @@ class RolloutWorker:
         }
         if env_counters is not None:
             stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
-                "rollout/env_errors": float(env_counters["errors"]), "rollout/env_timeouts": float(env_counters["timeouts"])})
+                "rollout/env_errors": float(env_counters["errors"]),
+                "rollout/env_timeouts": float(env_counters["timeouts"])})
         k = c.steps_per_rollout
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
         batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
