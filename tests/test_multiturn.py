@@ -253,11 +253,14 @@ def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(ti
     checkpoint, which holds episodes not yet trained (phases planned or sampled for steps >= 3), then
     --ckpt_path last. Every step is trained on both ranks; each phase's prompts are the ones the prompt
     order draws, split between the ranks, and every episode (prompt x sample) is trained once; no row is
-    dropped as stale; the lag stays within S, in TensorBoard and on every trained row."""
+    dropped as stale; the lag stays within S, in TensorBoard and on every trained row. The environment
+    fails on some answers: its failure counters go on from the checkpoint's (rank 0's worker holds them
+    under the dedicated placement, each rank's its own under the colocated one)."""
     S, P, n, steps = 2, 8, 4, 5
+    env = {"env": "e2e_utils:FlakyRetry", "kwargs": {"max_tries": 3}, "max_turns": 3, "max_episode_tokens": 96}
     cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=3, devices=2, mode="async",
-                           placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n,
-                           **({"engine": engine} if engine else {}))
+                           placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n, env=env,
+                           max_reward_error_rate=1.0, **({"engine": engine} if engine else {}))
     kill_after_checkpoint(cfg, tmp_path / "ckpt", 3)
     (ckpt,) = (tmp_path / "ckpt").glob("*step=3*.ckpt")
     ranks = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["ranks"]
@@ -271,6 +274,8 @@ def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(ti
     assert max(v for _, v in s["train/policy_lag_max"]) <= S
     assert max(v for _, v in s["rollout/stale_dropped"]) == 0
     assert min(v for _, v in s["rollout/turns"]) > 1
+    errors = [v for _, v in s["rollout/env_errors"]]
+    assert len(errors) == steps and 0 < errors[0] and errors == sorted(errors), errors    # cumulative across the kill
     recs = records(tmp_path)
     assert sorted(r["step"] for r in recs if r["rank"] == 0) == sorted(r["step"] for r in recs if r["rank"] == 1) \
         == list(range(steps))
