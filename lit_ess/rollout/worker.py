@@ -148,7 +148,7 @@ class RolloutWorker:
             env, limit = c.env, c.engine.model_len(c.model_path)
             if env.max_episode_tokens is None and limit is not None:
                 env = replace(env, max_episode_tokens=limit[0])
-            self.runner = episodes.EpisodeRunner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
+            self.runner = episodes.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
