@@ -195,7 +195,7 @@ def many_calls(url, ex):
         try:
             text += post(url + "/completions", {"prompt": text})["choices"][0]["text"]
         except HTTPFailure as e:
-            GOT["limit"] = str(e)
+            GOT.setdefault("limits", []).append(str(e))
             return 0.25
     return 1.0
 
@@ -251,7 +251,8 @@ def test_calls_past_max_turns_and_the_token_budget_are_refused_and_counted(byte_
     assert (a.turns, a.truncated, a.reward) == (3, "turns", 0.25)
     assert len(b.prompt_ids) + len(b.completion_ids) == 14 and b.truncated == "tokens" and b.turns == 2
     assert [s.max_new_tokens for k, _, s in engine.seen if k == 1] == [8, 3]     # the second reply cut at the budget
-    assert "env.max_episode_tokens=14" in GOT["limit"]
+    assert sorted(GOT["limits"]) == ["HTTP 400: the prompt has 14 tokens, env.max_episode_tokens=14: no room for a reply",
+                                     "HTTP 400: this episode made env.max_turns=3 calls already"]
 
 
 def test_an_agent_is_named_as_rewards_are():
