@@ -255,16 +255,22 @@ def test_calls_past_max_turns_and_the_token_budget_are_refused_and_counted(byte_
                                      "HTTP 400: this episode made env.max_turns=3 calls already"]
 
 
-def test_an_agent_is_named_as_rewards_are():
-    with pytest.raises(ValueError, match="agent function 'agent_fns:nope' cannot be imported") as e:
-        EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:nope"})
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="cannot be called as function\\(base_url, example\\)"):
-        EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "time:time"})
-    tok = build_tokenizer()
+def test_an_agent_is_named_as_rewards_are(byte_tok):
+    """A function that cannot be imported or called as function(base_url, example) fails in one line when
+    the runner is made (the rollout worker makes it before the engine)."""
+    for fn, says in [("agent_fns:nope", "agent function 'agent_fns:nope' cannot be imported"),
+                     ("agent_fns", "is not 'package.module:function'"),
+                     ("agent_fns:__doc__", "not a function of \\(base_url, example\\)"),
+                     ("agent_fns:post", "cannot be called as function\\(base_url, example\\)")]:
+        config = EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": fn})
+        with pytest.raises(ValueError, match=says) as e:
+            make_runner(config, byte_tok)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="do not fit environment"):
+        EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"fn": "agent_fns:two_chats"})
     assert type(make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:two_chats"}),
-                            tok)) is AgentRunner
-    assert type(make_runner(EnvConfig(env="retry_arithmetic"), tok)) is EpisodeRunner
+                            byte_tok)) is AgentRunner
+    assert type(make_runner(EnvConfig(env="retry_arithmetic"), byte_tok)) is EpisodeRunner
 
 
 class Broken(PerEpisodeEngine):
