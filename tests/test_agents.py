@@ -261,7 +261,7 @@ def test_an_agent_is_named_as_rewards_are(byte_tok):
     for fn, says in [("agent_fns:nope", "agent function 'agent_fns:nope' cannot be imported"),
                      ("agent_fns", "is not 'package.module:function'"),
                      ("agent_fns:__doc__", "not a function of \\(base_url, example\\)"),
-                     ("agent_fns:post", "cannot be called as function\\(base_url, example\\)")]:
+                     ("json:dumps", "cannot be called as function\\(base_url, example\\)")]:
         config = EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": fn})
         with pytest.raises(ValueError, match=says) as e:
             make_runner(config, byte_tok)

@@ -290,14 +290,13 @@ class AgentRunner(EpisodeRunner):
         urls = [self.proxy.open(s) for _, s, _ in jobs]
         results = _run_timed([lambda ex=ex, url=url: self.agent.play(url, ex) for (ex, _, _), url in zip(jobs, urls)],
                              self.config.step_timeout)
-        episodes = []
-        for (ex, s, version), url, (status, value, seconds) in zip(jobs, urls, results):
+        for (_, s, _), url in zip(jobs, urls):
             s.end()
             self.proxy.close_session(url)
-            episodes.append(self._episode(ex, s, version, status, value, seconds))
         broken = next((s.engine_error for _, s, _ in jobs if s.engine_error is not None), None)
         if broken is not None:
-            raise broken                        # as the engine's failure stops a run of any other rollout
+            raise broken                        # the engine's failure stops the run, as in every other rollout
+        episodes = [self._episode(ex, s, version, *result) for (ex, s, version), result in zip(jobs, results)]
         self._check_failures(episodes)
         return episodes
 
