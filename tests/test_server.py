@@ -323,3 +323,70 @@ def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_pa
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
     assert weight_label(server) == "2"                                    # pushed before step 2
+
+
+# ---- users' agents through the server (lit_ess.envs.agent) ----
+
+def _sequence(answer: dict) -> list[int]:
+    """An OpenAI answer's prompt ids + sampled ids (chat: prompt_token_ids at the top; completions: in the choice)."""
+    choice = answer["choices"][0]
+    return (answer.get("prompt_token_ids") or choice["prompt_token_ids"]) + choice["token_ids"]
+
+
+@pytest.mark.e2e
+def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_model_dir):
+    """Two calls per episode through the OpenAI-compatible URL, as completions and as chat (a chat template
+    given to the byte tokenizer: the server sees token ids only): each episode is its last call's prompt
+    ids + sampled ids, token for token, with the first call's prompt + reply as its start, and the
+    trainer's logprobs of its sampled tokens are the server's (on-policy: every ratio 1)."""
+    import agent_fns
+
+    from lit_ess.datamodules.prompts import Arithmetic
+    from lit_ess.envs import EnvConfig, collate_episodes, make_runner
+    from lit_ess.logprobs import sequence_logprobs
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat.chat_template = ("{% for m in messages %}<|sep|>{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
+                          "{% if add_generation_prompt %}<|sep|>assistant: {% endif %}")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=4)
+    examples = Arithmetic(digits=2, size=3, seed=0).examples
+    for fn, t in (("two_completions", tok), ("two_chats", chat)):
+        agent_fns.ANSWERS.clear()
+        runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": f"agent_fns:{fn}"},
+                                       max_turns=2, step_timeout=120), t, max_error_rate=0.0)
+        t0 = time.perf_counter()
+        eps = runner.run(server, examples, 2, s, call_seed=1)
+        print(f"{fn}: {len(eps)} episodes of 2 calls in {time.perf_counter() - t0:.1f} s")
+        runner.close()
+        calls = list(agent_fns.ANSWERS.values())
+        assert len(eps) == len(calls) == 6 and all(len(c) == 2 for c in calls)
+        assert sorted(e.prompt_ids + e.completion_ids for e in eps) == sorted(_sequence(c[1]) for c in calls)
+        for first, last in calls:
+            assert _sequence(last)[:len(_sequence(first))] == _sequence(first)
+        for e in eps:
+            assert e.turns == 2 and e.env_tokens > 0 and not e.failed and e.turn_versions == [0, 0]
+        batch = collate_episodes(eps, [1.0] * 6, [0] * 6, [""] * 6, tok.pad_token_id)
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(hf_model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                      s.temperature, s.top_k, s.top_p)
+        m = batch.completion_mask
+        assert int(m.sum()) == sum(len(c["choices"][0]["token_ids"]) for cs in calls for c in cs)
+        assert (lp - batch.behavior_logprobs)[m].abs().max() < 1e-5
+
+
+@pytest.mark.e2e
+def test_sync_fit_with_an_agent_through_the_server_is_on_policy(server, tiny_model_dir, tmp_path):
+    """`lit-ess fit` whose samples are episodes of a user's agent (tests/agent_fns.py: two completions
+    calls), rollouts on the module's server: every step's ESS is 1, two calls per episode."""
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, extra_data={
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": server.urls}},
+        "env": {"env": "lit_ess.envs.agent:Agent", "kwargs": {"function": "agent_fns:two_completions"},
+                "max_turns": 2, "step_timeout": 120}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    ess = [v for _, v in s["train/ess"]]
+    assert len(ess) == 2 and min(ess) >= 0.9999, ess
+    assert [v for _, v in s["rollout/turns"]] == [2.0, 2.0]
+    assert [v for _, v in s["rollout/env_errors"]] == [0.0, 0.0] and min(v for _, v in s["rollout/env_tokens"]) > 0
