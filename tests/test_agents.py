@@ -281,3 +281,37 @@ class Broken(PerEpisodeEngine):
 def test_an_engine_failure_stops_the_run_not_only_the_episode(byte_tok):
     with pytest.raises(RuntimeError, match="vLLM server http://127.0.0.1:9"):
         run("agent_fns:two_completions", byte_tok, Broken({}, byte_tok.eos_token_id), [Example("q=", "1")])
+
+
+class ByPrompt(RolloutEngine):
+    """Replaces generation: the reply to a prompt is `replies[tries]` where tries counts 'wrong' in it; its
+    logprobs -0.5 each."""
+
+    def __init__(self, tok, replies: list[list[int]]):
+        self.tok, self.replies, self.version = tok, replies, 2
+
+    def generate(self, prompts, n, sampling, call_seed=0, prompt_keys=None):
+        out = []
+        for p in prompts:
+            t = self.replies[self.tok.decode(p).count("wrong")]
+            out.append([Completion(list(t), [-0.5] * len(t), "stop", self.version)] * n)
+        return out
+
+    def load_weights(self, named_tensors, version):
+        raise NotImplementedError
+
+
+def test_the_demo_agent_trains_what_retry_arithmetic_trains(byte_tok):
+    """lit_ess/envs/retry_agent.py (OpenAI client code, configs/demo_agent.yaml) and the RetryArithmetic
+    environment (configs/demo_multiturn.yaml) on the same replies: the same episodes, token for token."""
+    tok, eos = byte_tok, byte_tok.eos_token_id
+    engine = ByPrompt(tok, [ids(tok, "121") + [eos], ids(tok, "12") + [eos], ids(tok, "122") + [eos]])
+    examples = [Example("37+85=", "122"), Example("1+1=", "121")]
+    (a, b), _ = run("lit_ess.envs.retry_agent:retry_arithmetic", tok, engine, examples, max_turns=3)
+    env = EpisodeRunner(EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3), tok)
+    want_a, want_b = env.run(engine, examples, 1, S)
+    for got, want in ((a, want_a), (b, want_b)):
+        assert (got.prompt_ids, got.completion_ids, got.mask, got.logprobs) == \
+            (want.prompt_ids, want.completion_ids, want.mask, want.logprobs)
+        assert (got.reward, got.turns, got.env_tokens, got.text()) == (want.reward, want.turns, want.env_tokens, want.text())
+    assert (a.reward, a.turns, b.reward, b.turns) == (1 / 3, 3, 1.0, 1)

@@ -376,17 +376,29 @@ def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_m
 
 
 @pytest.mark.e2e
-def test_sync_fit_with_an_agent_through_the_server_is_on_policy(server, tiny_model_dir, tmp_path):
-    """`lit-ess fit` whose samples are episodes of a user's agent (tests/agent_fns.py: two completions
-    calls), rollouts on the module's server: every step's ESS is 1, two calls per episode."""
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=2, extra_data={
-        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": server.urls}},
-        "env": {"env": "lit_ess.envs.agent:Agent", "kwargs": {"function": "agent_fns:two_completions"},
-                "max_turns": 2, "step_timeout": 120}})
+def test_demo_agent_through_the_server_is_on_policy(server, tiny_model_dir, tmp_path):
+    """configs/demo_agent.yaml (its agent: OpenAI client code, up to 3 calls per episode), smaller, on the
+    module's server by URL: every step's ESS is 1, more than one call per episode, no failure."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo_agent.yaml").read_text())
+    cfg["model"]["init_args"]["model_path"] = tiny_model_dir
+    d = cfg["data"]["init_args"]
+    d.update(prompts_per_rollout=8, samples_per_prompt=4)
+    d["engine"]["init_args"]["urls"] = server.urls
+    for k in ("val_source", "val_prompts", "val_samples"):
+        d.pop(k)
+    t = cfg["trainer"]
+    t.update(max_steps=2, enable_progress_bar=False, enable_checkpointing=False)
+    t.pop("check_val_every_n_epoch")
+    t["logger"]["init_args"] = {"save_dir": str(tmp_path), "name": "tb", "version": "run"}
+    t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "RatioDashboard")]
+    t0 = time.perf_counter()
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    print(f"demo_agent, 2 steps of 32 episodes: {time.perf_counter() - t0:.0f} s")
     assert res.returncode == 0, res.stderr[-4000:]
     s = scalars(tmp_path)
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 2 and min(ess) >= 0.9999, ess
-    assert [v for _, v in s["rollout/turns"]] == [2.0, 2.0]
+    assert min(v for _, v in s["rollout/turns"]) > 1 and max(v for _, v in s["rollout/turns"]) <= 3
     assert [v for _, v in s["rollout/env_errors"]] == [0.0, 0.0] and min(v for _, v in s["rollout/env_tokens"]) > 0
