@@ -250,16 +250,20 @@ class Session:
                 self.truncated = "tokens"
             text = self.runner.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
             call = Call(list(ids), sample, text, added)
-            self.calls.append(call)
+            with self.lock:
+                if self.over:                       # sampled while its function timed out: not in the episode
+                    raise RequestError("this episode is over (its agent timed out or returned)")
+                self.calls.append(call)
             return call
         finally:
             with self.lock:
                 self.busy = False
 
-    def end(self) -> None:
-        """No request is served after this (a timed-out function's thread may still post)."""
+    def end(self) -> list[Call]:
+        """The episode's calls; no request is served after this (a timed-out function's thread may still post)."""
         with self.lock:
             self.over = True
+            return list(self.calls)
 
 
 class AgentRunner(EpisodeRunner):
@@ -290,28 +294,31 @@ class AgentRunner(EpisodeRunner):
         urls = [self.proxy.open(s) for _, s, _ in jobs]
         results = _run_timed([lambda ex=ex, url=url: self.agent.play(url, ex) for (ex, _, _), url in zip(jobs, urls)],
                              self.config.step_timeout)
+        calls = []
         for (_, s, _), url in zip(jobs, urls):
-            s.end()
+            calls.append(s.end())
             self.proxy.close_session(url)
         broken = next((s.engine_error for _, s, _ in jobs if s.engine_error is not None), None)
         if broken is not None:
             raise broken                        # the engine's failure stops the run, as in every other rollout
-        episodes = [self._episode(ex, s, version, *result) for (ex, s, version), result in zip(jobs, results)]
+        episodes = [self._episode(ex, s, c, version, *result)
+                    for (ex, s, version), c, result in zip(jobs, calls, results)]
         self._check_failures(episodes)
         return episodes
 
-    def _episode(self, example: Example, s: Session, version: int, status: str, value, seconds: float) -> Episode:
+    def _episode(self, example: Example, s: Session, calls: list[Call], version: int, status: str, value,
+                 seconds: float) -> Episode:
         e = Episode(encode_prompt(self.tokenizer, example.prompt), start_version=version, env_seconds=seconds,
                     truncated=s.truncated)
-        if s.calls:
-            assemble(s.calls, e)
+        if calls:
+            assemble(calls, e)
         if status == "ok":
             reward, bad = as_score(value)
             if s.refused:
                 status, value = "error", RequestError(s.refused)
             elif bad is not None:
                 status, value = "error", ValueError(f"the function {bad}")
-            elif not s.calls:
+            elif not calls:
                 status, value = "error", ValueError("the function made no call through its base_url: nothing to train on")
             else:
                 e.reward = reward
@@ -320,6 +327,7 @@ class AgentRunner(EpisodeRunner):
         return e
 
     def close(self) -> None:
+        """Stop the proxy (a later run starts another)."""
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None

@@ -307,6 +307,9 @@ class EpisodeRunner:
             self.errors += 1
             x.episode.error = x.episode.error or f"close: {type(err).__name__}: {err}"
 
+    def close(self) -> None:
+        """Free what the runner holds (nothing here: environments close with their episodes)."""
+
     def state_dict(self) -> dict[str, int]:
         return {"errors": self.errors, "timeouts": self.timeouts}
 

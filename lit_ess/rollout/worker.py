@@ -299,7 +299,9 @@ class RolloutWorker:
                 "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
 
     def close(self) -> None:
-        """Close the scorer and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
+        """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
         executor ends here: InlineExecutor.close (sync), the worker process's exit (async)."""
         self.scorer.close()
+        if self.runner is not None:
+            self.runner.close()
         self.engine.close()
