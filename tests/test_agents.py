@@ -8,29 +8,16 @@ import urllib.request
 
 import pytest
 from agent_fns import HTTPFailure, post
+from test_envs import byte_tok, chat_tok, ids  # noqa: F401  (fixtures)
 
 from lit_ess.datamodules.prompts import Example
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig
 from lit_ess.envs import AgentRunner, EnvConfig, EnvError, EpisodeRunner, make_runner
-from lit_ess.envs.agent import Call, RequestError, assemble
+from lit_ess.envs.agent import Call, assemble
+from lit_ess.envs.proxy import RequestError
 from lit_ess.envs.episodes import Episode
-from lit_ess.tiny import build_chat_tokenizer, build_tokenizer
 
 S = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def byte_tok():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat_tok():
-    return build_chat_tokenizer()
-
-
-def ids(tok, text: str) -> list[int]:
-    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 class PerEpisodeEngine(RolloutEngine):

@@ -9,11 +9,11 @@
     agent.py        Agent, AgentRunner: a user's function plays episodes through an OpenAI-compatible URL
     proxy.py        that URL: /v1/chat/completions and /v1/completions, recorded token in, token out
 """
-from .agent import Agent, AgentRunner
+from .agent import Agent, AgentRunner, make_runner
 from .arithmetic import Calculator, RetryArithmetic
 from .base import Action, Environment, Step
 from .config import EnvConfig, resolve_env
-from .episodes import EnvError, Episode, EpisodeRunner, collate_episodes, episode_stats, make_runner, to_row
+from .episodes import EnvError, Episode, EpisodeRunner, collate_episodes, episode_stats, to_row
 from .single_turn import SingleTurn
 from .tokens import EpisodeTokens, TemplateError
 

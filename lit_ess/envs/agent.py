@@ -44,8 +44,9 @@ from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_se
 from lit_ess.rewards import as_score, import_named
 
 from .base import Action, Environment, Example, Message, Step
-from .config import EnvConfig
+from .config import EnvConfig, resolve_env
 from .episodes import Episode, EpisodeRunner, _Live, _run_timed
+from .proxy import Proxy, RequestError
 from .tokens import TemplateError, encode_prompt, encode_text, render_chat
 
 
@@ -90,10 +91,6 @@ class Call:
     sample: Completion
     text: str = ""             # the reply as returned to the agent
     added: str = ""            # what the request added to the conversation (the environment's part)
-
-
-class RequestError(ValueError):
-    """A request the episode's session refuses (HTTP 400), one line."""
 
 
 def continues(seq: list[int], prompt: list[int]) -> bool:
@@ -283,8 +280,6 @@ class AgentRunner(EpisodeRunner):
             call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
         """n episodes per example, example-major; call k of episode `key * n + j` is seeded by (sampling.seed,
         call_seed, k, the episode) as EpisodeRunner seeds its later turns."""
-        from .proxy import Proxy
-
         if self.proxy is None:
             self.proxy = Proxy(self.tokenizer)
         keys = list(range(len(examples))) if prompt_keys is None else list(prompt_keys)
@@ -331,3 +326,10 @@ class AgentRunner(EpisodeRunner):
         if self.proxy is not None:
             self.proxy.close()
             self.proxy = None
+
+
+def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5) -> EpisodeRunner:
+    """The runner of `config`'s environment: AgentRunner for a user's agent (Agent), which plays whole
+    episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner."""
+    cls = AgentRunner if issubclass(resolve_env(config.env), Agent) else EpisodeRunner
+    return cls(config, tokenizer, max_error_rate=max_error_rate)

@@ -317,16 +317,6 @@ class EpisodeRunner:
         self.errors, self.timeouts = int(state.get("errors", 0)), int(state.get("timeouts", 0))
 
 
-def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5) -> EpisodeRunner:
-    """The runner of `config`'s environment: AgentRunner for a user's agent (lit_ess.envs.agent:Agent),
-    which plays whole episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner."""
-    from .agent import Agent, AgentRunner           # agent.py imports this module
-    from .config import resolve_env
-
-    cls = AgentRunner if issubclass(resolve_env(config.env), Agent) else EpisodeRunner
-    return cls(config, tokenizer, max_error_rate=max_error_rate)
-
-
 def episode_stats(episodes: list[Episode]) -> dict[str, float]:
     """Means per episode (turns, environment tokens and seconds, tool calls) and counts of truncations of
     one batch of episodes, under the rollout/ names the dashboards show. (Failures are the runner's

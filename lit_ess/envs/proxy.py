@@ -10,8 +10,9 @@ Answers are OpenAI's, with vLLM's `return_token_ids` fields always on (`prompt_t
 with OpenAI's error body, one line naming the knob; an episode that is over answers 404. The episode
 token is random: a timed-out agent's thread cannot post into another episode.
 
-Requests are translated here and served by the episode's Session in a thread of the proxy's pool (the
-engine call blocks); the event loop runs in a thread of its own.
+Requests are translated here and served by the episode's session (lit_ess.envs.agent.Session: `chat`,
+`complete`, `sampling`) in a thread of the proxy's pool (the engine call blocks); the event loop runs in
+a thread of its own. Answers are made from the session's lit_ess.envs.agent.Call records.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from dataclasses import replace
 
 from lit_ess.engines import SamplingConfig
 
-from .agent import Call, RequestError, Session
-
 MODEL_NAME = "policy"
+
+
+class RequestError(ValueError):
+    """A request that cannot be served exactly: HTTP 400, one line."""
 
 
 def request_sampling(body: dict, run: SamplingConfig) -> SamplingConfig:
@@ -70,12 +73,12 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
-def _usage(call: Call) -> dict:
+def _usage(call) -> dict:
     p, c = len(call.prompt_ids), len(call.sample.token_ids)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def chat_answer(call: Call, tokenizer, logprobs: bool, rid: str) -> dict:
+def chat_answer(call, tokenizer, logprobs: bool, rid: str) -> dict:
     s = call.sample
     lps = None
     if logprobs:
@@ -87,7 +90,7 @@ def chat_answer(call: Call, tokenizer, logprobs: bool, rid: str) -> dict:
             "prompt_token_ids": list(call.prompt_ids), "usage": _usage(call)}
 
 
-def completion_answer(call: Call, tokenizer, logprobs: bool, rid: str) -> dict:
+def completion_answer(call, tokenizer, logprobs: bool, rid: str) -> dict:
     s = call.sample
     lps = None
     if logprobs:
@@ -99,7 +102,7 @@ def completion_answer(call: Call, tokenizer, logprobs: bool, rid: str) -> dict:
             "usage": _usage(call)}
 
 
-def serve_chat(session: Session, body: dict, tokenizer, rid: str) -> dict:
+def serve_chat(session, body: dict, tokenizer, rid: str) -> dict:
     if body.get("top_logprobs"):
         raise RequestError("top_logprobs is not served (the sampled token's logprob is: logprobs: true)")
     tools = body.get("tools")
@@ -109,7 +112,7 @@ def serve_chat(session: Session, body: dict, tokenizer, rid: str) -> dict:
     return chat_answer(call, tokenizer, bool(body.get("logprobs")), rid)
 
 
-def serve_completion(session: Session, body: dict, tokenizer, rid: str) -> dict:
+def serve_completion(session, body: dict, tokenizer, rid: str) -> dict:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                                   # a batch of one
@@ -131,7 +134,7 @@ class Proxy:
         from aiohttp import web
 
         self.tokenizer = tokenizer
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict = {}                    # episode token -> its Session
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="lit-ess-agent-call")
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="lit-ess-agent-proxy", daemon=True)
@@ -151,7 +154,7 @@ class Proxy:
         self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result()
         self.calls = 0
 
-    def open(self, session: Session) -> str:
+    def open(self, session) -> str:
         """A new episode's base URL."""
         sid = secrets.token_hex(8)
         self.sessions[sid] = session
