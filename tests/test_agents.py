@@ -7,10 +7,11 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from agent_fns import HTTPFailure, post
 from test_envs import byte_tok, chat_tok, ids  # noqa: F401  (fixtures)
 
-from lit_ess.datamodules.prompts import Example
+from lit_ess.datamodules.prompts import Example, encode_prompt
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig
 from lit_ess.envs import AgentRunner, EnvConfig, EnvError, EpisodeRunner, make_runner
 from lit_ess.envs.agent import Call, assemble
@@ -302,3 +303,36 @@ def test_the_demo_agent_trains_what_retry_arithmetic_trains(byte_tok):
             (want.prompt_ids, want.completion_ids, want.mask, want.logprobs)
         assert (got.reward, got.turns, got.env_tokens, got.text()) == (want.reward, want.turns, want.env_tokens, want.text())
     assert (a.reward, a.turns, b.reward, b.turns) == (1 / 3, 3, 1.0, 1)
+
+
+def test_the_data_modules_batches_from_an_agent_are_on_policy(tiny_model_dir):
+    """data.env naming an agent, an in-process engine (HF: one call at a time): the trainer's batch has the
+    agent's text ('\\nagain ' + the question) at completion mask 0 with logprob 0, and the behaviour
+    logprobs of the sampled tokens are the trainer's."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import HFConfig
+    from lit_ess.logprobs import sequence_logprobs
+
+    env = EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:two_completions"}, max_turns=2)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50), prompts_per_rollout=4,
+                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env)
+    dm.setup("fit")
+    (batch,) = dm.generate_phase()
+    tok = dm.tokenizer
+    assert batch.stats["rollout/turns"] == 2.0 and batch.stats["rollout/env_errors"] == 0.0
+    for b in range(batch.rows):
+        P = len(encode_prompt(tok, batch.prompt_texts[b]))
+        after = batch.attention_mask[b].bool()
+        after[:P] = False
+        env_part = after & ~batch.completion_mask[b]
+        assert tok.decode(batch.input_ids[b][env_part]) == "\nagain " + batch.prompt_texts[b]
+        assert (batch.behavior_logprobs[b][env_part] == 0).all()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    assert (lp - batch.behavior_logprobs)[batch.completion_mask].abs().max() < 1e-5
+    proxy = dm.executor.worker.runner.proxy
+    dm.executor.close()
+    assert not proxy.loop.is_running()
