@@ -39,3 +39,11 @@ def two_chats(base_url: str, example) -> float:
     messages += [first["choices"][0]["message"], {"role": "user", "content": "again " + example.prompt}]
     second = post(base_url + "/chat/completions", {"model": "policy", "messages": messages})
     return float(second["choices"][0]["message"]["content"].strip() == example.answer)
+
+
+def raises_before_calling_on_odd_sums(base_url: str, example) -> float:
+    """two_completions, except that it raises before any call when the answer is odd: episodes with no
+    policy token at all."""
+    if int(example.answer) % 2:
+        raise ValueError("odd")
+    return two_completions(base_url, example)

@@ -336,3 +336,21 @@ def test_the_data_modules_batches_from_an_agent_are_on_policy(tiny_model_dir):
     proxy = dm.executor.worker.runner.proxy
     dm.executor.close()
     assert not proxy.loop.is_running()
+
+
+@pytest.mark.e2e
+def test_episodes_whose_agent_failed_before_any_call_train_without_harm(tiny_model_dir, tmp_path):
+    """`lit-ess fit` (HF engine) with an agent that raises before its first call on half the examples: those
+    rows have no policy token (reward 0, counted); the steps run with finite losses at ESS 1."""
+    import math
+
+    from e2e_utils import cli, rl_config, scalars, write_config
+
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, extra_data={
+        "env": {"env": "lit_ess.envs.agent:Agent", "kwargs": {"function": "agent_fns:raises_before_calling_on_odd_sums"},
+                "max_turns": 2}, "max_reward_error_rate": 1.0})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    assert min(v for _, v in s["rollout/env_errors"]) > 0 and s["rollout/turns"][0][1] < 2
+    assert all(math.isfinite(v) for _, v in s["train/loss"]) and min(v for _, v in s["train/ess"]) >= 0.9999
