@@ -3,6 +3,7 @@ served by the proxy (token in, token out over HTTP, chat and completions), refus
 engine is scripted here; the real vLLM server's e2e is in test_server.py (its module server)."""
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 
@@ -12,7 +13,7 @@ from agent_fns import HTTPFailure, post
 from test_envs import byte_tok, chat_tok, ids  # noqa: F401  (fixtures)
 
 from lit_ess.datamodules.prompts import Example, encode_prompt
-from lit_ess.engines import Completion, RolloutEngine, SamplingConfig
+from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
 from lit_ess.envs import AgentRunner, EnvConfig, EnvError, EpisodeRunner, make_runner
 from lit_ess.envs.agent import Call, assemble
 from lit_ess.envs.proxy import RequestError
@@ -303,6 +304,42 @@ def test_the_demo_agent_trains_what_retry_arithmetic_trains(byte_tok):
             (want.prompt_ids, want.completion_ids, want.mask, want.logprobs)
         assert (got.reward, got.turns, got.env_tokens, got.text()) == (want.reward, want.turns, want.env_tokens, want.text())
     assert (a.reward, a.turns, b.reward, b.turns) == (1 / 3, 3, 1.0, 1)
+
+
+class Seeded(RolloutEngine):
+    """A sample is 3 tokens chosen by (call seed, prompt key): the same alone or in a batch. 20 ms per call;
+    records the calls' sizes and whether two calls ever overlapped."""
+
+    def __init__(self, concurrent: bool):
+        self.concurrent, self.version, self.sizes, self.inside, self.overlap = concurrent, 0, [], 0, False
+        self.lock = threading.Lock()
+
+    def generate(self, prompts, n, sampling, call_seed=0, prompt_keys=None):
+        with self.lock:
+            self.inside += 1
+            self.overlap |= self.inside > 1
+        time.sleep(0.02)
+        out = [[Completion([40 + derive_seed(call_seed, k) % 10, 41], [-0.5, -0.5], "length", 0)] for k in prompt_keys]
+        with self.lock:
+            self.inside -= 1
+            self.sizes.append(len(prompts))
+        return out
+
+    def load_weights(self, named_tensors, version):
+        raise NotImplementedError
+
+
+def test_an_engine_of_one_call_at_a_time_gets_the_waiting_calls_together(byte_tok):
+    """An in-process engine (not concurrent) is never called from two threads at once; the calls that wait
+    go in one generate, and every episode is what a concurrent engine gives (seeds per episode and call)."""
+    examples = [Example(f"{i}+1=", str(i + 1)) for i in range(6)]
+    queued, direct = Seeded(concurrent=False), Seeded(concurrent=True)
+    a, _ = run("agent_fns:two_completions", byte_tok, queued, examples, n=2)
+    b, _ = run("agent_fns:two_completions", byte_tok, direct, examples, n=2)
+    assert [e.completion_ids for e in a] == [e.completion_ids for e in b]
+    assert len({tuple(e.completion_ids) for e in a}) > 1
+    assert sum(queued.sizes) == 24 and len(queued.sizes) < 24 and not queued.overlap
+    assert direct.sizes == [1] * 24 and direct.overlap
 
 
 def test_the_data_modules_batches_from_an_agent_are_on_policy(tiny_model_dir):

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
@@ -128,6 +129,51 @@ def assemble(calls: list[Call], episode: Episode) -> Episode:
     return e
 
 
+class EngineQueue:
+    """Calls of many episodes to an engine that takes one call at a time (not `RolloutEngine.concurrent`):
+    the calls that arrive while one runs go together in the next, one `generate` per (sampling, call seed),
+    each prompt with its own key, so each sample has the seed it would have alone. The thread that finds
+    the engine free runs it for everyone waiting."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine, self.lock, self.running = engine, threading.Lock(), threading.Lock()
+        self.pending: list[tuple[list[int], SamplingConfig, int, int, Future]] = []
+
+    def sample(self, ids: list[int], sampling: SamplingConfig, call_seed: int, key: int) -> Completion:
+        fut: Future = Future()
+        with self.lock:
+            self.pending.append((ids, sampling, call_seed, key, fut))
+        while self.running.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self.running.release()
+            with self.lock:                 # a call that came after the last drain, while the engine was held
+                if not self.pending:
+                    break
+        return fut.result()
+
+    def _drain(self) -> None:
+        while True:
+            with self.lock:
+                batch, self.pending = self.pending, []
+            if not batch:
+                return
+            groups: dict[tuple[str, int], list] = {}
+            for job in batch:
+                groups.setdefault((repr(job[1]), job[2]), []).append(job)
+            for jobs in groups.values():
+                try:
+                    out = self.engine.generate([j[0] for j in jobs], 1, jobs[0][1], call_seed=jobs[0][2],
+                                               prompt_keys=[j[3] for j in jobs])
+                except Exception as e:
+                    for j in jobs:
+                        j[4].set_exception(e)
+                    continue
+                for j, group in zip(jobs, out):
+                    j[4].set_result(group[0])
+
+
 def same_message(a: Message, b: Message) -> bool:
     return a.get("role") == b.get("role") and a.get("content") == b.get("content")
 
@@ -136,10 +182,9 @@ class Session:
     """One episode's conversation with the policy: each request's prompt ids (continuing the conversation
     token in, token out), the engine call, the record. Its methods run in the proxy's threads."""
 
-    def __init__(self, runner: "AgentRunner", engine: RolloutEngine, sampling: SamplingConfig, call_seed: int,
-                 key: int, engine_lock: threading.Lock | None):
+    def __init__(self, runner: "AgentRunner", engine: RolloutEngine | EngineQueue, sampling: SamplingConfig,
+                 call_seed: int, key: int):
         self.runner, self.engine, self.sampling, self.call_seed, self.key = runner, engine, sampling, call_seed, key
-        self.engine_lock = engine_lock
         self.calls: list[Call] = []
         self.history: list[Message] | None = None   # chat: the messages sent last + the reply as returned
         self.tools: list[dict] | None = None
@@ -232,14 +277,12 @@ class Session:
                                    f"for a reply")
             room = sampling.max_new_tokens if budget is None else min(sampling.max_new_tokens, budget - len(ids))
             s = replace(sampling, max_new_tokens=room)
-            args = ([ids], 1, s)
-            kw = dict(call_seed=derive_seed(self.call_seed, len(self.calls)), prompt_keys=[self.key])
+            seed = derive_seed(self.call_seed, len(self.calls))
             try:
-                if self.engine_lock is None:
-                    sample = self.engine.generate(*args, **kw)[0][0]
+                if isinstance(self.engine, EngineQueue):
+                    sample = self.engine.sample(ids, s, seed, self.key)
                 else:
-                    with self.engine_lock:
-                        sample = self.engine.generate(*args, **kw)[0][0]
+                    sample = self.engine.generate([ids], 1, s, call_seed=seed, prompt_keys=[self.key])[0][0]
             except Exception as e:
                 self.engine_error = e           # the engine's failure stops the run, not only this episode
                 raise
@@ -283,8 +326,8 @@ class AgentRunner(EpisodeRunner):
         if self.proxy is None:
             self.proxy = Proxy(self.tokenizer)
         keys = list(range(len(examples))) if prompt_keys is None else list(prompt_keys)
-        lock = None if engine.concurrent else threading.Lock()
-        jobs = [(ex, Session(self, engine, sampling, call_seed, key * n + j, lock), engine.version)
+        calls_to = engine if engine.concurrent else EngineQueue(engine)
+        jobs = [(ex, Session(self, calls_to, sampling, call_seed, key * n + j), engine.version)
                 for ex, key in zip(examples, keys) for j in range(n)]
         urls = [self.proxy.open(s) for _, s, _ in jobs]
         results = _run_timed([lambda ex=ex, url=url: self.agent.play(url, ex) for (ex, _, _), url in zip(jobs, urls)],
