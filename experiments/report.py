@@ -375,7 +375,7 @@ def decisive(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
             continue
         by_line, levels = _lines(name, exp, stats, scale)
         letter = exp.axis.split()[-1]
-        for lr in sorted({lr for lr, _ in by_line}):
+        for lr in sorted({cell_lr(c) for c in exp.cells[:scale.cells]}):
             broke = {breaking(f, levels, letter, scale.seeds)[1] for (l2, _), f in by_line.items() if l2 == lr}
             broke.discard(None)
             keep = {lv for b in broke for lv in levels[max(0, levels.index(b) - 1):levels.index(b) + 1]} or {levels[-1]}
