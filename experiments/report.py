@@ -364,8 +364,8 @@ def _lines(name: str, exp, stats: dict[tuple[str, str], CellStats], scale: Scale
 
 def decisive(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
     """The stress cells that decide a breaking point, from the stored summaries: on each experiment and
-    learning rate, every method at each level where some method breaks and at the level below it; where
-    no method breaks, every method at the top level."""
+    learning rate, every method at each level where some method breaks and at the level below it, and
+    each method that breaks nowhere at the top level."""
     base = _base(summaries, 1.0)
     if base is None:
         raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: nothing to select from")
@@ -376,10 +376,12 @@ def decisive(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
         by_line, levels = _lines(name, exp, stats, scale)
         letter = exp.axis.split()[-1]
         for lr in sorted({cell_lr(c) for c in exp.cells[:scale.cells]}):
-            broke = {breaking(f, levels, letter, scale.seeds)[1] for (l2, _), f in by_line.items() if l2 == lr}
-            broke.discard(None)
-            keep = {lv for b in broke for lv in levels[max(0, levels.index(b) - 1):levels.index(b) + 1]} or {levels[-1]}
-            chosen += [(name, c.label) for c in exp.cells[:scale.cells] if cell_lr(c) == lr and c.level in keep]
+            broke = {m: breaking(by_line.get((lr, m), {}), levels, letter, scale.seeds)[1]
+                     for m in dict.fromkeys(c.method for c in exp.cells)}
+            keep = {lv for b in broke.values() if b is not None
+                    for lv in levels[max(0, levels.index(b) - 1):levels.index(b) + 1]}
+            chosen += [(name, c.label) for c in exp.cells[:scale.cells] if cell_lr(c) == lr and
+                       (c.level in keep or (c.level == levels[-1] and broke[c.method] is None))]
     return chosen
 
 

@@ -253,7 +253,7 @@ def test_runs_are_not_added_to_summaries_of_another_warm_start(tmp_path):
 
 def test_selections_name_existing_cells_and_decisive_follows_the_breaks(tmp_path):
     """decisive: on each stress line's learning rate, every method at each level where one breaks and the
-    level below; where none breaks, the top level; plus the headline and remedy cells."""
+    level below, a line that breaks nowhere at the top level; plus the headline and remedy cells."""
     from experiments.run import HEADLINE, REMEDY, plan, selection
 
     for pattern in HEADLINE + [REMEDY]:
@@ -266,7 +266,8 @@ def test_selections_name_existing_cells_and_decisive_follows_the_breaks(tmp_path
                 _summary(tmp_path / (c.same_as or f"stress_s/{c.label}") / f"seed{s}", v)
     chosen = plan([], selection("decisive", tmp_path, FULL), [], FULL, [0], [0])
     stress_s = {(cell_lr(c), c.level, c.method) for _, n, c, _ in chosen if n == "stress_s"}
-    assert stress_s == {(HIGH_LR, lv, m) for lv in (4, 8) for m in METHODS} | {(LR, 24, m) for m in METHODS}
+    assert stress_s == ({(HIGH_LR, lv, m) for lv in (4, 8) for m in METHODS} | {(LR, 24, m) for m in METHODS}
+                        | {(HIGH_LR, 24, m) for m in METHODS if m != "p3o"})          # lines that break nowhere
     assert {c.level for _, n, c, _ in chosen if n == "stress_k"} == {K_LEVELS[-1]}       # nothing broke there
     assert {c.label for _, n, c, _ in chosen if n == "temperature"} == {
         f"p3o_T{t}_processed_k4{a}" for t in (0.6, 1.2, 1.5) for a in ("", "_anchor")}
