@@ -17,7 +17,9 @@ whose config changed runs again); a failed run leaves `failed.txt`
 Each finished run also leaves a small summary, kept in the repository: `experiments/results/<experiment>/
 <cell>/seed<k>/` (`summary.json`: wall time and final metrics; `curves.csv`: the scalars the page
 plots, a row per step). The page is always made from every experiment's summaries, so one experiment can be rerun
-alone (in a fresh checkout nothing is in runs/, so naming it reruns it) and the rest of the page stays.
+alone and the rest of the page stays. A summary records its config's digest: in a checkout without the run's
+folder (runs/ is not in the repository) a summary with the same digest counts as the run made, others run again
+(to make a run again, delete its summary).
 
 `--seeds` takes a count (`8`: seeds 0-7) or seeds (`0-7`, `0,3,5-7`); a run's config depends only on its cell,
 seed and warm start, so adding seeds never reruns the ones made. `--warm-starts 0,1,2` repeats every
