@@ -3,16 +3,21 @@ by hand).
 
 For each experiment: a PNG of training reward, held-out pass@1 and ESS against the optimizer step
 (mean over seeds, the band spans min..max), and a table per cell: final held-out pass@1 at T = 1.0
-(mean +- std over seeds), its change from the warm start, the training reward of the last 10% of
-steps, the mean ESS, and the seeds that collapsed; cells sampled at another temperature add their
-final held-out pass@1 at that temperature against the warm start's at it. A seed collapsed when its
-final held-out pass@1 (T = 1.0) is more than COLLAPSE below the warm start's, or its run failed; for
-each such seed the page lists what its logs show at the worst step (ESS, largest ratio, KL to pi_b,
-response length), the place to start reading the mechanism.
+(mean over seeds and its 95% bootstrap interval), its change from the warm start, the training reward
+of the last 10% of steps, the mean ESS, and the seeds that collapsed (with a 95% Wilson interval);
+cells sampled at another temperature add their final held-out pass@1 at that temperature against the
+warm start's at it. A seed collapsed when its final held-out pass@1 (T = 1.0) is more than COLLAPSE
+below the warm start's, or its run failed; for each such seed the page lists what its logs show at the
+worst step (ESS, largest ratio, KL to pi_b, response length), the place to start reading the mechanism.
+Every experiment then says which of its tested differences (`pairs`) are resolved, the two intervals
+apart, and which are not; the page ends with what that supports about the paper's claims (`claims`).
 
 Stress experiments (cells with a level) instead plot final held-out pass@1 against the level, a line
 per method and a panel per learning rate (seeds' min..max shaded), and table each method's breaking
-point: the lowest level at which at least 2 of 3 seeds (BREAK of the seeds) collapsed.
+point: the lowest level at which at least BREAK of the seeds (2 of 3, 6 of 8) collapsed.
+
+A cell has the seeds stored for it (at least `Scale.seeds` where it is complete); cells run from other
+warm starts (`warm<w>/` beside the summaries) get their own section.
 """
 from __future__ import annotations
 
