@@ -79,7 +79,7 @@ def parse_seeds(text: str) -> list[int]:
     """`--seeds` / `--warm-starts`: a count N (0..N-1), or seeds and ranges, `0-7`, `0,3,5-7` (one seed k: `k-k`)."""
     if text.strip().isdigit():
         if int(text) < 1:
-            raise argparse.ArgumentTypeError(f"a count of at least 1, got {text!r}")
+            raise argparse.ArgumentTypeError(f"a count of at least 1, got {text!r} (the one seed k alone: k-k)")
         return list(range(int(text)))
     out = []
     for part in text.split(","):
