@@ -2,10 +2,12 @@
 the step is cut by length, not by row count, and packed rows are scored without padding, and the update
 does not move: every objective x every aggregation gives the loss, gradient and ESS of one padded batch,
 on 1 and 2 ranks, and the proximal and reference logprobs are written back to their own rows."""
+import os
 from dataclasses import replace
 
 import pytest
 import torch
+from torch import Tensor
 
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
@@ -84,10 +86,15 @@ def test_the_budget_cuts_by_length(tiny_model_dir, stale_batch):
         assert torch.equal(mb.input_ids, stale_batch.input_ids[rows, :longest])
 
 
+def _grads(m: PolicyModule) -> Tensor:
+    """The trainable parameters' gradients, flattened."""
+    return torch.cat([p.grad.flatten() for p in m.policy.parameters() if p.requires_grad])
+
+
 def _step(model_dir, batch, objective, **kw):
     m = module(model_dir, objective, **kw)
     metrics, ess = m.accumulate_gradients(replace(batch))
-    return torch.cat([p.grad.flatten() for p in m.policy.parameters() if p.requires_grad]), metrics, ess
+    return _grads(m), metrics, ess
 
 
 def make_objective(objective, aggregation):
@@ -203,13 +210,13 @@ def test_packing_knob_is_checked(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("objective", [P3O, GRPO], ids=lambda c: c.__name__)
-def test_packing_with_lora(tiny_model_dir, stale_batch, objective):
+def test_packing_with_lora(tiny_model_dir, tailed_batch, objective):
     """LoRA adapters (peft) take the packed forward too: the same loss, adapter gradients and ESS as the
     padded forward, and a reference KL through the base model (adapters off) of exactly 0 at step 0."""
     from lit_ess.lora import LoRA
 
     def run(**kw):
-        g, m, e = _step(tiny_model_dir, stale_batch, objective(ref_kl_coef=0.1), lora=LoRA(rank=4), **kw)
+        g, m, e = _step(tiny_model_dir, tailed_batch, objective(ref_kl_coef=0.1), lora=LoRA(rank=4), **kw)
         return g, m, e
 
     torch.manual_seed(0)
@@ -219,3 +226,79 @@ def test_packing_with_lora(tiny_model_dir, stale_batch, objective):
     assert g0.abs().sum() > 0 and torch.allclose(g1, g0, atol=1e-5, rtol=1e-4)
     for k in ("train/loss", "train/ess", "train/kl_ref"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), k
+
+
+# ------------------------------------------------------------------ 2 ranks (gloo)
+RANK_CUTS = {"padded": {}, "budget": CUTS["budget"], "packed_budget": CUTS["packed_budget"]}
+RANK_ROWS = [list(range(10)), list(range(10, 16))]      # unequal shares: the ranks' pass counts differ
+
+
+def _step_on(policy, model_dir, batch, objective, **kw):
+    """_step with an already loaded policy (a PolicyModule keeps a policy it is given)."""
+    m = PolicyModule(model_dir, objective=objective, **kw)
+    m.policy = policy
+    policy.zero_grad(set_to_none=True)
+    metrics, ess = m.accumulate_gradients(replace(batch))
+    return _grads(m), metrics, ess
+
+
+def _ranks_main(rank, world, port, model_dir, batch_file, out):
+    """Every objective x aggregation x cut on this rank's share of the batch; the gradients summed over ranks
+    (no DDP/FSDP wrapper: each rank's loss is already its share of the step's, normalised by global counts)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        batch = torch.load(batch_file, weights_only=False).select(RANK_ROWS[rank])
+        policy = module(model_dir, GRPO()).policy                  # loaded once, its gradients reset per step
+        got = {}
+        for objective in OBJECTIVES:
+            for aggregation in AGGREGATIONS:
+                for cut, kw in RANK_CUTS.items():
+                    g, metrics, ess = _step_on(policy, model_dir, batch, make_objective(objective, aggregation), **kw)
+                    dist.all_reduce(g)
+                    got[(str(objective), aggregation, cut)] = (g, metrics, None if ess is None else float(ess))
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_two_ranks_give_the_one_rank_update(tiny_model_dir, tailed_batch, tmp_path):
+    """2 gloo ranks holding 10 and 6 of the long-tailed rows, padded, by token budget and packed by token
+    budget: for every objective x aggregation the gradient summed over ranks, the loss and the ESS equal one
+    process's padded step on all 16 rows (to 1e-5); the ranks run the same number of passes (else hang)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.save(tailed_batch, tmp_path / "batch.pt")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_ranks_main, args=(r, 2, port, tiny_model_dir, tmp_path / "batch.pt", tmp_path / "out.pt"))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "the 2-rank steps hung (mismatched collectives)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    policy = module(tiny_model_dir, GRPO()).policy
+    for objective in OBJECTIVES:
+        for aggregation in AGGREGATIONS:
+            g0, m0, e0 = _step_on(policy, tiny_model_dir, tailed_batch, make_objective(objective, aggregation))
+            for cut in RANK_CUTS:
+                g, m, e = got[(str(objective), aggregation, cut)]
+                where = (objective, aggregation, cut)
+                assert torch.allclose(g, g0, atol=1e-5, rtol=1e-4), where
+                for k in ("train/loss", "train/policy_loss", "train/ess", "train/tokens"):
+                    assert m[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (where, k)
+                assert (e is None) == (e0 is None) and (e is None or e == pytest.approx(float(e0), rel=1e-5)), where
