@@ -98,11 +98,13 @@ class PolicyModule(L.LightningModule):
             end to end in lines as wide as its longest row, position ids restarting at every row, so the
             MLPs and projections see (almost) only tokens and attention is block-diagonal (transformers
             builds that mask from the position ids for sdpa and eager, varlen for flash-attention; no
-            row attends to another). Logprobs and entropies come back as [b, T]: the objectives, the ESS
-            pre-pass, the proximal scoring and the reference model are unchanged, and loss, gradient
-            and ESS equal the padded forward's. With micro_batch_tokens the budget counts the rows'
-            tokens (their sum) instead of rows x longest row. Needs attn_implementation sdpa, eager or
-            flash_attention_2/3. False (default): padded [b, T] forwards.
+            row attends to another). Lines, not one [1, N] line: sdpa and eager hold a dense mask, whose
+            attention costs N^2 against the padded b T^2. Rows longer than half the longest share no line,
+            so lengths within a factor 2 gain nothing. Logprobs and entropies come back as [b, T]: the
+            objectives, the ESS pre-pass, the proximal scoring and the reference model are unchanged, and
+            loss, gradient and ESS equal the padded forward's. With micro_batch_tokens the budget counts
+            the rows' tokens (their sum) instead of rows x longest row. Needs attn_implementation sdpa,
+            eager or flash_attention_2/3. False (default): padded [b, T] forwards.
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
@@ -349,8 +351,8 @@ class PolicyModule(L.LightningModule):
     def micro_batches(self, batch: RolloutBatch) -> list[tuple[slice | list[int], RolloutBatch]]:
         """The step's micro-batches, each with the rows of `batch` it holds (a slice or row indices), each
         trimmed to its longest row: micro_batch_tokens plans rows by their real length (attention-mask
-        tokens) with lit_ess.packing.plan_micro_batches, else consecutive slices of micro_batch_size rows
-        (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
+        tokens) with lit_ess.packing.plan_micro_batches (cost rows x longest row, or with packing the sum of
+        lengths), else consecutive slices of micro_batch_size rows (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
         reference model in it) and the proximal scoring all use these."""
         budget = self.hparams.micro_batch_tokens
         if budget is None:
