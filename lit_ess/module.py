@@ -47,7 +47,7 @@ from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_ada
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
-from .packing import packed_logprobs, plan_micro_batches
+from .packing import packed_logprobs, plan_micro_batches, plan_ranks
 from .engines import SamplingConfig
 from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
@@ -91,8 +91,9 @@ class PolicyModule(L.LightningModule):
             Rows are grouped by length, longest first (lit_ess.packing.plan_micro_batches), so short rows
             are no longer padded to the step's longest; a row longer than the budget gets a micro-batch
             of its own. The ESS pre-pass, the proximal scoring and the reference model use the same
-            micro-batches, and the update is the same as with one micro-batch. Data-parallel ranks plan
-            their own rows (no token balancing across ranks) and run the same number of passes.
+            micro-batches, and the update is the same as with one micro-batch. On several data-parallel
+            ranks the step's rows are gathered and dealt to the ranks by token count (lit_ess.packing.plan_ranks:
+            ranks within one row's length of each other, the same number of passes).
             None (default) = micro_batch_size decides.
         packing: padding-free forwards (lit_ess.packing.packed_logprobs): the rows of each micro-batch laid
             end to end in lines as wide as its longest row, position ids restarting at every row, so the
@@ -362,6 +363,30 @@ class PolicyModule(L.LightningModule):
             cuts = plan_micro_batches(batch.attention_mask.sum(-1).tolist(), budget, packed=self.hparams.packing)
         return [(rows, batch.select(rows)) for rows in cuts]
 
+    def rank_passes(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[tuple[RolloutBatch, float]]]:
+        """This rank's micro-batches of the step, and its passes: (micro-batch, weight), the same count on every
+        rank (weight 0: a repeat that only joins the collectives).
+
+            one rank, or micro_batch_size   `micro_batches` of this rank's rows, padded by `_same_count`
+            micro_batch_tokens, W ranks      every rank's rows gathered (tokens, masks, logprobs: small) and
+                                             dealt by lit_ess.packing.plan_ranks: longest first to the rank
+                                             with the fewest tokens (ranks within one row's length of each
+                                             other), each rank's micro-batches split until all ranks run as
+                                             many passes; rank r trains plan[r]
+
+        The update is the same either way: losses are normalised by the step's global counts."""
+        budget = self.hparams.micro_batch_tokens
+        if budget is None or not self._world():
+            mbs = [mb for _, mb in self.micro_batches(batch)]
+            return mbs, self._same_count(mbs)
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, batch.to("cpu"))
+        step = RolloutBatch.cat(shares)
+        plan = plan_ranks(step.attention_mask.sum(-1).tolist(), budget, len(shares), packed=self.hparams.packing)
+        mbs = [step.select(rows).to(self.device) for rows in plan[dist.get_rank()] if rows]
+        pad = mbs[0] if mbs else step.select([0]).to(self.device)
+        return mbs, [(mb, 1.0) for mb in mbs] + [(pad, 0.0)] * (len(plan[0]) - len(mbs))
+
     def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
         `pad` when this rank has no micro-batch)."""
@@ -417,8 +442,9 @@ class PolicyModule(L.LightningModule):
         step, step ESS e_B or None). Gradients accumulate in the parameters' .grad; the caller clips
         and steps.
 
-            micro-batches    `micro_batches` (micro_batch_size rows or micro_batch_tokens), the same count
-                             on every rank (`_same_count`)
+            micro-batches    `rank_passes`: `micro_batches` (micro_batch_size rows or micro_batch_tokens),
+                             the same count on every rank; with micro_batch_tokens on several ranks the
+                             step's rows dealt to the ranks by token count
             counts           N tokens and sequences of the whole step (`_step_counts`)
             ESS pre-pass     e_B over the whole step, when it spans several passes (`ess_prepass`)
             gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
@@ -435,8 +461,7 @@ class PolicyModule(L.LightningModule):
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
                            f"max_staleness > steps_per_rollout - 1); warned once")
         sampling = batch.sampling
-        mbs = [mb for _, mb in self.micro_batches(batch)]
-        passes = self._same_count(mbs)
+        mbs, passes = self.rank_passes(batch)
         counts = self._step_counts(mbs)
         step_ess = None
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):

@@ -259,6 +259,11 @@ def _ranks_main(rank, world, port, model_dir, batch_file, out):
                     g, metrics, ess = _step_on(policy, model_dir, batch, make_objective(objective, aggregation), **kw)
                     dist.all_reduce(g)
                     got[(str(objective), aggregation, cut)] = (g, metrics, None if ess is None else float(ess))
+        for cut in ("budget", "packed_budget"):           # what each rank trains: its tokens and passes
+            mbs, passes = module(model_dir, GRPO(), **RANK_CUTS[cut]).rank_passes(batch)
+            shares = [None] * world
+            dist.all_gather_object(shares, (sum(int(mb.attention_mask.sum()) for mb in mbs), len(passes)))
+            got[cut] = shares
         if rank == 0:
             torch.save(got, out)
     finally:
@@ -269,7 +274,9 @@ def _ranks_main(rank, world, port, model_dir, batch_file, out):
 def test_two_ranks_give_the_one_rank_update(tiny_model_dir, tailed_batch, tmp_path):
     """2 gloo ranks holding 10 and 6 of the long-tailed rows, padded, by token budget and packed by token
     budget: for every objective x aggregation the gradient summed over ranks, the loss and the ESS equal one
-    process's padded step on all 16 rows (to 1e-5); the ranks run the same number of passes (else hang)."""
+    process's padded step on all 16 rows (to 1e-5); the ranks run the same number of passes (else hang).
+    With a token budget the ranks train balanced shares: token counts within one row's length (the
+    ranks' own rows are further apart than that)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -291,6 +298,12 @@ def test_two_ranks_give_the_one_rank_update(tiny_model_dir, tailed_batch, tmp_pa
     assert not alive, "the 2-rank steps hung (mismatched collectives)"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     got = torch.load(tmp_path / "out.pt", weights_only=False)
+    lengths = tailed_batch.attention_mask.sum(-1)
+    unbalanced = [int(lengths[rows].sum()) for rows in RANK_ROWS]
+    for cut in ("budget", "packed_budget"):                        # rows dealt by tokens, as many passes
+        (t0, n0), (t1, n1) = got[cut]
+        assert t0 + t1 == int(lengths.sum()) and abs(t0 - t1) <= int(lengths.max()) < abs(unbalanced[0] - unbalanced[1])
+        assert n0 == n1, cut
     policy = module(tiny_model_dir, GRPO()).policy
     for objective in OBJECTIVES:
         for aggregation in AGGREGATIONS:
