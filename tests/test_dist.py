@@ -102,11 +102,12 @@ def _two_ranks(tiny_model_dir, out, ess_scope="step", cut=None) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("cut", [{"micro_batch_size": 2}, {"micro_batch_tokens": 20}], ids=["rows", "tokens"])
+@pytest.mark.parametrize("cut", [{"micro_batch_size": 2}, {"micro_batch_tokens": 20},
+                                 {"micro_batch_tokens": 20, "packing": True}], ids=["rows", "tokens", "packed"])
 def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path, cut):
-    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2; or a budget of 20 tokens, rows of 7-10
-    tokens: [[1, 2], [3, 0]] against [[5, 4]]): the ranks' pass counts differ, which deadlocks FSDP unless
-    padded; gradients are averaged by FSDP, so each rank's loss is scaled by W. The sharded step's
+    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2: 2 passes against 1, which deadlocks FSDP
+    unless padded; or a budget of 20 tokens, rows of 7-10 tokens: the 6 rows dealt to the ranks by tokens,
+    packed or not); gradients are averaged by FSDP, so each rank's loss is scaled by W. The sharded step's
     gradients, ESS and metrics equal one process's on all 6 rows."""
     got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", cut=cut)
 
