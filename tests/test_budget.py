@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from e2e_utils import spawn_ranks
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.module import PolicyModule
@@ -277,26 +278,9 @@ def test_two_ranks_give_the_one_rank_update(tiny_model_dir, tailed_batch, tmp_pa
     process's padded step on all 16 rows (to 1e-5); the ranks run the same number of passes (else hang).
     With a token budget the ranks train balanced shares: token counts within one row's length (the
     ranks' own rows are further apart than that)."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torch.save(tailed_batch, tmp_path / "batch.pt")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_ranks_main, args=(r, 2, port, tiny_model_dir, tmp_path / "batch.pt", tmp_path / "out.pt"))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "the 2-rank steps hung (mismatched collectives)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_ranks(_ranks_main, tiny_model_dir, tmp_path / "batch.pt", tmp_path / "out.pt", timeout=600,
+                what="the 2-rank steps")
     got = torch.load(tmp_path / "out.pt", weights_only=False)
     lengths = tailed_batch.attention_mask.sum(-1)
     unbalanced = [int(lengths[rows].sum()) for rows in RANK_ROWS]
