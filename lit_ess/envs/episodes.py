@@ -187,26 +187,25 @@ class EpisodeRunner:
                            f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
 
     def _start(self, example: Example, key: int, version: int) -> _Live:
-        name = self.config.env
         try:
             env = self.config.make()
         except Exception as e:
-            raise EnvError(f"environment {name!r} cannot be built from env.kwargs {self.config.kwargs}: "
+            raise EnvError(f"{self.what} cannot be built from env.kwargs {self.config.kwargs}: "
                            f"{type(e).__name__}: {_one_line(e)}") from None
         try:
             obs = env.reset(example)
         except Exception as e:
-            raise EnvError(f"environment {name!r} cannot start an episode from {example!r}: "
+            raise EnvError(f"{self.what} cannot start an episode from {example!r}: "
                            f"{type(e).__name__}: {_one_line(e)}") from None
         if not is_observation(obs):
-            raise EnvError(f"environment {name!r} reset returned {_short(obs)}, not text or a list of "
+            raise EnvError(f"{self.what} reset returned {_short(obs)}, not text or a list of "
                            f"{{'role', 'content'}} messages (at least one)")
         role = env.observation_role
         history = self.tokens.messages(obs, role) if self.tokens.chat else []
         try:
             prompt = self.tokens.prompt(obs, role)
         except TemplateError as e:
-            raise TemplateError(f"environment {name!r}: {e}") from None
+            raise TemplateError(f"{self.what}: {e}") from None
         return _Live(env, Episode(prompt, start_version=version), history, key)
 
     def _over_budget(self, x: _Live) -> bool:
@@ -284,7 +283,7 @@ class EpisodeRunner:
         try:
             obs_ids = self.tokens.observation(x.history, value.observation, x.env.observation_role, list(s.token_ids))
         except TemplateError as err:
-            raise TemplateError(f"environment {self.config.env!r}: {err}") from None
+            raise TemplateError(f"{self.what}: {err}") from None
         b = self.config.max_episode_tokens
         if b is not None and len(e.prompt_ids) + len(e.completion_ids) + len(obs_ids) >= b:
             e.truncated = "tokens"              # no room for the next turn: the observation is not appended
