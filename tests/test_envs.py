@@ -113,8 +113,19 @@ def test_calculator_inserts_the_result_and_counts_calls():
     env.reset(Example("37*85=", "3145"))
     assert env.step(Action("calc(3 7)", [], "stop")).observation == "error\n37*85="
     assert env.step(Action("calc(1+1)", [], "stop")) == Step(reward=0.0, done=True, tool_calls=1)   # over max_calls
-    assert [calculate(e) for e in ["37*85", "1+2*3", "10-2-3", "3--5", "-2*-3+1", " 4 * 5 "]] == [3145, 7, 5, 8, 7, 20]
+    assert [calculate(e) for e in ["37*85", "1+2*3", "10-2-3", "3--5", "-2*-3+1", " 4 * 5 ", "9\x1c"]] == [3145, 7, 5, 8, 7, 20, 9]
     assert [calculate(e) for e in ["1+", "", "1**2", "2^3", "9" * 13, "1+" * 40 + "1"]] == [None] * 6
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("0123456789+-*() \t\n\x1c\x85\u3000\u0663x"), max_size=20) | st.text(max_size=20))
+def test_calculate_answers_any_text_with_a_value_or_none(expr):
+    """What a policy writes in calc(...) never raises (a sampled '9\\x1c' once did): whitespace is any
+    Unicode space, as the pattern's \\s allows."""
+    value = calculate(expr)
+    assert value is None or isinstance(value, int)
+    if value is not None:
+        assert value == calculate("".join(expr.split()))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def calculate(expr: str) -> int | None:
     if len(expr) > 64 or not _EXPR.fullmatch(expr):
         return None
     total, sign = 0, 1
-    for part in re.split(r"(?<=\d)([-+])", expr.replace(" ", "")):    # terms, split at binary + and -
+    for part in re.split(r"(?<=\d)([-+])", "".join(expr.split())):   # terms, split at binary + and -
         if part in ("+", "-"):
             sign = 1 if part == "+" else -1
             continue
