@@ -82,6 +82,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
     """A vLLM 0.32 server's answers to the start-up checks; `answers` (a class attribute) overrides them."""
     answers: dict = {}
     hits: list = []
+    hang: float = 0.0            # seconds a generate request waits before its answer (a server that stopped)
 
     def log_message(self, *args):
         pass
@@ -89,6 +90,8 @@ class FakeVLLM(BaseHTTPRequestHandler):
     def _answer(self):
         route = self.path.split("?")[0]
         self.hits.append(self.path)
+        if route == "/inference/v1/generate" and self.hang:
+            time.sleep(self.hang)
         if route in self.answers:
             code, body = self.answers[route]
         else:
@@ -103,6 +106,19 @@ class FakeVLLM(BaseHTTPRequestHandler):
     do_GET = do_POST = _answer
 
 
+def start_fake(handler) -> tuple[str, ThreadingHTTPServer]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}", httpd
+
+
+def stop_fake(httpd: ThreadingHTTPServer) -> None:
+    """The server is gone: its port refuses connections."""
+    httpd.shutdown()
+    httpd.server_close()
+
+
 @pytest.fixture
 def fake_server(tiny_model_dir):
     FakeVLLM.defaults = {
@@ -115,11 +131,72 @@ def fake_server(tiny_model_dir):
         "/inference/v1/generate": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]},
                                                 "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}}
     FakeVLLM.hits = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    url, httpd = start_fake(FakeVLLM)
+    yield url
+    stop_fake(httpd)
     FakeVLLM.answers = {}
+
+
+@pytest.fixture
+def two_fakes(fake_server):
+    """Two more faked servers, each with its own record of calls (`hits`) and `hang`."""
+    pair = []
+    for name in ("A", "B"):
+        handler = type(f"Fake{name}", (FakeVLLM,), {"hits": [], "hang": 0.0})
+        url, httpd = start_fake(handler)
+        pair.append((url, httpd, handler))
+    yield pair
+    for _, httpd, _ in pair:
+        stop_fake(httpd)
+
+
+def generates(handler) -> int:
+    return sum(h == "/inference/v1/generate" for h in handler.hits)
+
+
+def test_requests_of_a_dead_server_go_to_the_other_until_none_is_left(two_fakes, tiny_model_dir, capfd):
+    """Least outstanding requests spread a call over both servers; one that refuses connections (gone)
+    gets no more requests, and no weight push, while the other serves every sample; when the last one is
+    gone too, the call fails in one line naming its URL and the request."""
+    (url_a, httpd_a, a), (url_b, httpd_b, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10).build(tiny_model_dir)
+    assert len(engine.generate([[1, 2]], 4, SamplingConfig(seed=0))[0]) == 4
+    assert generates(a) >= 1 and generates(b) >= 1                      # both in use
+    stop_fake(httpd_a)
+    before = generates(b)
+    assert [c.token_ids for c in engine.generate([[1, 2]], 6, SamplingConfig(seed=0))[0]] == [[5]] * 6
+    assert generates(b) - before >= 6
+    warning = capfd.readouterr().err
+    assert f"vLLM server {url_a}" in warning and "its requests go to the other 1 server(s)" in warning
+    FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "3"}), "/reset_prefix_cache": (200, {"success": True})}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine.load_weights(model.state_dict().items(), version=3)         # pushed to the live server only
+    assert engine.version == 3 and "/collective_rpc" in b.hits and "/collective_rpc" not in a.hits
+    stop_fake(httpd_b)
+    with pytest.raises(ServerError, match=rf"vLLM server {url_b}: POST /inference/v1/generate \(prompt 0 sample \d, "
+                                          r"2 prompt tokens\) failed: .*no other server is left") as e:
+        engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
+    assert "\n" not in str(e.value)
+    engine.close()
+
+
+@pytest.mark.parametrize("fault", ["no answer", "HTTP 500"])
+def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, tiny_model_dir, capfd):
+    """A server that accepts requests but answers none within request_timeout (stopped, swapped out),
+    or answers 500: each of its requests goes to the other server, no call waits longer than the timeout."""
+    (url_a, _, a), (url_b, _, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, request_timeout=2).build(tiny_model_dir)
+    if fault == "no answer":
+        a.hang = 30.0
+    else:
+        a.answers = {"/inference/v1/generate": (500, {"error": "EngineDeadError"})}
+    t0 = time.perf_counter()
+    groups = engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
+    assert time.perf_counter() - t0 < 15
+    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
+    said = "got no answer in 2 s (engine.request_timeout)" if fault == "no answer" else "answered HTTP 500"
+    assert said in capfd.readouterr().err
+    engine.close()
 
 
 def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
