@@ -1,9 +1,14 @@
 """vLLM's own server as the rollout engine (lit_ess.engines.VLLMServerConfig): one server for the whole
-module (its start takes 60-140 s here), launched by the engine on the tiny model; the identity checks
-against HTTP answers faked by a small local server (starting vLLM once per refusal would cost minutes)."""
+module (its start takes 60-140 s here), started by the documented command (`python -m
+lit_ess.engines.serve`) on the tiny model and used by URL; one more launched by `lit-ess fit` itself and
+killed mid-run; the identity checks and faults against HTTP answers faked by a small local server
+(starting vLLM once per refusal would cost minutes)."""
 import json
 import os
+import re
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -15,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_utils import cli, rl_config, scalars, write_config
+from e2e_utils import cli, pythonpath, rl_config, scalars, write_config
 from test_engines import PROMPTS, max_logprob_gap
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -306,19 +311,37 @@ def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir,
     assert "--no-such-vllm-flag" in log.read_text()
 
 
-# ---- one real server for the module ----
+# ---- one real server for the module, started by the documented command ----
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    engine = VLLMServerConfig(max_model_len=256).build(tiny_model_dir)
-    print(f"vLLM server ready in {engine.startup_seconds:.0f} s (log: {engine.server.log_file})")
+def served(tiny_model_dir, tmp_path_factory):
+    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256`: its URL once it prints
+    that it is ready; SIGTERM stops it (and its vLLM) at the end of the module."""
+    port, log = free_port(), tmp_path_factory.mktemp("served") / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port", str(port),
+                             "--max-model-len", "256", "--startup-timeout", "300", "--log-file", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.perf_counter()
+    while "ready in" not in (line := proc.stdout.readline()):
+        if not line:                                             # serve exited (or timed out) during start-up
+            pytest.fail(f"serve did not start: {proc.stderr.read()[-2000:]}")
+    print(f"{line.strip()} ({time.perf_counter() - t0:.0f} s)")
+    url = f"http://127.0.0.1:{port}"
+    assert url in line
+    yield url
+    proc.terminate()
+    assert proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def server(served, tiny_model_dir):
+    engine = VLLMServerConfig(urls=[served], max_model_len=256).build(tiny_model_dir)
     yield engine
     engine.close()
-    assert engine.server.proc.poll() is not None
 
 
-def weight_label(server) -> str:
-    with urllib.request.urlopen(server.urls[0] + "/weight_info", timeout=10) as r:
+def weight_label(url: str) -> str:
+    with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
         return json.load(r)["weight_version"]
 
 
@@ -382,16 +405,16 @@ def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
     assert before > 1e-3
     assert max_logprob_gap(model, PROMPTS, groups, s) < 1e-5
     assert server.version == 7 and all(c.version == 7 for g in groups for c in g)
-    assert weight_label(server) == "7"
+    assert weight_label(server.urls[0]) == "7"
     assert len(os.listdir(server.weights_root)) == 1                     # the previous folder is gone
 
 
 @pytest.mark.e2e
-def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_path):
-    """`lit-ess fit` with the server engine by URL (the module's server; a launched one is the same
-    engine): every step's ESS is 1, the lag-0 alarm applies (fp32 on both sides) and stays silent."""
+def test_sync_fit_through_the_server_is_on_policy(served, tiny_model_dir, tmp_path):
+    """`lit-ess fit` with the server engine by URL, a server started by the documented command: every
+    step's ESS is 1, the lag-0 alarm applies (fp32 on both sides) and stays silent."""
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, extra_data={
-        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": server.urls}}})
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": [served]}}})
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
     assert res.returncode == 0, res.stderr[-4000:]
     s = scalars(tmp_path)
@@ -399,4 +422,166 @@ def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_pa
     assert len(ess) == 3 and min(ess) >= 0.9999, ess
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
-    assert weight_label(server) == "2"                                    # pushed before step 2
+    assert weight_label(served) == "2"                                    # pushed before step 2
+
+
+class DyingProxy:
+    """A TCP relay 127.0.0.1:port -> `target` that dies on its `die_at`-th connection: it closes its port
+    and every connection it relays, requests in flight included (a server killed mid-call, as the client sees it)."""
+
+    def __init__(self, target: str, die_at: int):
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.die_at, self.accepted, self.open, self.dead = die_at, 0, [], threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.die_at and self.accepted >= self.die_at:
+                client.close()
+                return self.kill()
+            upstream = socket.create_connection(self.target)
+            self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def kill(self):
+        self.dead.set()
+        self.sock.close()
+        for s in self.open:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))    # RST, as a killed process
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.e2e
+def test_a_server_killed_mid_call_leaves_its_requests_to_the_other(served, server, tiny_model_dir, capfd):
+    """Two URLs, one of them a relay to the real server that dies mid-call: every sample still comes
+    back, equal (same seed) to what the real server alone returns, and the dead URL gets no more requests."""
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=21)
+    want = server.generate(PROMPTS, 8, s, call_seed=5)
+    proxy = DyingProxy(served, die_at=0)
+    engine = VLLMServerConfig(urls=[proxy.url, served], max_model_len=256).build(tiny_model_dir)
+    proxy.die_at = proxy.accepted + 4                    # after 3 connections of the next call (keep-alive: ~3 requests)
+    got = engine.generate(PROMPTS, 8, s, call_seed=5)
+    assert proxy.dead.is_set()
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    for g, w in zip(got, want):
+        for c, d in zip(g, w):
+            assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
+    assert f"vLLM server {proxy.url}: POST /inference/v1/generate" in capfd.readouterr().err
+    assert list(engine.gone) == [proxy.url]
+    assert len(engine.generate(PROMPTS, 2, s)[0]) == 2              # later calls: the live server only
+    engine.close()
+
+
+def vllm_children(pid: int) -> list[int]:
+    """The pids of the vLLM API servers process `pid` launched."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"vllm.entrypoints.openai.api_server" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.e2e
+def test_kill_9_of_the_launched_server_stops_the_run_in_one_line_and_the_checkpoint_resumes(served, tiny_model_dir,
+                                                                                           tmp_path):
+    """`lit-ess fit` launches its server; kill -9 of that server after the step-2 checkpoint: the run
+    exits 1 with one line naming the server's URL, its exit and the request that failed, no traceback,
+    no vLLM process left. `--ckpt_path last` then resumes on a server by URL (the module's, which holds
+    other weights under another label): the checkpoint's weights are pushed before its first request
+    (ESS 1 on the first resumed step, the label of the checkpoint's step)."""
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, ckpt_every=1, extra_data={
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                   "init_args": {"max_model_len": 256, "log_file": str(tmp_path / "server.log")}}})
+    config = write_config(cfg, tmp_path / "config.yaml")
+    env = dict(os.environ, PYTHONPATH=pythonpath(), TOKENIZERS_PARALLELISM="false")
+    with open(tmp_path / "stderr", "w") as err:
+        fit = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(config)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=err)
+    ckpt = tmp_path / "ckpt"
+    deadline = time.time() + 400
+    while not list(ckpt.glob("*step=2*.ckpt")) and fit.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    pids = vllm_children(fit.pid)
+    assert len(pids) == 1 and fit.poll() is None, (pids, (tmp_path / "stderr").read_text()[-3000:])
+    os.kill(pids[0], signal.SIGKILL)
+    try:
+        rc = fit.wait(300)                                   # never a hang
+    except subprocess.TimeoutExpired:
+        fit.kill()
+        pytest.fail("the run hung after its server was killed")
+    stderr = (tmp_path / "stderr").read_text()
+    assert rc == 1 and "Traceback" not in stderr, stderr[-3000:]
+    said = [ln for ln in stderr.splitlines() if ln.startswith("lit-ess: error:")]
+    assert len(said) == 1, stderr[-3000:]
+    assert re.match(r"lit-ess: error: vLLM server http://127\.0\.0\.1:\d+ \(exited with code -9\); server log: "
+                    rf"{re.escape(str(tmp_path / 'server.log'))}: POST /\S+ .*(failed|no answer)", said[0]), said[0]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pids[0], 0)                                # its engine core went with it
+    last = max(int(re.search(r"step=(\d+)", p.name).group(1)) for p in ckpt.glob("*step=*.ckpt"))
+
+    cfg["data"]["init_args"]["engine"]["init_args"] = {"urls": [served], "max_model_len": 256}
+    cfg["trainer"]["max_steps"] = last + 2
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                        "init_args": {"path": str(tmp_path / "resumed.jsonl")}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "resume.yaml")), "--ckpt_path", "last"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = [json.loads(ln) for ln in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [last, last + 1]
+    assert set(steps[0]["versions"]) == {last}               # sampled by the checkpoint's weights, labelled so
+    ess = [v for _, v in scalars(tmp_path)["train/ess"]][-2:]     # the resumed run's two steps (the last logged)
+    assert min(ess) >= 0.9999, ess
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_two_ddp_ranks_sharing_one_server_train_the_one_rank_batch(served, tiny_model_dir, tmp_path):
+    """2 DDP ranks name one server in `urls` (each rank's engine sends its share of the prompts and pushes
+    the same weights under the same step label before its rollout): losses, ESS, gradient norms and
+    rollout statistics equal those of 1 process on that server, as test_dist checks for the in-process
+    engine, and the ranks train different prompts."""
+    from test_dist import _config, _fit, _records
+
+    engine = {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": [served], "max_model_len": 256}}
+    runs = {}
+    for name, world in (("one", 1), ("ddp", 2)):
+        out = tmp_path / name
+        runs[name] = _fit(_config(tiny_model_dir, out, world, "ddp", max_steps=3, extra_data={"engine": engine}), out)
+    one, two = runs["one"], runs["ddp"]
+    for key in ("train/loss", "train/ess", "train/grad_norm", "train/tokens", "train/kl_behavior",
+                "rollout/reward_mean", "rollout/reward_std", "rollout/response_len"):
+        a, b = [v for _, v in one[key]], [v for _, v in two[key]]
+        assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (key, a, b)
+    assert min(v for _, v in two["train/ess"]) >= 0.9999
+    r0, r1 = _records(tmp_path / "ddp" / "prompts.jsonl"), _records(tmp_path / "ddp" / "prompts.jsonl.rank1")
+    for a, b, s in zip(r0, r1, _records(tmp_path / "one" / "prompts.jsonl"), strict=True):
+        assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
+        assert sorted(a["prompt_ids"] + b["prompt_ids"]) == sorted(s["prompt_ids"])
