@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -111,8 +110,13 @@ class FakeVLLM(BaseHTTPRequestHandler):
     do_GET = do_POST = _answer
 
 
+class QuietHTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass                     # a client that gave up on a hanging answer: a broken pipe, as expected
+
+
 def start_fake(handler) -> tuple[str, ThreadingHTTPServer]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd = QuietHTTPServer(("127.0.0.1", 0), handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{httpd.server_address[1]}", httpd
@@ -469,7 +473,7 @@ class DyingProxy:
         self.sock.close()
         for s in self.open:
             try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))    # RST, as a killed process
+                s.shutdown(socket.SHUT_RDWR)     # wakes the relay threads reading it (a close alone would not)
                 s.close()
             except OSError:
                 pass
@@ -494,6 +498,34 @@ def test_a_server_killed_mid_call_leaves_its_requests_to_the_other(served, serve
     assert list(engine.gone) == [proxy.url]
     assert len(engine.generate(PROMPTS, 2, s)[0]) == 2              # later calls: the live server only
     engine.close()
+
+
+def test_a_server_gone_in_an_async_run_stops_it_with_the_same_line(fake_server, tiny_model_dir):
+    """mode: async, the engine in the worker process: a server gone after step 0 (the worker fails on the
+    push of step 1, or on a phase it samples ahead) reaches the trainer as its own one line (EngineFault),
+    not as the worker's traceback."""
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import EngineFault
+
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": True})}
+    url, httpd = start_fake(FakeVLLM)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=VLLMServerConfig(urls=[url], startup_timeout=10),
+                           mode="async", max_staleness=1, prompts_per_rollout=2, samples_per_prompt=2,
+                           source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward="e2e_utils:digit_fraction")
+    dm.setup("fit")
+    try:
+        dm.push_weights({"w": torch.zeros(2)}.items(), 0)
+        dm.next_batch(0)
+        stop_fake(httpd)
+        dm.push_weights({"w": torch.ones(2)}.items(), 1)
+        with pytest.raises(EngineFault, match=rf"^vLLM server {url}: POST /(pause\S*|inference/v1/generate \(prompt \d+ sample \d+, \d+ prompt tokens\)) "
+                                          r"failed: ClientConnectorError") as e:
+            for step in range(1, 4):
+                dm.next_batch(step)
+        assert "\n" not in str(e.value)
+    finally:
+        dm.teardown("fit")
 
 
 def vllm_children(pid: int) -> list[int]:
