@@ -639,6 +639,7 @@ def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_m
     from lit_ess.envs import EnvConfig, collate_episodes, make_runner
     from lit_ess.logprobs import sequence_logprobs
 
+    server.load_weights(hf_model.state_dict().items(), version=0)     # the module's earlier tests pushed others
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     chat = AutoTokenizer.from_pretrained(tiny_model_dir)
     chat.chat_template = ("{% for m in messages %}<|sep|>{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
