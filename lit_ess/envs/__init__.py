@@ -1,6 +1,6 @@
 """Multi-turn environments and episodes, token in, token out.
 
-    base.py         Environment (reset / step), Action, Step
+    base.py         Environment (reset / step), Action, Step, EnvError
     config.py       EnvConfig: which environment (a built-in name or module:Class), the runner's limits
     single_turn.py  SingleTurn: prompt -> completion -> reward as a one-turn environment
     arithmetic.py   RetryArithmetic (feedback, retries) and Calculator (a tool call) on the arithmetic task
@@ -11,9 +11,9 @@
 """
 from .agent import Agent, AgentRunner, make_runner
 from .arithmetic import Calculator, RetryArithmetic
-from .base import Action, Environment, Step
+from .base import Action, EnvError, Environment, Step
 from .config import EnvConfig, resolve_env
-from .episodes import EnvError, Episode, EpisodeRunner, collate_episodes, episode_stats, to_row
+from .episodes import Episode, EpisodeRunner, collate_episodes, episode_stats, to_row
 from .single_turn import SingleTurn
 from .tokens import EpisodeTokens, TemplateError
 

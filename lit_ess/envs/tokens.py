@@ -20,7 +20,7 @@ would not be the one it is served later.
 """
 from __future__ import annotations
 
-from .base import Message, Observation
+from .base import EnvError, Message, Observation
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -46,7 +46,7 @@ def render_chat(tokenizer, messages: list[Message], generation: bool, tools: lis
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-class TemplateError(ValueError):
+class TemplateError(EnvError):
     """The tokenizer (its chat template, or the lack of one) cannot give token-in-token-out observation
     tokens for what the environment answers."""
 
@@ -72,8 +72,7 @@ class EpisodeTokens:
         if isinstance(obs, str):
             return encode_prompt(self.tok, obs)
         if not self.chat:
-            raise TemplateError("the environment's first observation is chat messages, but the tokenizer has no "
-                                "chat template: return text")
+            raise TemplateError("reset returned chat messages, but the tokenizer has no chat template: return text")
         return render_chat(self.tok, self.messages(obs, role), generation=True)
 
     def observation(self, history: list[Message], obs: Observation, role: str, turn_ids: list[int],
@@ -82,8 +81,7 @@ class EpisodeTokens:
         `tools` the tool schemas its template renders)."""
         if not self.chat:
             if not isinstance(obs, str):
-                raise TemplateError("the environment answered with chat messages, but the tokenizer has no chat "
-                                    "template: return text")
+                raise TemplateError("answered with chat messages, but the tokenizer has no chat template: return text")
             return list(self.tok(obs, add_special_tokens=False)["input_ids"])
         before = render_chat(self.tok, history, generation=False, tools=tools)
         after = render_chat(self.tok, history + self.messages(obs, role), generation=True, tools=tools)

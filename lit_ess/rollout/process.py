@@ -295,7 +295,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             whole = payload.merged() if isinstance(payload, (PhaseShares, EvalShares)) else payload
             try:
                 sampled = worker.sample(whole) if kind == "phase" else worker.sample_eval(whole)
-            except RewardError as e:             # an environment failing in too many episodes (EnvError): bad
+            except RewardError as e:             # an environment that cannot play or fails too often (EnvError): bad
                 results.put(("error", rid, e, None))      # input, one line, as the scorer's in score_loop
                 return
             clock["busy"] += time.perf_counter() - t1
