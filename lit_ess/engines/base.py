@@ -119,6 +119,11 @@ class EngineConfig:
         return {}
 
 
+class EngineFault(RuntimeError):
+    """An engine that failed mid-run for a reason outside the trainer (a server that died or stopped
+    answering), said in one line that names where: the run stops with that line, not a traceback."""
+
+
 class RolloutEngine(ABC):
     """Generate, refresh weights, report version. `version` is the optimizer step whose weights the
     engine holds (0 = the initial checkpoint). `concurrent`: `generate` may be called from several threads
