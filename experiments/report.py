@@ -29,6 +29,10 @@ BREAK = 2 / 3
 ON_POLICY = {"k": 1, "S": 0}          # the stress axes' on-policy level: a break there is the learning rate's
 CURVES = [("rollout/reward_mean", "training reward (sampled)"), ("val/pass@1", "held-out pass@1"),
           ("train/ess", "ESS e_B")]
+# a stress experiment whose runs played multi-turn episodes (rollout/turns logged) also plots and tables
+# these per run: the mean over its last 10% of steps, or (ESS) over every step
+EPISODES = [("rollout/reward_mean", "training reward (1 / tries), last 10% of steps"),
+            ("rollout/turns", "policy turns per episode, last 10% of steps"), ("train/ess", "mean ESS e_B")]
 
 
 def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
@@ -150,30 +154,35 @@ def plot(exp, runs_by_cell: dict[str, list[dict]], base: float, path: Path) -> N
     plt.close(fig)
 
 
-def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], base: float, path: Path) -> None:
+def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], base: float, path: Path,
+                extra: dict[str, dict[tuple[float, str], dict[int, list[float]]]] | None = None) -> None:
     """Final held-out pass@1 against the level: a panel per learning rate, a line per method (mean over
-    seeds, min..max shaded); the warm start dashed, the collapse line dotted."""
+    seeds, min..max shaded); the warm start dashed, the collapse line dotted. `extra` (y label -> the
+    same layout of values) adds a panel per learning rate for each, e.g. turns per episode."""
     plt = _pyplot()
     lrs = sorted({lr for lr, _ in finals})
     methods = list(dict.fromkeys(m for _, m in finals))
     levels = sorted({lv for f in finals.values() for lv in f})
     x = {lv: i for i, lv in enumerate(levels)}                    # evenly spaced: levels grow geometrically
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs) + 2, 3.8), squeeze=False,
-                             sharey=True)
-    for ax, lr in zip(axes[0], lrs):
+    panels = [("final held-out pass@1 (T = 1.0)", lr, finals) for lr in lrs]
+    panels += [(label, lr, values) for label, values in (extra or {}).items() for lr in lrs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 2, 3.8), squeeze=False,
+                             sharey=not extra)
+    for ax, (ylabel, lr, values) in zip(axes[0], panels):
         for m in methods:
-            pts = sorted((lv, v) for lv, v in finals.get((lr, m), {}).items() if v)
+            pts = sorted((lv, v) for lv, v in values.get((lr, m), {}).items() if v)
             if not pts:
                 continue
             xs = [x[lv] for lv, _ in pts]
             ax.plot(xs, [statistics.mean(v) for _, v in pts], label=m, color=colors[m], marker="o", ms=3)
             ax.fill_between(xs, [min(v) for _, v in pts], [max(v) for _, v in pts], color=colors[m], alpha=0.15)
-        ax.axhline(base, color="gray", ls="--", lw=1, label="warm start")
-        ax.axhline(base - COLLAPSE, color="gray", ls=":", lw=1, label="collapse line")
+        if values is finals:
+            ax.axhline(base, color="gray", ls="--", lw=1, label="warm start")
+            ax.axhline(base - COLLAPSE, color="gray", ls=":", lw=1, label="collapse line")
         ax.set_xticks(range(len(levels)), [str(lv) for lv in levels])
         ax.set_xlabel(exp.axis)
-        ax.set_ylabel("final held-out pass@1 (T = 1.0)")
+        ax.set_ylabel(ylabel)
         ax.set_title(f"lr {lr_tag(lr)[2:]}")
         ax.grid(alpha=0.3)
     legend = {}                                                   # every panel's lines, once
@@ -182,7 +191,7 @@ def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], ba
             legend.setdefault(label, h)
     fig.legend(list(legend.values()), list(legend), fontsize=7, loc="center right")
     fig.suptitle(exp.title, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1 - 2 / (5.5 * len(lrs) + 2), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 2 / (5.5 * len(panels) + 2), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -233,17 +242,25 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
     counts: dict[tuple[float, str], dict[int, tuple[int, int, int]]] = {}   # level -> (finished, collapsed, failed)
     diagnosed: dict[tuple[float, str, int], list[str]] = {}
     lags: dict[int, list[float]] = {}                                        # level -> each run's mean lag
+    episodes: dict[str, dict[tuple[float, str], dict[int, list[float]]]] = {label: {} for _, label in EPISODES}
     for cell in exp.cells[:scale.cells]:
         runs, failed = _runs(summaries, name, cell, scale.seeds)
         line = (cell_lr(cell), cell.method)
+        for tag, label in EPISODES:
+            per_run = [(statistics.mean(v for _, v in r[tag]) if tag == "train/ess" else _last_frac(r, tag))
+                       for r in runs if r.get(tag)]
+            episodes[label].setdefault(line, {})[cell.level] = per_run
         finals.setdefault(line, {})[cell.level] = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
         lags.setdefault(cell.level, []).extend(statistics.mean(v for _, v in r["train/policy_lag"])
                                                for r in runs if r.get("train/policy_lag"))
         collapsed = _collapsed(runs, base)
         counts.setdefault(line, {})[cell.level] = (len(runs), len(collapsed), failed)
         diagnosed[(*line, cell.level)] = [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
+    multi_turn = any(v for f in episodes[EPISODES[1][1]].values() for v in f.values())
+    if not multi_turn:
+        episodes = {}
     png = results / "img" / "experiments" / f"{name}.png"
-    plot_levels(exp, finals, base, png)
+    plot_levels(exp, finals, base, png, {label: episodes[label] for _, label in EPISODES[:2]} if episodes else None)
     lrs = sorted({lr for lr, _ in finals})
     methods = list(dict.fromkeys(m for _, m in finals))
     levels = sorted({lv for f in finals.values() for lv in f})
@@ -292,6 +309,13 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
                 row.append(f"{_mean_std(vals)} ({coll + failed})" if done + failed else "")
             lines.append(f"| {m} | " + " | ".join(row) + " |")
         lines.append("")
+        for label, values in episodes.items():       # multi-turn: the episodes' reward, turns and the ESS
+            lines += [f"{label[0].upper() + label[1:]}, lr {lr_tag(lr)[2:]}: mean +- std over seeds.", "",
+                      "| method | " + " | ".join(f"{letter} = {lv}" for lv in levels) + " |",
+                      "|---" * (len(levels) + 1) + "|"]
+            lines += [f"| {m} | " + " | ".join(_mean_std(values.get((lr, m), {}).get(lv, [])) for lv in levels) + " |"
+                      for m in methods]
+            lines.append("")
     if notes:
         lines += ["At each breaking point, the collapsed seeds' logs:", "", *notes, ""]
     return lines
