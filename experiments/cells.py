@@ -20,7 +20,7 @@ temperature cells also get a final evaluation at their own temperature (`Cell.ow
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 OBJ = "lit_ess.objectives."
 
@@ -43,6 +43,12 @@ class Experiment:
     common: dict = field(default_factory=dict)   # overrides shared by every cell
     axis: str | None = None           # stress experiments: the level's name (x axis of the plot)
     batch_per_step: bool = False      # prompts_per_rollout = scale.prompts x k: the same rows per step at every k
+    size: dict = field(default_factory=dict)     # Scale fields capped for this experiment (its runs cost more per step)
+
+    def sized(self, scale: "Scale") -> "Scale":
+        """The scale this experiment runs at: `scale` with each field in `size` at most that value (so
+        --quick stays quick)."""
+        return replace(scale, **{k: min(getattr(scale, k), v) for k, v in self.size.items()})
 
 
 def objective(name: str, **init_args) -> dict:
@@ -178,7 +184,10 @@ EXPERIMENTS = {e.name: e for e in [
         "with token-level truncated IS keep learning as S grows, and do the episodes get shorter (the task "
         "pays fewer tries more)?",
         [Cell(f"{m}_S{s}", {**METHODS[m], S: s}, m, s) for s in MULTITURN_S for m in MULTITURN_METHODS],
-        common={"data.init_args.env": MULTITURN_ENV}, axis="staleness S"),
+        common={"data.init_args.env": MULTITURN_ENV}, axis="staleness S",
+        # an episode is up to 3 engine calls and a longer row to train: 8 prompts x 8 samples, 32 steps
+        # keep the 27 runs within about an hour on the 2 shared cores
+        size={"steps": 32, "prompts": 8, "val_every": 8}),
 ]}
 
 

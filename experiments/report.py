@@ -351,6 +351,10 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
     ]
     for name, exp in EXPERIMENTS.items():
         lines += [f"## {exp.title}", "", exp.question, "", f"`python -m experiments.run {name}`", ""]
+        if exp.size:
+            own = exp.sized(scale)
+            lines += [f"This experiment's runs are smaller than the rest: {own.prompts} prompts x {own.samples} "
+                      f"samples per rollout, {own.steps} optimizer steps, held out every {own.val_every} steps.", ""]
         if not any(_runs(summaries, name, c, scale.seeds) != ([], 0) for c in exp.cells[:scale.cells]):
             lines += ["Not run yet (no summaries).", ""]
             continue

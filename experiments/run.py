@@ -150,6 +150,7 @@ def canonical(exp_name: str, cell) -> tuple[str, object]:
 
 def cell_config(exp_name: str, cell, seed: int, sft: Path, d: Path, scale: Scale) -> dict:
     exp = EXPERIMENTS[exp_name]
+    scale = exp.sized(scale)
     cfg = apply(apply(base_config(str(sft), str(d), seed, scale), exp.common), cell.overrides)
     if exp.batch_per_step:        # the same rows per optimizer step at every k: the rollout grows with k
         cfg["data"]["init_args"]["prompts_per_rollout"] = scale.prompts * int(cell.overrides.get(K, 1))

@@ -79,6 +79,11 @@ def test_multiturn_cells_are_the_demos_task_at_three_staleness_levels(tmp_path):
         assert "mode" not in data and data.get("steps_per_rollout", 1) == 1          # sync, one step per rollout
         assert cfg["model"]["init_args"]["model_path"] == str(tmp_path / "sft") and cfg["seed_everything"] == 2
         assert data["reward"] == "exact_match" and data["val_sampling"] == {"temperature": 1.0}
+        assert (cfg["trainer"]["max_steps"], cfg["trainer"]["check_val_every_n_epoch"], data["prompts_per_rollout"],
+                data["samples_per_prompt"]) == (32, 8, 8, FULL.samples)             # sized down (exp.size)
+        quick = cell_config("multiturn", c, 0, tmp_path / "sft", tmp_path / c.label, QUICK)
+        assert (quick["trainer"]["max_steps"], quick["data"]["init_args"]["prompts_per_rollout"]) == \
+            (QUICK.steps, QUICK.prompts)                                              # a cap: --quick stays quick
 
 
 def test_multiturn_configs_build(tiny_model_dir, tmp_path):
@@ -121,6 +126,7 @@ def test_multiturn_page_tables_turns_and_reward_per_staleness(tmp_path):
     ess = section.split("Mean ESS e_B, lr 2e-4")[1].splitlines()
     assert "| grpo_tis | 0.750 +- 0.000 | 0.750 +- 0.000 | 0.750 +- 0.000 |" in ess
     assert "| method | S = 0 | S = 4 | S = 8 |" in section and "none up to S = 8" in section
+    assert "8 prompts x 8 samples per rollout, 32 optimizer steps, held out every 8 steps" in section
     assert "Policy turns per episode" not in page.split("## Multi-turn")[0]     # single-turn sections unchanged
     assert (tmp_path / "out" / "img" / "experiments" / "multiturn.png").stat().st_size > 10_000
 
