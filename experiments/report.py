@@ -110,10 +110,13 @@ def _diagnosis(run: dict) -> str:
     return ", ".join(parts)
 
 
-def _base(summaries: Path, temp: float) -> float | None:
-    """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet)."""
-    d = summaries / "_base" / base_folder(temp)
-    return _final(read_curves(d / "curves.csv"), "val/pass@1") if (d / "curves.csv").exists() else None
+def _base(summaries: Path, temp: float, exp: str | None = None) -> float | None:
+    """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet): the one experiment
+    `exp`'s runs started from (`<exp>/_base/`, written when it ran) where kept, else the page's."""
+    for d in ([summaries / exp / "_base" / base_folder(temp)] if exp else []) + [summaries / "_base" / base_folder(temp)]:
+        if (d / "curves.csv").exists():
+            return _final(read_curves(d / "curves.csv"), "val/pass@1")
+    return None
 
 
 def _pyplot():
@@ -215,7 +218,7 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
         delta = f"{statistics.mean(finals) - base:+.3f}" if finals else "n/a"
         row = f"| {cell.label} | {len(runs)}/{scale.seeds} | {_mean_std(finals)} | {delta} | "
         if own:
-            temp, own_base = temperature(cell), _base(summaries, temperature(cell))
+            temp, own_base = temperature(cell), _base(summaries, temperature(cell), name)
             at_t = [r["summary"]["own_temperature"]["val/pass@1"] if temp != 1.0 else _final(r, "val/pass@1")
                     for r in runs]
             at_t = [v for v in at_t if v is not None]
@@ -358,8 +361,12 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
         if not any(_runs(summaries, name, c, scale.seeds) != ([], 0) for c in exp.cells[:scale.cells]):
             lines += ["Not run yet (no summaries).", ""]
             continue
+        own_base = _base(summaries, 1.0, name)
+        if own_base != base:
+            lines += [f"This experiment's runs started from another warm start (the same config, made again): its "
+                      f"held-out pass@1 at T = 1.0 is **{own_base:.3f}**, the collapse line {own_base - COLLAPSE:.3f}.", ""]
         section = _stress_section if exp.axis else _section
-        lines += section(name, exp, summaries, results, scale, base)
+        lines += section(name, exp, summaries, results, scale, own_base)
     page = results / "results.md"
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")

@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
     sft = prepare_base(out, scale, threads)
     for temp in sorted({temperature(c) for n in names for c in EXPERIMENTS[n].cells[:scale.cells]} | {1.0}):
-        base_validation(out, sft, scale, summaries, threads, temp)
+        d = base_validation(out, sft, scale, summaries, threads, temp)
+        for name in names:        # beside the experiment's runs too: the page's warm start may be another one's
+            summarize(d, base_dir(summaries / name, temp), {})
     counts = {"done": 0, "skipped": 0, "failed": 0}
     todo = {}                     # a run shared by two experiments (`same_as`) is run once
     for name in names:

@@ -87,13 +87,13 @@ def test_multiturn_cells_are_the_demos_task_at_three_staleness_levels(tmp_path):
 
 
 def test_multiturn_configs_build(tiny_model_dir, tmp_path):
-    """Every multi-turn cell's config is one `lit-ess fit --config` accepts: parsed and built (the
-    environment config, the objective with its correction, the staleness bound), not run."""
+    """Each method's multi-turn config at the highest S is one `lit-ess fit --config` accepts: parsed and
+    built (the environment config, the objective with its correction, the staleness bound), not run."""
     from lit_ess.cli import LitESSCLI, _Parser
     from lit_ess.envs import EnvConfig
     from experiments.run import cell_config
 
-    for c in EXPERIMENTS["multiturn"].cells:
+    for c in [c for c in EXPERIMENTS["multiturn"].cells if c.level == 8]:
         f = tmp_path / f"{c.label}.yaml"
         f.write_text(yaml.safe_dump(cell_config("multiturn", c, 0, Path(tiny_model_dir), tmp_path / c.label, FULL)))
         with mock.patch.object(sys, "argv", ["lit-ess"]):
@@ -110,17 +110,23 @@ def test_multiturn_configs_build(tiny_model_dir, tmp_path):
 
 def test_multiturn_page_tables_turns_and_reward_per_staleness(tmp_path):
     """A stress experiment whose runs played episodes adds the training reward, the turns per episode and
-    the mean ESS (mean +- std over seeds, per method and level) and their panels to the plot."""
+    the mean ESS (mean +- std over seeds, per method and level) and their panels to the plot. Its runs
+    started from a warm start of their own (`multiturn/_base/`): its collapse line is that one's."""
     _summary(tmp_path / "_base" / "val", 0.5)
+    _summary(tmp_path / "multiturn" / "_base" / "val", 0.63)
     for c in EXPERIMENTS["multiturn"].cells:
+        final = 0.51 if c.label == "p3o_S8" else 0.6    # collapsed against 0.63 - 0.1, not against 0.5 - 0.1
         for s in range(3):                        # turns 1.2 + s / 10 for every cell: mean 1.3, std 0.1
             d = tmp_path / "multiturn" / c.label / f"seed{s}"
             d.mkdir(parents=True)
             (d / "curves.csv").write_text("step,rollout/reward_mean,rollout/turns,train/ess,val/pass@1\n"
-                                          f"1,0.5,2.0,0.5,\n2,0.8,{1.2 + s / 10},1.0,0.6\n")
+                                          f"1,0.5,2.0,0.5,\n2,0.8,{1.2 + s / 10},1.0,{final}\n")
             (d / "summary.json").write_text(json.dumps({"seconds": 1.0}))
     page = write_report(tmp_path, tmp_path / "out", FULL, "test").read_text()
     section = page.split("## Multi-turn")[1]
+    assert "another warm start" in section and "**0.630**" in section and "another warm start" not in \
+        page.split("## Multi-turn")[0]
+    assert "| p3o | S = 8 (3/3) |" in section and "| grpo_tis | none up to S = 8 |" in section
     turns = section.split("Policy turns per episode, last 10% of steps, lr 2e-4")[1].splitlines()
     assert "| p3o | 1.300 +- 0.100 | 1.300 +- 0.100 | 1.300 +- 0.100 |" in turns
     ess = section.split("Mean ESS e_B, lr 2e-4")[1].splitlines()
