@@ -67,8 +67,11 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", type=int, default=2, help="data-parallel ranks (DDP); 1: no placement to compare")
     p.add_argument("--cases", default="ab", help="which cases: a (demo config), b (latency-bound reward), or ab")
+    p.add_argument("--placements", default="colocated,dedicated", help="the async placements to run beside sync")
     p.add_argument("--out", default="benchmarks/results/async.json")
     a = p.parse_args(argv)
+    if bad := [x for x in a.placements.split(",") if f"async {x}" not in MODES]:
+        p.error(f"--placements: {', '.join(bad)} is not colocated or dedicated")
     if not Path(a.model).is_dir():
         sys.exit(f"benchmarks/async.py: no model folder {a.model}: run `bash scripts/demo.sh` first, or pass --model")
     model = str(Path(a.model).resolve())
@@ -77,7 +80,7 @@ def main(argv=None):
     cases = {k: v for k, v in cases.items() if k[1] in a.cases}
     with tempfile.TemporaryDirectory() as d:
         for case, reward in cases.items():
-            modes = list(MODES) if a.devices > 1 else ["sync", "async colocated"]
+            modes = ["sync", *(f"async {x}" for x in a.placements.split(",") if a.devices > 1 or x == "colocated")]
             times = {m: [] for m in modes}
             rounds = {m: [] for m in modes}                  # each round's median
             load = [os.getloadavg()[0]]

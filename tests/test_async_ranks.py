@@ -263,3 +263,13 @@ def test_dedicated_worker_scores_the_shares_at_the_same_time(tiny_model_dir):
         assert worker.counters() == {"errors": 5, "timeouts": 1}
     finally:
         worker.close()
+
+
+def test_dedicated_worker_on_cpu_gets_every_ranks_threads(tiny_model_dir):
+    """CPU: the dedicated worker generates both ranks' shares, so its process gets both ranks' threads
+    (OMP_NUM_THREADS = 2 x the trainer's torch threads), where a colocated worker gets its own rank's."""
+    def fn(dm, r):
+        return dict(dm.executor.env) if r == 0 else None
+    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated")
+    assert err == [None, None], err
+    assert res[0]["OMP_NUM_THREADS"] == str(2 * torch.get_num_threads())
