@@ -9,6 +9,15 @@ Two shapes (`--shape`):
   here with `lit_ess.tiny` (width 384, 8 layers, 6 heads of 64, MLP 1024; random weights, seed 0)
   unless `--model` is given; the same addition prompts, reward `benchmarks.timing:completion_length`
   (length in characters: groups almost never tie, and it does not shorten completions).
+* `tail`: long-tailed completion lengths. 8 prompts x 8 samples, 128 new tokens, on a 14.4M-parameter
+  Qwen2 that stops with about the same probability at every position (benchmarks/tail_model.py: lengths
+  geometric, mean about a third of 128, a tail to the limit; their histogram, from the padded run, in
+  `<out>_lengths.png`), reward `benchmarks.timing:first_character` (not the length: a length reward trains
+  the one stopping weight away within a few steps). lit-ess runs GRPO with vLLM on today's padded path
+  (one [B, T] tensor) and with `micro_batch_tokens: 2048`; for each run also the training phase's
+  peak memory (RSS high-water mark from the batch's start to the optimizer step's end, above the RSS at
+  its start; TRL: from the end of `_prepare_inputs`) and the training time and peak against the padded
+  run's. Without TRL installed this shape still runs the lit-ess side.
 
 Both sides train the same folder with the same batch shape and optimisation: temperature 1.0 (no
 top-p/k), one optimizer step per rollout (on-policy), AdamW at a constant --lr, no weight decay,
@@ -87,7 +96,7 @@ SHAPES = {
     "long": dict(prompts=16, samples=8, new_tokens=64, reward="benchmarks.timing:completion_length",
                  runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, transformers generate"], goal_vs_trl=0.8,
                  goal_vs_floor=1.10, out="benchmarks/results/vs_trl_long.json"),
-    "tail": dict(prompts=8, samples=8, new_tokens=128, reward="benchmarks.timing:completion_length",
+    "tail": dict(prompts=8, samples=8, new_tokens=128, reward="benchmarks.timing:first_character",
                  runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, vLLM, token budget"], goal_vs_trl=0.75,
                  goal_train_vs_padded=0.6, padded="lit-ess GRPO, vLLM", out="benchmarks/results/vs_trl_tail.json"),
 }
