@@ -323,3 +323,91 @@ def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_pa
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
     assert weight_label(server) == "2"                                    # pushed before step 2
+
+
+# ---- users' agents through the server (lit_ess.envs.agent) ----
+
+def _sequence(answer: dict) -> list[int]:
+    """An OpenAI answer's prompt ids + sampled ids (chat: prompt_token_ids at the top; completions: in the choice)."""
+    choice = answer["choices"][0]
+    return (answer.get("prompt_token_ids") or choice["prompt_token_ids"]) + choice["token_ids"]
+
+
+@pytest.mark.e2e
+def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_model_dir):
+    """Two calls per episode through the OpenAI-compatible URL, as completions and as chat (a chat template
+    given to the byte tokenizer: the server sees token ids only): each episode is its last call's prompt
+    ids + sampled ids, token for token, with the first call's prompt + reply as its start, and the
+    trainer's logprobs of its sampled tokens are the server's (on-policy: every ratio 1)."""
+    import agent_fns
+
+    from lit_ess.datamodules.prompts import Arithmetic
+    from lit_ess.envs import EnvConfig, collate_episodes, make_runner
+    from lit_ess.logprobs import sequence_logprobs
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat.chat_template = ("{% for m in messages %}<|sep|>{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
+                          "{% if add_generation_prompt %}<|sep|>assistant: {% endif %}")
+    s = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=4)
+    examples = Arithmetic(digits=2, size=3, seed=0).examples
+    for fn, t in (("two_completions", tok), ("two_chats", chat)):
+        agent_fns.ANSWERS.clear()
+        runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": f"agent_fns:{fn}"},
+                                       max_turns=2, step_timeout=120), t, max_error_rate=0.0)
+        t0 = time.perf_counter()
+        eps = runner.run(server, examples, 2, s, call_seed=1)
+        print(f"{fn}: {len(eps)} episodes of 2 calls in {time.perf_counter() - t0:.1f} s")
+        runner.close()
+        calls = list(agent_fns.ANSWERS.values())
+        assert len(eps) == len(calls) == 6 and all(len(c) == 2 for c in calls)
+        assert sorted(e.prompt_ids + e.completion_ids for e in eps) == sorted(_sequence(c[1]) for c in calls)
+        for first, last in calls:
+            assert _sequence(last)[:len(_sequence(first))] == _sequence(first)
+        for e in eps:
+            assert e.turns == 2 and e.env_tokens > 0 and not e.failed and e.turn_versions == [0, 0]
+        batch = collate_episodes(eps, [1.0] * 6, [0] * 6, [""] * 6, tok.pad_token_id)
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(hf_model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                                      s.temperature, s.top_k, s.top_p)
+        m = batch.completion_mask
+        assert int(m.sum()) == sum(len(c["choices"][0]["token_ids"]) for cs in calls for c in cs)
+        assert (lp - batch.behavior_logprobs)[m].abs().max() < 1e-5
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_demo_agent_through_the_server(mode, server, tiny_model_dir, tmp_path):
+    """configs/demo_agent.yaml (its agent: OpenAI client code, up to 3 calls per episode), smaller, on the
+    module's server by URL: sync, every step's ESS is 1; async (the agents play in the worker process),
+    the lag bound holds; more than one call per episode and no failure in both."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo_agent.yaml").read_text())
+    cfg["model"]["init_args"]["model_path"] = tiny_model_dir
+    d = cfg["data"]["init_args"]
+    d.update(prompts_per_rollout=8, samples_per_prompt=4)
+    if mode == "async":
+        d.update(mode="async", max_staleness=1)
+    d["engine"]["init_args"]["urls"] = server.urls
+    for k in ("val_source", "val_prompts", "val_samples"):
+        d.pop(k)
+    t = cfg["trainer"]
+    steps = 2 if mode == "sync" else 3
+    t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=False)
+    t.pop("check_val_every_n_epoch")
+    t["logger"]["init_args"] = {"save_dir": str(tmp_path), "name": "tb", "version": "run"}
+    t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "RatioDashboard")]
+    t0 = time.perf_counter()
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    print(f"demo_agent {mode}, {steps} steps of 32 episodes: {time.perf_counter() - t0:.0f} s")
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    ess = [v for _, v in s["train/ess"]]
+    assert len(ess) == steps
+    if mode == "sync":
+        assert min(ess) >= 0.9999, ess
+    else:
+        assert max(v for _, v in s["train/policy_lag_max"]) <= 1
+    assert min(v for _, v in s["rollout/turns"]) > 1 and max(v for _, v in s["rollout/turns"]) <= 3
+    assert [v for _, v in s["rollout/env_errors"]] == [0.0] * steps and min(v for _, v in s["rollout/env_tokens"]) > 0

@@ -280,6 +280,8 @@ class ServerError(RuntimeError):
 class VLLMServerEngine(RolloutEngine):
     """Rollouts on vLLM servers for `model_path` with the settings of `config`."""
 
+    concurrent = True           # generate from any thread: requests go through the client's event loop
+
     def __init__(self, model_path: str, config: VLLMServerConfig | None = None):
         c = self.config = config if config is not None else VLLMServerConfig()
         self.model_path, self.version, self.closed = str(model_path), 0, False

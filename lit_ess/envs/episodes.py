@@ -144,6 +144,7 @@ class EpisodeRunner:
         self.config, self.tokens, self.tokenizer = config, EpisodeTokens(tokenizer), tokenizer
         self.max_error_rate = max_error_rate
         self.errors = self.timeouts = 0
+        self.what = f"environment {config.env!r}"        # who failed, in messages
 
     def run(self, engine: RolloutEngine, examples: list[Example], n: int, sampling: SamplingConfig,
             call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
@@ -176,11 +177,15 @@ class EpisodeRunner:
         for x in live:
             self._finish(x)
         episodes = [x.episode for x in live]
+        self._check_failures(episodes)
+        return episodes
+
+    def _check_failures(self, episodes: list[Episode]) -> None:
+        """EnvError when more than max_error_rate of a run's episodes failed."""
         failed = [e for e in episodes if e.failed]
         if episodes and len(failed) / len(episodes) > self.max_error_rate:
-            raise EnvError(f"environment {c.env!r} failed in {len(failed)} of {len(episodes)} episodes, more than "
+            raise EnvError(f"{self.what} failed in {len(failed)} of {len(episodes)} episodes, more than "
                            f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
-        return episodes
 
     def _start(self, example: Example, key: int, version: int) -> _Live:
         env = self.config.make()
@@ -282,14 +287,14 @@ class EpisodeRunner:
         if status == "timeout":
             e.env_timeouts += 1
             self.timeouts += 1
-            e.error = f"step timed out after {self.config.step_timeout} s"
+            e.error = f"timed out after {self.config.step_timeout} s (env.step_timeout)"
             x.env = None                        # its thread may still run: it is not closed under it
         else:
             e.env_errors += 1
             self.errors += 1
             e.error = f"{type(error).__name__}: {error}"
         if self.errors + self.timeouts == 1:
-            warnings.warn(f"environment {self.config.env!r} failed in an episode ({e.error}); the episode ends with "
+            warnings.warn(f"{self.what} failed in an episode ({e.error}); the episode ends with "
                           f"reward 0 and is counted in rollout/env_errors, rollout/env_timeouts", stacklevel=3)
 
     def _finish(self, x: _Live) -> None:
@@ -301,6 +306,9 @@ class EpisodeRunner:
             x.episode.env_errors += 1
             self.errors += 1
             x.episode.error = x.episode.error or f"close: {type(err).__name__}: {err}"
+
+    def close(self) -> None:
+        """Free what the runner holds (nothing here: environments close with their episodes)."""
 
     def state_dict(self) -> dict[str, int]:
         return {"errors": self.errors, "timeouts": self.timeouts}

@@ -32,7 +32,8 @@ import torch
 
 from lit_ess.advantages import group_advantages
 from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_seed
-import lit_ess.envs.episodes as episodes        # a module, not its names: lit_ess.envs imports this package
+import lit_ess.envs.agent as agent              # modules, not their names: lit_ess.envs imports this package
+import lit_ess.envs.episodes as episodes
 from lit_ess.envs.config import EnvConfig
 from lit_ess.rewards import RewardScorer
 
@@ -149,7 +150,7 @@ class RolloutWorker:
             env, limit = c.env, c.engine.model_len(c.model_path)
             if env.max_episode_tokens is None and limit is not None:
                 env = replace(env, max_episode_tokens=limit[0])
-            self.runner = episodes.EpisodeRunner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
+            self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
@@ -328,8 +329,10 @@ class RolloutWorker:
                 "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
 
     def close(self) -> None:
-        """Close the scorer and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
+        """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
         executor ends here: InlineExecutor.close (sync), the worker process's exit (async)."""
         for s in (self.scorer, *self.share_scorers):
             s.close()
+        if self.runner is not None:
+            self.runner.close()
         self.engine.close()
