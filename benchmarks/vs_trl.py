@@ -14,7 +14,7 @@ Two shapes (`--shape`):
   geometric, mean about a third of 128, a tail to the limit; their histogram, from the padded run, in
   `<out>_lengths.png`), reward `benchmarks.timing:first_character` (not the length: a length reward trains
   the one stopping weight away within a few steps). lit-ess runs GRPO with vLLM on today's padded path
-  (one [B, T] tensor) and with `micro_batch_tokens: 2048`; for each run also the training phase's
+  (one [B, T] tensor), with `micro_batch_tokens: 2048`, and packed (`packing: true`, the same budget); for each run also the training phase's
   peak memory (RSS high-water mark from the batch's start to the optimizer step's end, above the RSS at
   its start; TRL: from the end of `_prepare_inputs`) and the training time and peak against the padded
   run's. Without TRL installed this shape still runs the lit-ess side.
@@ -86,6 +86,7 @@ LIT_RUNS = {   # name: (objective class_path, objective init_args, engine class_
     "lit-ess GRPO, transformers generate": (*GRPO, "lit_ess.engines.HFConfig", {}),
     "lit-ess P3O, vLLM": ("lit_ess.objectives.P3O", {}, "lit_ess.engines.VLLMConfig", {}),
     "lit-ess GRPO, vLLM, token budget": (*GRPO, "lit_ess.engines.VLLMConfig", {"micro_batch_tokens": TAIL_BUDGET}),
+    "lit-ess GRPO, vLLM, packed": (*GRPO, "lit_ess.engines.VLLMConfig", {"micro_batch_tokens": TAIL_BUDGET, "packing": True}),
 }
 TRL_RUN = "TRL GRPOTrainer, transformers generate"
 VLLM_RUN = "lit-ess GRPO, vLLM"
@@ -97,7 +98,7 @@ SHAPES = {
                  runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, transformers generate"], goal_vs_trl=0.8,
                  goal_vs_floor=1.10, out="benchmarks/results/vs_trl_long.json"),
     "tail": dict(prompts=8, samples=8, new_tokens=128, reward="benchmarks.timing:first_character",
-                 runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, vLLM, token budget"], goal_vs_trl=0.75,
+                 runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, vLLM, token budget", "lit-ess GRPO, vLLM, packed"], goal_vs_trl=0.75,
                  goal_train_vs_padded=0.6, padded="lit-ess GRPO, vLLM", out="benchmarks/results/vs_trl_tail.json"),
 }
 
