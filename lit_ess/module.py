@@ -512,7 +512,7 @@ class PolicyModule(L.LightningModule):
         then the step's metrics, combined over ranks, are logged."""
         step = self.global_step
         lag = self.check_batch(batch)                                      # [B] policy lag of each row (oldest token)
-        token_lag = (step - batch.token_versions[batch.completion_mask]).float()   # [N] of each trained token
+        token_lag = batch.token_lags(step)                                 # [N] of each trained token
         proximal_seconds = self.score_phase(batch)
         t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
         metrics, grad_norm, lr = self.update(batch)

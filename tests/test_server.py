@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
 from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
+from lit_ess.logprobs import sequence_logprobs
 
 
 # ---- fast: knobs, command, identity checks against faked answers ----
@@ -323,3 +324,57 @@ def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_pa
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
     assert weight_label(server) == "2"                                    # pushed before step 2
+
+
+def own_version_logprobs(models: dict, prompt: list[int], c, s) -> torch.Tensor:
+    """[C] the logprob of each of completion `c`'s tokens under the weights of its own version
+    (`models`: version -> model), given the tokens before it."""
+    ids = torch.tensor([prompt + c.token_ids])
+    cm = torch.zeros_like(ids, dtype=torch.bool)
+    cm[0, len(prompt):] = True
+    per_version = {v: sequence_logprobs(m, ids, torch.ones_like(ids), cm, s.temperature, s.top_k, s.top_p)[0][0, len(prompt):]
+                   for v, m in models.items()}
+    return torch.stack([per_version[v][t] for t, v in enumerate(c.token_versions)])
+
+
+@pytest.mark.e2e
+def test_an_in_flight_update_labels_each_token_with_its_version_and_pi_b(server, hf_model, tiny_model_dir):
+    """weight_update: in_flight (a second client of the module's server): weights pushed while requests
+    run reach them mid-completion. A completion's tokens before the switch carry the old version and the
+    old weights' logprob, those after it the new ones' (the frozen requests' prefix is recomputed with the
+    new weights), and its version is its oldest token's."""
+    engine = VLLMServerConfig(urls=server.urls, weight_update="in_flight").build(tiny_model_dir)
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    s = SamplingConfig(temperature=1.0, max_new_tokens=200, seed=21)
+    prompts = [[1, 20, 21, 14]]
+    mixed, switched = [], None
+    for attempt in range(4):                            # the push must land while tokens are being sampled
+        old_v, new_v = 30 + 2 * attempt, 31 + 2 * attempt
+        engine.load_weights(hf_model.state_dict().items(), version=old_v)     # nothing runs: a plain update
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(groups=engine.generate(prompts, 16, s, call_seed=attempt)))
+        thread.start()
+        time.sleep(0.5 + 0.5 * attempt)
+        t0 = time.perf_counter()
+        engine.load_weights(new.state_dict().items(), version=new_v)
+        switched = time.perf_counter() - t0
+        thread.join(300)
+        group = out["groups"][0]
+        models = {old_v: hf_model, new_v: new}
+        for c in group:
+            assert c.token_versions == sorted(c.token_versions) and set(c.token_versions) <= {old_v, new_v}
+            assert c.version == min(c.token_versions)
+            gap = (own_version_logprobs(models, prompts[0], c, s) - torch.tensor(c.logprobs)).abs().max().item()
+            assert gap < 1e-4, (gap, c.token_versions)
+        mixed = [c for c in group if len(set(c.token_versions)) == 2]
+        if mixed:
+            break
+    print(f"in-flight update {switched:.2f} s; {len(mixed)} of 16 completions sampled by two versions, switching "
+          f"after {[c.token_versions.index(new_v) for c in mixed]} tokens")
+    assert mixed, "no completion was running when the weights changed"
+    assert engine.version == new_v and weight_label(server) == str(new_v)
+    engine.close()

@@ -142,6 +142,11 @@ class RolloutBatch:
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
+    def token_lags(self, step: int) -> Tensor:
+        """[N] the policy lag of each trained token at optimizer `step` (row by row, in order): `step` minus
+        the version that sampled it. A row's lag (`step - versions`) is its largest."""
+        return (step - self.token_versions[self.completion_mask]).float()
+
     def micro_batches(self, size: int | None) -> list["RolloutBatch"]:
         """Consecutive slices of `size` rows (None = one slice), each trimmed to its longest row."""
         size = self.rows if size is None else size

@@ -113,9 +113,14 @@ class WorkerProcess(OwnShare):
             for _ in named_tensors:
                 pass
             return
-        read, self._pending = self._pending, []
+        read, self._pending, t0 = self._pending, [], time.monotonic()
         while self.update_sent is not None:                    # in flight: one load outstanding at a time
             read.extend(self.poll(timeout=0.05))
+            if self.update_sent is not None and time.monotonic() - t0 > self.progress_timeout:
+                self.proc.kill()
+                raise WorkerError(f"the rollout worker (pid {self.proc.pid}) did not load the weights of step "
+                                  f"{self.update_sent.version} in flight within {self.progress_timeout:g} s "
+                                  f"(worker_timeout) while {self.stage}; it was stopped")
         self._pending = read + self._pending                   # results read meanwhile, for the next poll
         in_use = [t for t in self.in_flight.values() if t is not None]
         first, self.current = self.current is None, self.transport.push(named_tensors, version, self._send, in_use)
