@@ -378,3 +378,33 @@ def test_an_in_flight_update_labels_each_token_with_its_version_and_pi_b(server,
     assert mixed, "no completion was running when the weights changed"
     assert engine.version == new_v and weight_label(server) == str(new_v)
     engine.close()
+
+
+@pytest.mark.e2e
+def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(server, tiny_model_dir, tmp_path):
+    """`lit-ess fit`, async (S = 1) on the module's server with weight_update: in_flight: weights pushed
+    after each step reach the phase being sampled, so some rows are sampled by two versions
+    (rollout/multi_version_frac > 0); the lag of a row is its oldest token's and never exceeds S; the
+    tokens' lag (train/token_lag, histogram rollout/token_lag) is below the rows' where rows mixed."""
+    from lit_ess.report import read_histogram_tags
+
+    S = 1
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=6, extra_data={
+        "mode": "async", "max_staleness": S, "sampling": {"temperature": 1.0, "max_new_tokens": 48, "seed": 0},
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                   "init_args": {"urls": server.urls, "weight_update": "in_flight"}}})
+    t0 = time.perf_counter()
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    mixed = [v for _, v in s["rollout/multi_version_frac"]]
+    row_lag, row_lag_max = dict(s["train/policy_lag"]), [v for _, v in s["train/policy_lag_max"]]
+    token_lag = dict(s["train/token_lag"])
+    print(f"fit {time.perf_counter() - t0:.0f} s; multi_version_frac per step {mixed}; row lag {list(row_lag.values())}; "
+          f"token lag {list(token_lag.values())}")
+    assert len(mixed) == 6 and max(mixed) > 0, mixed
+    assert max(row_lag_max) <= S, row_lag_max                          # the bound, on each row's oldest token
+    assert all(token_lag[k] <= row_lag[k] + 1e-6 for k in row_lag)
+    assert any(token_lag[k] < row_lag[k] for k, frac in s["rollout/multi_version_frac"] if frac > 0)
+    assert [v for _, v in s["rollout/stale_dropped"]][-1] == 0
+    assert {"rollout/token_lag", "rollout/policy_lag"} <= read_histogram_tags(tmp_path / "tb" / "run")
