@@ -33,6 +33,7 @@ from lit_ess.logprobs import sequence_logprobs
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"kv_cache_gib": 0}, "kv_cache_gib"),
     ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
+    ({"weight_update": "wait"}, "weight_update"),
 ])
 def test_bad_knobs_are_one_line(kwargs, says):
     with pytest.raises(ValueError, match=says) as e:
@@ -145,6 +146,21 @@ def test_a_refused_prefix_cache_reset_fails_the_update_and_still_resumes(fake_se
     calls = [h.split("?")[0] for h in FakeVLLM.hits]
     assert calls[-5:] == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
     assert engine.version == 0 and os.listdir(engine.weights_root) == []     # the refused folder is not kept
+    engine.close()
+
+
+@pytest.mark.parametrize("mode, pause, reset", [("drain", "mode=wait", ""),
+                                               ("in_flight", "mode=keep", "reset_running_requests=true")])
+def test_an_update_pauses_as_weight_update_says(mode, pause, reset, fake_server, tiny_model_dir):
+    """drain: running requests finish first; in_flight: they are frozen, and the prefix-cache reset
+    preempts them (their prefix is recomputed with the new weights when they resume)."""
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, weight_update=mode).build(tiny_model_dir)
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": True}), "/weight_info": (200, {"weight_version": "3"})}
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items(), version=3)
+    calls = FakeVLLM.hits[-6:]
+    assert [h.split("?")[0] for h in calls] == ["/pause", "/collective_rpc", "/update_weight_version",
+                                                "/reset_prefix_cache", "/resume", "/weight_info"]
+    assert calls[0] == f"/pause?{pause}" and calls[3] == "/reset_prefix_cache" + (f"?{reset}" if reset else "")
     engine.close()
 
 
