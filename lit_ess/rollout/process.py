@@ -238,8 +238,8 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     """The worker process: the main thread samples (engine), a second thread scores (rewards,
     batching) and sends results, so phase p is scored while phase p + 1 is sampled. Results leave in
     request order (one scoring thread, FIFO). In-flight engines: a third thread loads the weights
-    named on `updates` while the main thread samples. Weights only move forward: a load of weights
-    older than those held is skipped."""
+    named on `updates` while the main thread samples, and weights only move forward: a request that
+    names weights older than those the thread loaded since it was queued samples with the newer ones."""
     import threading
 
     from lit_ess.console import quiet_console
@@ -288,11 +288,12 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     scorer.start()
     held = {"ticket": None}                  # the weights the engine holds (a Ticket), under `weights_lock`
     weights_lock = threading.Lock()
+    in_flight = config.engine.updates_in_flight()
 
     def load(ticket, stage: str) -> None:
         with weights_lock:
             have = held["ticket"]
-            if ticket != have and (have is None or ticket.version >= have.version):
+            if ticket != have and not (in_flight and have is not None and ticket.version < have.version):
                 t0 = time.perf_counter()
                 report(f"{stage} {ticket.version}")
                 worker.load(ticket)
@@ -309,7 +310,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             results.put(("loaded", -1, ticket.version, (time.monotonic(),)))
 
     updater = None
-    if config.engine.updates_in_flight():
+    if in_flight:
         updater = threading.Thread(target=update_loop, name="lit-ess-weights-in-flight", daemon=True)
         updater.start()
     try:
