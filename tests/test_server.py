@@ -306,13 +306,19 @@ def test_stop_strings_and_eos_end_completions(server, tiny_model_dir):
     assert "stop" in reasons
 
 
-@pytest.mark.e2e
-def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    torch.manual_seed(0)
+def perturbed(model_dir: str, seed: int):
+    """The model of `model_dir` with Gaussian noise (std 0.05, `seed`) on every weight: other weights to push."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.e2e
+def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
+    model = perturbed(tiny_model_dir, seed=0)
     s = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=3)
     before = max_logprob_gap(model, PROMPTS, server.generate(PROMPTS, 2, s), s)
     t0 = time.perf_counter()
@@ -360,11 +366,7 @@ def test_an_in_flight_update_labels_each_token_with_its_version_and_pi_b(server,
     old weights' logprob, those after it the new ones' (the frozen requests' prefix is recomputed with the
     new weights), and its version is its oldest token's."""
     engine = VLLMServerConfig(urls=server.urls, weight_update="in_flight").build(tiny_model_dir)
-    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    new = perturbed(tiny_model_dir, seed=1)
     s = SamplingConfig(temperature=1.0, max_new_tokens=200, seed=21)
     prompts = [[1, 20, 21, 14]]
     mixed, switched = [], None
