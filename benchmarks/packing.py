@@ -1,6 +1,6 @@
 """Training on tokens, not padding: one optimizer step's forward + backward, padded vs token budget vs packed.
 
-Shape: `--rows` rows of a prompt (uniform in [8, 32] tokens) and a completion whose length is drawn
+Shape: `--rows` rows of a prompt (uniform in [--prompt-min, --prompt-max] tokens, default [8, 32]) and a completion whose length is drawn
 from a lognormal (mu, sigma) clipped to [1, --max-new-tokens]: most completions short, a tail to the
 limit, mean about a third of the limit (the drawn lengths, their mean and the share at the limit are in
 the JSON; their histogram in benchmarks/results/packing_lengths.png). Model: a randomly initialised
@@ -13,6 +13,8 @@ The step's loss is L = -sum(lp * completion_mask) / N (N: the step's completion 
   packed           lit_ess.packing.packed_logprobs on micro-batches of plan_micro_batches(packed=True)
                    (sum of lengths <= --micro-batch-tokens), each packed in lines as wide as its longest row
   packed_1xN       the same micro-batches, each packed in one [1, N] line (a dense N x N block-diagonal mask)
+  packed_step      the whole step in one micro-batch, packed in lines as wide as its longest row (what
+                   PolicyModule does with `packing: true` and no `micro_batch_tokens`)
   packed_one_line  the whole step packed in one [1, N] line (a dense N x N block-diagonal mask)
 and gradients accumulated over micro-batches. Time: median wall seconds over --rounds, the variants
 interleaved round-robin so slow phases of the shared machine hit them alike (after a warm-up round and
@@ -24,7 +26,7 @@ loss and gradient norm of every variant are checked against the padded one (rel 
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/packing.py
 
-Writes benchmarks/results/packing.json and packing_lengths.png.
+Writes benchmarks/results/packing.json and packing_lengths.png (`--out NAME`: NAME.json, NAME_lengths.png).
 """
 from __future__ import annotations
 
@@ -42,15 +44,15 @@ import torch
 
 from benchmarks.memory import _release_freed, _status_kib
 from lit_ess.logprobs import sequence_logprobs
-from lit_ess.packing import packed_logprobs, plan_micro_batches
+from lit_ess.packing import pack, packed_logprobs, plan_micro_batches
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def draw_batch(rows: int, max_new: int, mu: float, sigma: float, vocab: int, seed: int):
+def draw_batch(rows: int, max_new: int, mu: float, sigma: float, vocab: int, seed: int, prompt_range=(8, 32)):
     """input_ids, attention_mask [B, T], completion_mask [B, T] and the completion lengths [B]."""
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(8, 33, (rows,), generator=g)
+    prompts = torch.randint(prompt_range[0], prompt_range[1] + 1, (rows,), generator=g)
     comp = torch.exp(mu + sigma * torch.randn(rows, generator=g)).round().clamp(1, max_new).long()
     T = int((prompts + comp).max())
     ids = torch.randint(4, vocab, (rows, T), generator=g)
@@ -93,6 +95,9 @@ def main(argv=None):
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-min", type=int, default=8)
+    p.add_argument("--prompt-max", type=int, default=32)
+    p.add_argument("--out", default="packing", help="result name under benchmarks/results/")
     a = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -104,16 +109,18 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         path = build_tiny_model(Path(d) / "m", hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=heads,
                                 num_kv_heads=heads, intermediate_size=4 * a.hidden_size,
-                                max_position_embeddings=2 * (32 + a.max_new_tokens) + 64)
+                                max_position_embeddings=2 * (a.prompt_max + a.max_new_tokens) + 64)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     params = sum(x.numel() for x in model.parameters())
-    ids, mask, cmask, comp = draw_batch(a.rows, a.max_new_tokens, a.mu, a.sigma, model.config.vocab_size, a.seed)
+    ids, mask, cmask, comp = draw_batch(a.rows, a.max_new_tokens, a.mu, a.sigma, model.config.vocab_size, a.seed,
+                                      (a.prompt_min, a.prompt_max))
     variants = {
         "padded": (micro_batches(mask, None, False), False, False),
         "budget": (micro_batches(mask, a.micro_batch_tokens, False), False, False),
         "packed": (micro_batches(mask, a.micro_batch_tokens, True), True, False),
         "packed_1xN": (micro_batches(mask, a.micro_batch_tokens, True), True, True),
         "packed_one_line": (micro_batches(mask, None, True), True, True),
+        "packed_step": (micro_batches(mask, None, True), True, False),
     }
 
     def run(name):
@@ -152,7 +159,7 @@ def main(argv=None):
                     "loadavg_end": os.getloadavg(), "torch": torch.__version__},
         "model": {"params": params, "hidden_size": a.hidden_size, "num_layers": a.num_layers,
                   "attn_implementation": "sdpa", "dtype": "float32"},
-        "shape": {"rows": a.rows, "max_new_tokens": a.max_new_tokens, "lognormal_mu": a.mu, "lognormal_sigma": a.sigma,
+        "shape": {"rows": a.rows, "prompt_range": [a.prompt_min, a.prompt_max], "max_new_tokens": a.max_new_tokens, "lognormal_mu": a.mu, "lognormal_sigma": a.sigma,
                   "completion_mean": float(comp.float().mean()), "completion_mean_over_max": float(comp.float().mean()) / a.max_new_tokens,
                   "share_at_limit": float((comp == a.max_new_tokens).float().mean()),
                   "tokens": tokens, "padded_tokens": int(mask.numel()), "micro_batch_tokens": a.micro_batch_tokens,
@@ -162,7 +169,8 @@ def main(argv=None):
     }
     for name, (plan, packed, line) in variants.items():
         widths = [int(lengths[r].max()) for r in plan]
-        held = sum(int(lengths[r].sum()) if packed else len(r) * w for r, w in zip(plan, widths))
+        held = sum(pack(ids[r, :w], mask[r, :w], None if line else w).input_ids.numel() if packed else len(r) * w
+                   for r, w in zip(plan, widths))                  # packed: lines x width, their tails included
         med = statistics.median(times[name])
         out["variants"][name] = {
             "micro_batches": len(plan), "tokens_held": held, "seconds": times[name], "median_s": med,
@@ -170,8 +178,8 @@ def main(argv=None):
             "peak_rss_kib": peaks[name], "peak_vs_padded": peaks[name] / peaks["padded"],
             "loss": checks[name][0], "grad_norm": checks[name][1]}
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "packing.json").write_text(json.dumps(out, indent=1))
-    _histogram(comp, a.max_new_tokens, RESULTS / "packing_lengths.png")
+    (RESULTS / f"{a.out}.json").write_text(json.dumps(out, indent=1))
+    _histogram(comp, a.max_new_tokens, RESULTS / f"{a.out}_lengths.png")
     for name, v in out["variants"].items():
         print(f"{name:16s} {v['micro_batches']:3d} mb  {v['median_s']:7.2f} s  x{v['time_vs_padded']:.2f}  "
               f"peak {v['peak_rss_kib'] / 1024:7.1f} MiB  x{v['peak_vs_padded']:.2f}")

@@ -3,26 +3,35 @@ by hand).
 
 For each experiment: a PNG of training reward, held-out pass@1 and ESS against the optimizer step
 (mean over seeds, the band spans min..max), and a table per cell: final held-out pass@1 at T = 1.0
-(mean +- std over seeds), its change from the warm start, the training reward of the last 10% of
-steps, the mean ESS, and the seeds that collapsed; cells sampled at another temperature add their
-final held-out pass@1 at that temperature against the warm start's at it. A seed collapsed when its
-final held-out pass@1 (T = 1.0) is more than COLLAPSE below the warm start's, or its run failed; for
-each such seed the page lists what its logs show at the worst step (ESS, largest ratio, KL to pi_b,
-response length), the place to start reading the mechanism.
+(mean over seeds and its 95% bootstrap interval), its change from the warm start, the training reward
+of the last 10% of steps, the mean ESS, and the seeds that collapsed (with a 95% Wilson interval);
+cells sampled at another temperature add their final held-out pass@1 at that temperature against the
+warm start's at it. A seed collapsed when its final held-out pass@1 (T = 1.0) is more than COLLAPSE
+below the warm start's, or its run failed; for each such seed the page lists what its logs show at the
+worst step (ESS, largest ratio, KL to pi_b, response length), the place to start reading the mechanism.
+Every experiment then says which of its tested differences (`pairs`) are resolved, the two intervals
+apart, and which are not; the page ends with what that supports about the paper's claims (`claims`).
 
 Stress experiments (cells with a level) instead plot final held-out pass@1 against the level, a line
 per method and a panel per learning rate (seeds' min..max shaded), and table each method's breaking
-point: the lowest level at which at least 2 of 3 seeds (BREAK of the seeds) collapsed.
+point: the lowest level at which at least BREAK of the seeds (2 of 3, 6 of 8) collapsed.
+
+A cell has the seeds stored for it (at least `Scale.seeds` where it is complete); cells run from other
+warm starts (`warm<w>/` beside the summaries) get their own section.
 """
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .cells import EXPERIMENTS, Scale, base_folder, cell_lr, lr_tag, temperature
+from .intervals import RESAMPLES, apart, bootstrap_mean, wilson
 
 COLLAPSE = 0.10
 BREAK = 2 / 3
@@ -50,11 +59,13 @@ def read_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _runs(summaries: Path, exp: str, cell, seeds: int) -> tuple[list[dict], int]:
-    """The finished seeds' scalars (and `summary`: the summary.json), and the number of failed seeds."""
+def _runs(summaries: Path, exp: str, cell) -> tuple[list[dict], int]:
+    """Every stored seed's scalars (and `summary`: the summary.json), and the number of failed seeds.
+    A cell has as many seeds as were run for it (`--seeds`): the page reads them all."""
     runs, failed = [], 0
     folder = summaries / (cell.same_as or f"{exp}/{cell.label}")
-    for s in range(seeds):
+    seeds = sorted(int(d.name[4:]) for d in folder.glob("seed*") if d.name[4:].isdigit()) if folder.is_dir() else []
+    for s in seeds:
         d = folder / f"seed{s}"
         if (d / "summary.json").exists():
             summary = json.loads((d / "summary.json").read_text())
@@ -74,6 +85,19 @@ def _last_frac(run: dict, tag: str, frac: float = 0.1) -> float | None:
         return None
     k = max(1, int(len(vals) * frac))
     return sum(vals[-k:]) / k
+
+
+def _mean_ci(xs: list[float]) -> str:
+    """`mean [lo, hi]`: the bootstrap 95% interval of the mean over seeds."""
+    if not xs:
+        return "n/a"
+    lo, hi = bootstrap_mean(xs)
+    return f"{statistics.mean(xs):.3f} [{lo:.3f}, {hi:.3f}]" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def _count_ci(k: int, n: int) -> str:
+    """`k/n [lo, hi]`: a collapse count and its Wilson 95% interval."""
+    return f"{k}/{n} [{wilson(k, n)[0]:.2f}, {wilson(k, n)[1]:.2f}]" if n else "0/0"
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -192,19 +216,107 @@ def _collapsed(runs: list[dict], base: float) -> list[dict]:
     return [r for r in runs if (v := _final(r, "val/pass@1")) is not None and v < base - COLLAPSE]
 
 
-def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base: float) -> list[str]:
-    """An experiment's plot against the step and its table per cell."""
+@dataclass
+class CellStats:
+    """A cell's outcome over its seeds, what its intervals are made of."""
+    finals: list[float]       # each finished seed's final held-out pass@1 (T = 1.0)
+    collapsed: int            # seeds below the collapse line, failed runs included
+    n: int                    # seeds finished or failed
+
+    def mean_ci(self) -> tuple[float, float] | None:
+        return bootstrap_mean(self.finals) if len(self.finals) > 1 else None
+
+    def rate_ci(self) -> tuple[float, float] | None:
+        return wilson(self.collapsed, self.n) if self.n else None
+
+    def text(self) -> str:
+        return f"{_mean_ci(self.finals)}; {_count_ci(self.collapsed, self.n)}" if self.n else ""
+
+
+def cell_stats(summaries: Path, base: float, scale: Scale) -> dict[tuple[str, str], CellStats]:
+    """(experiment, cell) -> its stats, for every cell with a summary or a failed run under `summaries`."""
+    out = {}
+    for name, exp in EXPERIMENTS.items():
+        for cell in exp.cells[:scale.cells]:
+            runs, failed = _runs(summaries, name, cell)
+            if runs or failed:
+                out[(name, cell.label)] = CellStats([v for r in runs if (v := _final(r, "val/pass@1")) is not None],
+                                                    len(_collapsed(runs, base)) + failed, len(runs) + failed)
+    return out
+
+
+_T = (0.6, 1.2, 1.5)
+# The differences each experiment's question is about (P3O's cell first where P3O is in the pair); an
+# experiment not named here tests every pair of its cells, a stress experiment P3O against every other
+# method at the same learning rate and level.
+PAIRS = {
+    "clip": [("p3o", b) for b in ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "dapo")],
+    "ablations": [("p3o", b) for b in ("p3o_no_kl", "p3o_no_cap", "p3o_ess_micro")],
+    "precision": [("p3o_bfloat16", "grpo_bfloat16"), ("p3o_float32", "grpo_float32"),
+                  ("grpo_bfloat16", "grpo_float32"), ("p3o_bfloat16", "p3o_float32")],
+    "staleness": [(f"p3o_S{s}", f"{m}_S{s}") for s in (0, 1, 2, 4) for m in ("grpo", "decoupled")],
+    "temperature": [(f"p3o_T{t}_{lp}", f"grpo_T{t}_{lp}") for t in _T for lp in ("processed", "raw")]
+                   + [(f"{m}_T{t}_processed", f"{m}_T{t}_raw") for t in _T for m in ("p3o", "grpo")]
+                   + [("p3o_T1.5_processed_no_kl", "p3o_T1.5_processed")]
+                   + [(f"p3o_T{t}_processed_k4_anchor", f"p3o_T{t}_processed_k4") for t in _T],
+}
+
+
+def pairs(name: str, exp) -> list[tuple[str, str]]:
+    """The pairs of cells whose difference the page tests."""
+    labels = [c.label for c in exp.cells]
+    if exp.axis:                 # a cell run in another experiment (`same_as`) is tested there
+        by = {(cell_lr(c), c.level, c.method): c.label for c in exp.cells if c.same_as is None}
+        return [(by[(lr, lv, "p3o")], label) for (lr, lv, m), label in by.items()
+                if m != "p3o" and (lr, lv, "p3o") in by]
+    if name in PAIRS:
+        return [(a, b) for a, b in PAIRS[name] if a in labels and b in labels]
+    return list(itertools.combinations(labels, 2))
+
+
+def _seed_counts(stats: list[CellStats]) -> str:
+    ns = sorted({s.n for s in stats})
+    return "no" if not ns else str(ns[0]) if len(ns) == 1 else f"{ns[0]}-{ns[-1]}"
+
+
+def differences(name: str, exp, stats: dict[tuple[str, str], CellStats]) -> str:
+    """One sentence: which of the experiment's tested differences are resolved (95% intervals apart), for
+    the means and for the collapse counts, and which are not, at the seed counts stored."""
+    means, counts, unresolved, seen = [], [], [], []
+    for a, b in pairs(name, exp):
+        sa, sb = stats.get((name, a)), stats.get((name, b))
+        if sa is None or sb is None or sa.mean_ci() is None or sb.mean_ci() is None:
+            continue
+        seen += [sa, sb]
+        d = apart(sa.mean_ci(), sb.mean_ci())
+        if d:
+            means.append(f"`{a}` {'above' if d > 0 else 'below'} `{b}` ({statistics.mean(sa.finals):.3f} vs "
+                         f"{statistics.mean(sb.finals):.3f})")
+        else:
+            unresolved.append(f"`{a}` vs `{b}`")
+        if (c := apart(sa.rate_ci(), sb.rate_ci())):
+            counts.append(f"`{a}` {'more' if c > 0 else 'fewer'} than `{b}` ({sa.collapsed}/{sa.n} vs {sb.collapsed}/{sb.n})")
+    if not seen:
+        return ""
+    text = (f"**Resolved at {_seed_counts(seen)} seeds per cell** (95% intervals apart), means: "
+            f"{'; '.join(means) or 'none'}; collapse counts: {'; '.join(counts) or 'none'}. ")
+    return text + f"**Not resolved** (the means' intervals overlap): {', '.join(unresolved) or 'none'}."
+
+
+def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base: float,
+             stats: dict[tuple[str, str], CellStats]) -> list[str]:
+    """An experiment's plot against the step, its table per cell, and which differences are resolved."""
     runs_by_cell, rows, notes = {}, [], []
     own = any(temperature(c) != 1.0 for c in exp.cells[:scale.cells])
     for cell in exp.cells[:scale.cells]:
-        runs, failed = _runs(summaries, name, cell, scale.seeds)
+        runs, failed = _runs(summaries, name, cell)
         runs_by_cell[cell.label] = runs
         finals = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
         collapsed = _collapsed(runs, base)
         reward = [v for r in runs if (v := _last_frac(r, "rollout/reward_mean")) is not None]
         ess = [statistics.mean(v for _, v in r["train/ess"]) for r in runs if r.get("train/ess")]
         delta = f"{statistics.mean(finals) - base:+.3f}" if finals else "n/a"
-        row = f"| {cell.label} | {len(runs)}/{scale.seeds} | {_mean_std(finals)} | {delta} | "
+        row = f"| {cell.label} | {len(runs)}/{max(scale.seeds, len(runs) + failed)} | {_mean_ci(finals)} | {delta} | "
         if own:
             temp, own_base = temperature(cell), _base(summaries, temperature(cell))
             at_t = [r["summary"]["own_temperature"]["val/pass@1"] if temp != 1.0 else _final(r, "val/pass@1")
@@ -212,89 +324,271 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
             at_t = [v for v in at_t if v is not None]
             vs = "n/a" if not at_t or own_base is None else \
                 f"{statistics.mean(at_t) - own_base:+.3f} (from {own_base:.3f})"
-            row += f"{_mean_std(at_t)} | {vs} | "
-        rows.append(row + f"{_mean_std(reward)} | {_mean_std(ess)} | {len(collapsed) + failed} |")
+            row += f"{_mean_ci(at_t)} | {vs} | "
+        rows.append(row + f"{_mean_std(reward)} | {_mean_std(ess)} | {_count_ci(len(collapsed) + failed, len(runs) + failed)} |")
         notes += [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
         notes += [f"- `{cell.label}`: {failed} run(s) failed (see failed.txt in their folders)"] if failed else []
     png = results / "img" / "experiments" / f"{name}.png"
     plot(exp, runs_by_cell, base, png)
-    head = "| cell | seeds | final held-out pass@1 (T = 1.0) | vs warm start | "
-    head += "final held-out pass@1 at the cell's T | vs warm start at T | " if own else ""
-    head += "training reward, last 10% | mean ESS | collapsed |"
+    head = "| cell | seeds | final held-out pass@1 (T = 1.0) [95% CI] | vs warm start | "
+    head += "final held-out pass@1 at the cell's T [95% CI] | vs warm start at T | " if own else ""
+    head += "training reward, last 10% (+- std) | mean ESS (+- std) | collapsed [95% CI] |"
     lines = [f"![{name}]({png.relative_to(results)})", "", head, "|---" * head.count(" | ") + "|---|", *rows, ""]
+    if (sentence := differences(name, exp, stats)):
+        lines += [sentence, ""]
     if notes:
         lines += ["Collapsed or failed seeds, what their logs show:", "", *notes, ""]
     return lines
 
 
-def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale, base: float) -> list[str]:
-    """A stress experiment: pass@1 against the level, the breaking-point table, a table per learning rate."""
+def breaking(by_level: dict[int, CellStats], levels: list[int], letter: str, seeds: int) -> tuple[str, int | None]:
+    """A stress line's breaking point: the first level where at least BREAK of its seeds (at least `seeds`
+    of them) collapsed; a lower level with fewer than `seeds` seeds (not run or not summarized) could have
+    broken first, so the answer stops there."""
+    if not any(s.n for s in by_level.values()):
+        return "not run", None
+    for i, lv in enumerate(levels):
+        s = by_level.get(lv, CellStats([], 0, 0))
+        if s.collapsed >= BREAK * max(seeds, s.n):
+            where = f"{letter} = {lv} ({s.collapsed}/{s.n})"
+            return (where + ", on-policy: the learning rate breaks" if lv == ON_POLICY[letter] else where), lv
+        if s.n < seeds:
+            below = f"none up to {letter} = {levels[i - 1]}, " if i else ""
+            return f"{below}{letter} = {lv} incomplete ({s.n}/{seeds} seeds)", None
+    return f"none up to {letter} = {levels[-1]}", None
+
+
+def _lines(name: str, exp, stats: dict[tuple[str, str], CellStats], scale: Scale):
+    """A stress experiment's cells as lines: (lr, method) -> level -> stats, and the sorted levels."""
+    by_line: dict[tuple[float, str], dict[int, CellStats]] = {}
+    for cell in exp.cells[:scale.cells]:
+        if (s := stats.get((name, cell.label))) is not None:
+            by_line.setdefault((cell_lr(cell), cell.method), {})[cell.level] = s
+    return by_line, sorted({c.level for c in exp.cells[:scale.cells]})
+
+
+def decisive(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
+    """The stress cells that decide a breaking point, from the stored summaries: on each experiment and
+    learning rate, every method at each level where some method breaks and at the level below it, and
+    each method that breaks nowhere at the top level."""
+    base = _base(summaries, 1.0)
+    if base is None:
+        raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: nothing to select from")
+    stats, chosen = cell_stats(summaries, base, scale), []
+    for name, exp in EXPERIMENTS.items():
+        if not exp.axis:
+            continue
+        by_line, levels = _lines(name, exp, stats, scale)
+        letter = exp.axis.split()[-1]
+        for lr in sorted({cell_lr(c) for c in exp.cells[:scale.cells]}):
+            broke = {m: breaking(by_line.get((lr, m), {}), levels, letter, scale.seeds)[1]
+                     for m in dict.fromkeys(c.method for c in exp.cells)}
+            keep = {lv for b in broke.values() if b is not None
+                    for lv in levels[max(0, levels.index(b) - 1):levels.index(b) + 1]}
+            chosen += [(name, c.label) for c in exp.cells[:scale.cells] if cell_lr(c) == lr and
+                       (c.level in keep or (c.level == levels[-1] and broke[c.method] is None))]
+    return chosen
+
+
+def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale, base: float,
+                    stats: dict[tuple[str, str], CellStats]) -> list[str]:
+    """A stress experiment: pass@1 against the level, the breaking-point table, a table per learning rate,
+    and which breaks and differences are resolved."""
     finals: dict[tuple[float, str], dict[int, list[float]]] = {}
-    counts: dict[tuple[float, str], dict[int, tuple[int, int, int]]] = {}   # level -> (finished, collapsed, failed)
     diagnosed: dict[tuple[float, str, int], list[str]] = {}
     lags: dict[int, list[float]] = {}                                        # level -> each run's mean lag
     for cell in exp.cells[:scale.cells]:
-        runs, failed = _runs(summaries, name, cell, scale.seeds)
+        runs, _ = _runs(summaries, name, cell)
         line = (cell_lr(cell), cell.method)
         finals.setdefault(line, {})[cell.level] = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
         lags.setdefault(cell.level, []).extend(statistics.mean(v for _, v in r["train/policy_lag"])
                                                for r in runs if r.get("train/policy_lag"))
-        collapsed = _collapsed(runs, base)
-        counts.setdefault(line, {})[cell.level] = (len(runs), len(collapsed), failed)
-        diagnosed[(*line, cell.level)] = [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
+        diagnosed[(*line, cell.level)] = [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}"
+                                          for r in _collapsed(runs, base)]
+    by_line, levels = _lines(name, exp, stats, scale)
     png = results / "img" / "experiments" / f"{name}.png"
     plot_levels(exp, finals, base, png)
     lrs = sorted({lr for lr, _ in finals})
     methods = list(dict.fromkeys(m for _, m in finals))
-    levels = sorted({lv for f in finals.values() for lv in f})
     letter = exp.axis.split()[-1]
-
-    def breaking(lr: float, m: str) -> tuple[str, int | None]:
-        """The first level where BREAK of the seeds collapsed; a lower level with seeds missing (not run
-        or not summarized) could have broken first, so the answer stops there."""
-        by_level = counts.get((lr, m), {})
-        if not any(sum(by_level.get(lv, (0, 0, 0))[::2]) for lv in levels):
-            return "not run", None
-        for i, lv in enumerate(levels):
-            done, coll, failed = by_level.get(lv, (0, 0, 0))
-            if coll + failed >= BREAK * scale.seeds:
-                where = f"{letter} = {lv} ({coll + failed}/{done + failed})"
-                return (where + ", on-policy: the learning rate breaks" if lv == ON_POLICY[letter] else where), lv
-            if done + failed < scale.seeds:
-                below = f"none up to {letter} = {levels[i - 1]}, " if i else ""
-                return f"{below}{letter} = {lv} incomplete ({done + failed}/{scale.seeds} seeds)", None
-        return f"none up to {letter} = {levels[-1]}", None
-
     lines = [f"![{name}]({png.relative_to(results)})", "",
-             f"Breaking point: the lowest {exp.axis} at which at least {BREAK * scale.seeds:.0f} of {scale.seeds} "
-             f"seeds collapsed (final held-out pass@1 at T = 1.0 below {base - COLLAPSE:.3f}, the warm start's "
-             f"{base:.3f} minus {COLLAPSE}, or the run failed).", "",
+             f"Breaking point: the lowest {exp.axis} at which at least {BREAK:.0%} of the seeds ({math.ceil(BREAK * 3)} of "
+             f"3, {math.ceil(BREAK * 8)} of 8; at least {scale.seeds} seeds) collapsed (final held-out pass@1 at T = 1.0 "
+             f"below {base - COLLAPSE:.3f}, the warm start's {base:.3f} minus {COLLAPSE}, or the run failed).", "",
              "| method | " + " | ".join(f"lr {lr_tag(lr)[2:]}" for lr in lrs) + " |", "|---" * (len(lrs) + 1) + "|"]
     lag_text = ", ".join(f"{letter} = {lv}: {statistics.mean(lags[lv]):.1f}" for lv in levels if lags.get(lv))
-    notes = []
+    notes, breaks = [], {}
     for m in methods:
-        cells = [breaking(lr, m) for lr in lrs]
+        cells = [breaking(by_line.get((lr, m), {}), levels, letter, scale.seeds) for lr in lrs]
+        breaks.update({(lr, m): lv for lr, (_, lv) in zip(lrs, cells)})
         lines.append(f"| {m} | " + " | ".join(text for text, _ in cells) + " |")
         notes += [n for lr, (_, lv) in zip(lrs, cells) if lv is not None for n in diagnosed.get((lr, m, lv), [])]
     lines.append("")
     if lag_text:
         lines += [f"The policy lag the runs trained at (optimizer steps, mean over steps and runs): {lag_text}.", ""]
     for lr in lrs:
-        lines += [f"Final held-out pass@1 (T = 1.0), lr {lr_tag(lr)[2:]}: mean +- std over seeds "
-                  "(collapsed seeds).", "",
+        lines += [f"Final held-out pass@1 (T = 1.0), lr {lr_tag(lr)[2:]}: mean over seeds [95% bootstrap interval]; "
+                  "collapsed seeds [95% Wilson interval].", "",
                   "| method | " + " | ".join(f"{letter} = {lv}" for lv in levels) + " |",
                   "|---" * (len(levels) + 1) + "|"]
         for m in methods:
-            row = []
-            for lv in levels:
-                done, coll, failed = counts.get((lr, m), {}).get(lv, (0, 0, 0))
-                vals = finals.get((lr, m), {}).get(lv, [])
-                row.append(f"{_mean_std(vals)} ({coll + failed})" if done + failed else "")
-            lines.append(f"| {m} | " + " | ".join(row) + " |")
+            lines.append(f"| {m} | " + " | ".join(by_line.get((lr, m), {}).get(lv, CellStats([], 0, 0)).text()
+                                                 for lv in levels) + " |")
         lines.append("")
+    resolved, unresolved = [], []
+    for (lr, m), lv in breaks.items():           # a break against the level below: the collapse counts
+        if lv is None or levels.index(lv) == 0:
+            continue
+        at, below = by_line[(lr, m)][lv], by_line.get((lr, m), {}).get(levels[levels.index(lv) - 1])
+        if below is None or not below.n:
+            continue
+        text = f"{m} at lr {lr_tag(lr)[2:]} ({at.collapsed}/{at.n} at {letter} = {lv}, {below.collapsed}/{below.n} below)"
+        (resolved if apart(at.rate_ci(), below.rate_ci()) > 0 else unresolved).append(text)
+    if resolved or unresolved:
+        lines += [f"Breaks told from the level below by their collapse counts (Wilson intervals apart): "
+                  f"{'; '.join(resolved) or 'none'}; not told apart: {'; '.join(unresolved) or 'none'}.", ""]
+    lines += _stress_differences(name, exp, stats, scale, letter)
     if notes:
         lines += ["At each breaking point, the collapsed seeds' logs:", "", *notes, ""]
     return lines
+
+
+def _stress_differences(name: str, exp, stats: dict[tuple[str, str], CellStats], scale: Scale,
+                        letter: str) -> list[str]:
+    """P3O's mean against every other method's at each learning rate and level: which are resolved."""
+    cells = {c.label: c for c in exp.cells[:scale.cells]}
+    groups: dict[tuple[float, int], tuple[list[str], list[str], list[str]]] = {}
+    seen = []
+    for a, b in pairs(name, exp):
+        sa, sb = stats.get((name, a)), stats.get((name, b))
+        if sa is None or sb is None or sa.mean_ci() is None or sb.mean_ci() is None or b not in cells:
+            continue
+        seen += [sa, sb]
+        above, below, overlap = groups.setdefault((cell_lr(cells[a]), cells[a].level), ([], [], []))
+        d = apart(sa.mean_ci(), sb.mean_ci())
+        (above if d > 0 else below if d < 0 else overlap).append(f"{cells[b].method} {statistics.mean(sb.finals):.3f}")
+    if not seen:
+        return []
+    out = [f"P3O's mean against each other method's at the same learning rate and {letter}, at "
+           f"{_seed_counts(seen)} seeds per cell (95% bootstrap intervals apart or not):", ""]
+    for (lr, lv), (above, below, overlap) in sorted(groups.items()):
+        p3o = stats[(name, next(a for a, _ in pairs(name, exp) if cells[a].level == lv and cell_lr(cells[a]) == lr))]
+        out.append(f"- lr {lr_tag(lr)[2:]}, {letter} = {lv} (P3O {statistics.mean(p3o.finals):.3f}): resolved above "
+                   f"{', '.join(above) or 'none'}; resolved below {', '.join(below) or 'none'}; not resolved "
+                   f"against {', '.join(overlap) or 'none'}.")
+    return out + [""]
+
+
+def claims(stats: dict[tuple[str, str], CellStats], scale: Scale) -> list[str]:
+    """What the intervals support about the paper's claims, made from the same tests as the sections:
+    P3O against the best baseline in every setting where both ran, where each method breaks, the remedy."""
+    above, some, below, unresolved = [], [], [], []
+    for name, exp in EXPERIMENTS.items():
+        groups: dict[str, list[str]] = {}
+        for a, b in pairs(name, exp):
+            if a.startswith("p3o") and not b.startswith("p3o"):
+                groups.setdefault(a, []).append(b)
+        for a, bs in groups.items():
+            sa, sbs = stats.get((name, a)), [(b, stats.get((name, b))) for b in bs]
+            sbs = [(b, s) for b, s in sbs if s is not None and s.mean_ci() is not None]
+            if sa is None or sa.mean_ci() is None or not sbs:
+                continue
+            best, sb = max(sbs, key=lambda p: statistics.mean(p[1].finals))
+            where = f"{name}/`{a}`"
+            if all(apart(sa.mean_ci(), s.mean_ci()) > 0 for _, s in sbs):
+                above.append(f"{where} ({statistics.mean(sa.finals):.3f} vs {best} {statistics.mean(sb.finals):.3f})")
+            elif apart(sa.mean_ci(), sb.mean_ci()) < 0:
+                below.append(f"{where} ({statistics.mean(sa.finals):.3f} vs {best} {statistics.mean(sb.finals):.3f})")
+            elif (beaten := [b for b, s in sbs if apart(sa.mean_ci(), s.mean_ci()) > 0]):
+                some.append(f"{where} (above {', '.join(beaten)}; not resolved against {best})")
+            else:
+                unresolved.append(where)
+    lines = ["## What this evidence says about the paper's claims", "",
+             f"Only what the intervals above support, at this scale only (a 1.8M-parameter model, 2-digit addition, "
+             f"{scale.steps} optimizer steps, CPU): a difference counts when the two 95% intervals do not overlap; "
+             "an unresolved difference is not evidence that the methods are equal.", "",
+             f"- **P3O matches or exceeds tuned baselines?** Against the best baseline (GRPO at any clip, DAPO, "
+             f"decoupled PPO, GRPO + TIS or IcePop) in each setting where both ran: P3O resolved above every baseline "
+             f"in {len(above)} setting(s){': ' + '; '.join(above) if above else ''}; above some baselines but not "
+             f"resolved against the best in {len(some)}{': ' + '; '.join(some) if some else ''}; resolved below the "
+             f"best one in "
+             f"{len(below)}{': ' + '; '.join(below) if below else ''}; not resolved in {len(unresolved)} "
+             f"({', '.join(unresolved) or 'none'})."]
+    for name, exp in EXPERIMENTS.items():        # where each method breaks, told apart by collapse counts
+        if not exp.axis:
+            continue
+        by_line, levels = _lines(name, exp, stats, scale)
+        letter = exp.axis.split()[-1]
+        for lr in sorted({lr for lr, _ in by_line}):
+            p3o = breaking(by_line.get((lr, "p3o"), {}), levels, letter, scale.seeds)[1]
+            told, not_told = [], []
+            for (l2, m), f in by_line.items():
+                other = breaking(f, levels, letter, scale.seeds)[1]
+                if l2 != lr or m in ("p3o", "p3o_no_kl") or other == p3o:
+                    continue
+                first = min(lv for lv in (other, p3o) if lv is not None)       # where one broke and the other not
+                sp, so = by_line.get((lr, "p3o"), {}).get(first), f.get(first)
+                if sp is None or so is None or not sp.n or not so.n:
+                    continue
+                verdict = f"{m} ({so.collapsed}/{so.n} vs P3O {sp.collapsed}/{sp.n} at {letter} = {first})"
+                (told if apart(sp.rate_ci(), so.rate_ci()) else not_told).append(verdict)
+            if told or not_told:
+                lines.append(f"- **Breaking points, {name}, lr {lr_tag(lr)[2:]}** (P3O: "
+                             f"{'none' if p3o is None else f'{letter} = {p3o}'}): P3O's break told apart from "
+                             f"{'; '.join(told) or 'none'}; not told apart from {'; '.join(not_told) or 'none'}.")
+    remedy = [(a, b) for a, b in PAIRS["temperature"] if a.endswith("_k4_anchor")]
+    text = []
+    for a, b in remedy:
+        sa, sb = stats.get(("temperature", a)), stats.get(("temperature", b))
+        if sa is None or sb is None or sa.mean_ci() is None or sb.mean_ci() is None:
+            continue
+        d = apart(sa.mean_ci(), sb.mean_ci())
+        text.append(f"T = {a.split('_')[1][1:]}: {statistics.mean(sa.finals):.3f} vs {statistics.mean(sb.finals):.3f}, "
+                    f"{'resolved above' if d > 0 else 'resolved below' if d < 0 else 'not resolved'}")
+    if text:
+        lines.append("- **The KL anchor at the trainer's temperature** (`kl_anchor: behavior_at_train_temperature` "
+                     "against the paper's anchor pi_b, 4 steps per rollout): " + "; ".join(text) + ".")
+    return lines + [""]
+
+
+def _warm_starts(summaries: Path, scale: Scale, base: float) -> list[str]:
+    """The cells run from other warm starts (`warm<w>/` beside warm start 0's summaries): each cell's
+    mean and collapses per warm start, and whether each tested difference comes out the same."""
+    roots = {0: summaries} | {int(d.name[4:]): d for d in sorted(summaries.glob("warm*")) if d.name[4:].isdigit()}
+    if len(roots) == 1:
+        return []
+    bases = {w: _base(root, 1.0) for w, root in roots.items()}
+    stats = {w: cell_stats(root, b, scale) for w, root in roots.items() if (b := bases[w]) is not None}
+    shown = sorted({key for w, st in stats.items() if w for key in st},
+                   key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1]))
+    ws = sorted(stats)
+    lines = ["## Warm starts", "",
+             "The same cells from warm starts made with other SFT seeds (`--warm-starts`: model initialization, "
+             "data order and label noise seeded with w; warm start 0 is the rest of this page). Each warm start's "
+             "collapse line is its own held-out pass@1 (T = 1.0) minus "
+             f"{COLLAPSE}. Cells: mean [95% bootstrap interval]; collapsed [95% Wilson interval].", "",
+             "| cell | " + " | ".join(f"warm start {w} (from {bases[w]:.3f})" for w in ws) + " |",
+             "|---" * (len(ws) + 1) + "|"]
+    for name, label in shown:
+        lines.append(f"| {name}/`{label}` | " + " | ".join(stats[w].get((name, label), CellStats([], 0, 0)).text()
+                                                          for w in ws) + " |")
+    verdicts = []
+    for name, exp in EXPERIMENTS.items():
+        for a, b in pairs(name, exp):
+            if (name, a) not in shown or (name, b) not in shown:
+                continue
+            per = []
+            for w in ws:
+                sa, sb = stats[w].get((name, a)), stats[w].get((name, b))
+                if sa is None or sb is None or sa.mean_ci() is None or sb.mean_ci() is None:
+                    continue
+                d = apart(sa.mean_ci(), sb.mean_ci())
+                per.append((w, "above" if d > 0 else "below" if d < 0 else "not resolved"))
+            if len(per) > 1:
+                same = "the same from every warm start" if len({v for _, v in per}) == 1 else "depends on the warm start"
+                verdicts.append(f"- {name}/`{a}` against `{b}`: " + ", ".join(f"warm start {w} {v}" for w, v in per)
+                                + f": {same}.")
+    return lines + [""] + (verdicts + [""] if verdicts else [])
 
 
 def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> Path:
@@ -305,6 +599,8 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
         raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: run an experiment first")
     seconds = sum(json.loads(p.read_text())["seconds"] for p in summaries.rglob("summary.json")
                   if "seconds" in p.read_text())
+    stats = cell_stats(summaries, base, scale)
+    runs = sum(1 for p in summaries.rglob("summary.json") if "seconds" in p.read_text())
     lines = [
         "# Results: the paper's experiments at CPU scale",
         "",
@@ -315,23 +611,33 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
         f"Every run: the same warm-started tiny model (1.8M-parameter Qwen2, supervised for {scale.sft_steps} "
         f"steps on 2-digit addition with 30% wrong labels), {scale.prompts} prompts x {scale.samples} samples per "
         f"rollout, 8 new tokens, lr 2e-4 unless a cell says otherwise, {scale.steps} optimizer steps, "
-        f"{scale.seeds} seed(s) per cell. Held out: {scale.val_prompts} sums that no training prompt contains "
+        f"at least {scale.seeds} seed(s) per cell (the seeds column says how many). Held out: {scale.val_prompts} "
+        f"sums that no training prompt contains "
         f"(`Arithmetic(split: test)`), 4 samples each, every {scale.val_every} steps, sampled at T = 1.0 in "
         f"every run (`val_sampling`: one ruler, whatever the run samples with); pass@1 is the unbiased "
         f"estimator. The warm start's held-out pass@1 at T = 1.0: **{base:.3f}**. Cells sampled at another "
         f"temperature are also evaluated once more after training at their own temperature, against the "
         f"warm start at it. A seed *collapsed* when its final held-out pass@1 (T = 1.0) is more than "
-        f"{COLLAPSE} below the warm start's, or its run failed. The stored runs' wall times add up to "
+        f"{COLLAPSE} below the warm start's, or its run failed. The {runs} stored runs' wall times add up to "
         f"{seconds / 60:.1f} min (2 CPU cores; with `--jobs 2` two run at a time, one thread each).",
+        "",
+        f"Intervals: a cell's mean over seeds comes with a 95% percentile bootstrap interval ({RESAMPLES:,} "
+        f"resamples of the seeds, RNG seed 0), a collapse count with a 95% Wilson interval; a difference is "
+        f"*resolved* when the two intervals do not overlap. At 3 seeds the bootstrap interval is the seeds' "
+        f"min..max (each extreme resample has probability 1/27 > 2.5%), which holds the true mean only about "
+        f"75% of the time for a symmetric spread, and no collapse count can be told from another (0/3: "
+        f"[0.00, 0.56], 3/3: [0.44, 1.00]); at 8 seeds 0/8 [0.00, 0.32] and 6/8 [0.41, 0.93] are apart.",
         "",
     ]
     for name, exp in EXPERIMENTS.items():
         lines += [f"## {exp.title}", "", exp.question, "", f"`python -m experiments.run {name}`", ""]
-        if not any(_runs(summaries, name, c, scale.seeds) != ([], 0) for c in exp.cells[:scale.cells]):
+        if not any(_runs(summaries, name, c) != ([], 0) for c in exp.cells[:scale.cells]):
             lines += ["Not run yet (no summaries).", ""]
             continue
         section = _stress_section if exp.axis else _section
-        lines += section(name, exp, summaries, results, scale, base)
+        lines += section(name, exp, summaries, results, scale, base, stats)
+    lines += _warm_starts(summaries, scale, base)
+    lines += claims(stats, scale)
     page = results / "results.md"
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")

@@ -4,6 +4,9 @@
     python -m experiments.run clip staleness      # some of them (or --only clip --only staleness)
     python -m experiments.run --report-only       # the page from the stored summaries alone, no run
     python -m experiments.run all --quick         # 1 seed, 4 steps, the first cell of each: proves the pipeline (CI)
+    python -m experiments.run --select decisive --seeds 0-7 --jobs 2          # more seeds where they decide something
+    python -m experiments.run --select headline --seeds 0-7 --warm-starts 1,2 # the headline cells from other warm starts
+    python -m experiments.run --cells 'stress_s/p3o_*' --seeds 3,4            # cells by pattern (<experiment>/<cell>)
 
 Runs land in `runs/experiments/<experiment>/<cell>/seed<k>/` (`--quick`: runs/experiments-quick): the
 config (`config.yaml`, rerun it with `lit-ess fit --config`), TensorBoard files, `metrics.csv`, and
@@ -14,7 +17,15 @@ whose config changed runs again); a failed run leaves `failed.txt`
 Each finished run also leaves a small summary, kept in the repository: `experiments/results/<experiment>/
 <cell>/seed<k>/` (`summary.json`: wall time and final metrics; `curves.csv`: the scalars the page
 plots, a row per step). The page is always made from every experiment's summaries, so one experiment can be rerun
-alone (in a fresh checkout nothing is in runs/, so naming it reruns it) and the rest of the page stays.
+alone and the rest of the page stays. A summary records its config's digest: in a checkout without the run's
+folder (runs/ is not in the repository) a summary with the same digest counts as the run made, others run again
+(to make a run again, delete its summary).
+
+`--seeds` takes a count (`8`: seeds 0-7) or seeds (`0-7`, `0,3,5-7`); a run's config depends only on its cell,
+seed and warm start, so adding seeds never reruns the ones made. `--warm-starts 0,1,2` repeats every
+run from warm starts made with those SFT seeds (model init, data order and label noise); warm start 0 is
+the one described here, warm start w > 0 lives apart under `<runs>/warm<w>/` and `<summaries>/warm<w>/`
+with the same layout, and the page compares them in its own section.
 
 First, once: the tiny model and its supervised warm start (`_base/`), and the warm start's held-out
 pass@k (`_base/val`), the line every plot starts from. Then every cell x seed, then the report
@@ -24,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import fnmatch
+import hashlib
 import json
 import os
 import subprocess
@@ -37,7 +50,7 @@ import yaml
 from lit_ess.console import quiet_console
 
 from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, base_folder, temperature
-from .report import read_csv, write_report
+from .report import decisive, read_csv, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "experiments" / "results"
@@ -62,16 +75,40 @@ def write_yaml(cfg: dict, path: Path) -> Path:
     return path
 
 
-def prepare_base(out: Path, scale: Scale, threads: int | None = None) -> Path:
-    """The tiny model, its SFT warm start (30% wrong labels: samples the right sum about half the time)."""
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds` / `--warm-starts`: a count N (0..N-1), or seeds and ranges, `0-7`, `0,3,5-7` (one seed k: `k-k`)."""
+    if text.strip().isdigit():
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError(f"a count of at least 1, got {text!r} (the one seed k alone: k-k)")
+        return list(range(int(text)))
+    out = []
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        ok = lo.isdigit() and (hi.isdigit() and int(hi) >= int(lo) if dash else not hi)
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{part!r} in {text!r} is not a seed or a range lo-hi (e.g. 0-7 or 0,3,5-7)")
+        out += [k for k in range(int(lo), int(hi or lo) + 1) if k not in out]
+    return out
+
+
+def warm_root(root: Path, warm: int) -> Path:
+    """Where warm start `warm`'s runs or summaries live: warm start 0 at the root (the page's own), others apart."""
+    return root if warm == 0 else root / f"warm{warm}"
+
+
+def prepare_base(out: Path, scale: Scale, threads: int | None = None, warm: int = 0) -> Path:
+    """The tiny model, its SFT warm start (30% wrong labels: samples the right sum about half the time).
+    `warm`: the SFT seed (initial weights, data order, which labels are wrong); 0 is configs/demo_sft.yaml's."""
     base = out / "_base"
     sft = base / "sft"
     if (sft / "config.json").exists() and (base / "sft.done").exists():
         return sft
     from lit_ess.tiny import build_tiny_model
 
-    build_tiny_model(base / "init")
+    build_tiny_model(base / "init", seed=warm)
     cfg = yaml.safe_load((ROOT / "configs" / "demo_sft.yaml").read_text())
+    if warm:
+        apply(cfg, {"seed_everything": warm, "data.init_args.seed": warm})
     apply(cfg, {"model.init_args.model_path": str(base / "init"), "trainer.max_steps": scale.sft_steps,
                 "trainer.logger.init_args.save_dir": str(base), "trainer.logger.init_args.version": "sft",
                 "trainer.callbacks": [{"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(sft)}}],
@@ -107,7 +144,15 @@ def base_validation(out: Path, sft: Path, scale: Scale, summaries: Path, threads
             validate(sft, d, scale, temp, threads)
         except RuntimeError as e:
             raise SystemExit(f"the warm start's {e}")
-    summarize(d, base_dir(summaries, temp), {})
+    dest = base_dir(summaries, temp)
+    here = read_csv(d / "metrics.csv")["val/pass@1"][-1][1]
+    if (dest / "summary.json").exists() and \
+            abs((stored := json.loads((dest / "summary.json").read_text())["final"]["val/pass@1"]) - here) > 1e-4:
+        raise SystemExit(f"the warm start in {out / '_base'} (held-out pass@1 {here:.5f} at T = {temp}) is not the one "
+                         f"the summaries in {summaries} were made from ({stored:.5f}): its runs would mix two starting "
+                         f"policies. Bring that warm start's {out / '_base'} here, or start the page over (another "
+                         f"--summaries folder, or remove {summaries})")
+    summarize(d, dest, {})
     return d
 
 
@@ -165,9 +210,10 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
     exp_name, cell = canonical(exp_name, cell)
     d, dest = (root / exp_name / cell.label / f"seed{seed}" for root in (out, summaries))
     text = yaml.safe_dump(cell_config(exp_name, cell, seed, sft, d, scale), sort_keys=False)
-    if (d / "done.json").exists() and (d / "config.yaml").exists() and (d / "config.yaml").read_text() == text:
+    digest = config_digest(exp_name, cell, seed, scale)
+    if made(d, dest, text, digest):
         if not (dest / "summary.json").exists():          # e.g. another --summaries folder
-            summarize_run(d, dest, cell)
+            summarize_run(d, dest, cell, digest)
         return "skipped"
     (d / "done.json").unlink(missing_ok=True)
     (d / "failed.txt").unlink(missing_ok=True)
@@ -192,17 +238,99 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
         (dest / "failed.txt").write_text(tail[-1500:])
         return "failed"
     (d / "done.json").write_text(json.dumps({"seconds": round(time.time() - t0, 1)}) + "\n")
-    summarize_run(d, dest, cell)
+    summarize_run(d, dest, cell, digest)
     return "done"
 
 
-def summarize_run(d: Path, dest: Path, cell) -> None:
-    """A finished run's summary from its folder: wall time, and the evaluation at its own temperature."""
-    summary = {"seconds": json.loads((d / "done.json").read_text())["seconds"]}
+def made(d: Path, dest: Path, text: str, digest: str) -> bool:
+    """Whether the run exists already: its folder `d` finished with this very config (`text`), or, with no
+    folder (another machine made it), its summary in `dest` records this config's digest."""
+    if (d / "done.json").exists() and (d / "config.yaml").exists() and (d / "config.yaml").read_text() == text:
+        return True
+    return not d.exists() and (dest / "summary.json").exists() and \
+        json.loads((dest / "summary.json").read_text()).get("config_sha256") == digest
+
+
+def config_digest(exp_name: str, cell, seed: int, scale: Scale) -> str:
+    """sha256 of the run's config with its folders left out: what a stored summary was made from, so a
+    checkout without the run's folder (the summaries are in the repository, runs/ is not) can reuse it."""
+    cfg = cell_config(exp_name, cell, seed, Path("<warm start>"), Path("<run>"), scale)
+    return hashlib.sha256(yaml.safe_dump(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def summarize_run(d: Path, dest: Path, cell, digest: str) -> None:
+    """A finished run's summary from its folder: wall time, the config's digest, and the evaluation at
+    its own temperature."""
+    summary = {"seconds": json.loads((d / "done.json").read_text())["seconds"], "config_sha256": digest}
     if (temp := temperature(cell)) != 1.0:
         own = read_csv(d / "own_val" / "metrics.csv")["val/pass@1"][-1][1]
         summary["own_temperature"] = {"temperature": temp, "val/pass@1": round(own, 5)}
     summarize(d, dest, summary)
+
+
+# The cells the page's headline differences rest on: P3O against GRPO eps 0.2 and 0.6 at S = 4 and 8
+# (lr 5e-4), and the KL-anchor remedy at T = 1.5; the ones to repeat from other warm starts.
+HEADLINE = [f"stress_s/{m}_lr5e-4_S{s}" for s in (4, 8) for m in ("p3o", "grpo_eps0.2", "grpo_eps0.6")] + \
+           ["temperature/p3o_T1.5_processed_k4", "temperature/p3o_T1.5_processed_k4_anchor"]
+REMEDY = "temperature/p3o_T*_processed_k4*"
+
+
+def selection(name: str, summaries: Path, scale: Scale) -> list[str]:
+    """A named set of cells (`<experiment>/<cell>` patterns). `headline`: HEADLINE. `decisive`: every
+    stress line's breaking level and the level below, from the stored summaries (report.decisive; rerun
+    after new seeds, a break may move), the headline cells and the remedy cells at every temperature."""
+    if name == "headline":
+        return list(HEADLINE)
+    return [f"{e}/{c}" for e, c in decisive(summaries, scale)] + HEADLINE + [REMEDY]
+
+
+SELECTIONS = ("decisive", "headline")
+
+
+def plan(names: list[str], include: list[str], only: list[str], scale: Scale, seeds: list[int],
+         warm_starts: list[int]) -> list[tuple[int, str, object, int]]:
+    """The runs to make, (warm start, experiment, cell, seed), each once: the named experiments' cells and
+    those matching an `include` pattern (every cell when neither is given), narrowed to those matching an
+    `only` pattern when there is one (fnmatch on `<experiment>/<cell>`); a cell `same_as` another is run
+    (and stored) under that one."""
+    def match(key: str, patterns: list[str]) -> bool:
+        return any(fnmatch.fnmatchcase(key, q) for q in patterns)
+
+    cells = [(n, c) for n, e in EXPERIMENTS.items() for c in e.cells[:scale.cells]
+             if (n in names or match(f"{n}/{c.label}", include) or not (names or include))
+             and (not only or match(f"{n}/{c.label}", only))]
+    todo = {}
+    for warm in warm_starts:
+        for name, cell in cells:
+            for seed in seeds:
+                run_name, run_cell_ = canonical(name, cell)
+                todo.setdefault((warm, run_name, run_cell_.label, seed), (warm, name, cell, seed))
+    return list(todo.values())
+
+
+def estimate(todo: list, out: Path, summaries: Path, scale: Scale, jobs: int) -> str:
+    """How many of the planned runs are to make, and how long they take: each at the mean wall time of
+    its experiment's stored runs (made with --jobs 2, a thread each), `jobs` at a time."""
+    seconds: dict[str, list[float]] = {}
+    for path in summaries.glob("*/*/seed*/summary.json"):
+        if "seconds" in (summary := json.loads(path.read_text())):
+            seconds.setdefault(path.parts[-4], []).append(summary["seconds"])
+    overall = [x for v in seconds.values() for x in v]
+    new, total = [], 0.0
+    for warm, name, cell, seed in todo:
+        run_name, run = canonical(name, cell)
+        d, dest = (warm_root(root, warm) / run_name / run.label / f"seed{seed}" for root in (out, summaries))
+        text = yaml.safe_dump(cell_config(run_name, run, seed, warm_root(out, warm) / "_base" / "sft", d, scale),
+                              sort_keys=False)
+        if not made(d, dest, text, config_digest(run_name, run, seed, scale)):
+            new.append(warm)
+            per = seconds.get(run_name) or overall
+            total += sum(per) / len(per) if per else float("nan")
+    warm_new = sorted({w for w in new if not (warm_root(out, w) / "_base" / "sft.done").exists()})
+    return (f"{len(todo)} runs planned, {len(todo) - len(new)} already made, {len(new)} to make: about "
+            f"{total / 3600:.1f} h of run time, {total / 3600 / jobs:.1f} h of wall time at --jobs {jobs} "
+            f"(each at its experiment's mean stored wall time)"
+            + (f", plus the warm start(s) {warm_new} to make first (a {scale.sft_steps}-step SFT each)" if warm_new else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,7 +339,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--only", action="append", default=[], metavar="NAME", help="an experiment to run (repeatable)")
     p.add_argument("--report-only", action="store_true", help="no run: the page from the stored summaries")
     p.add_argument("--quick", action="store_true", help="1 seed, 4 steps, a short warm start (CI)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 3; --quick: 1)")
+    p.add_argument("--seeds", type=parse_seeds, default=None, metavar="SEEDS",
+                   help="a count (default 3, --quick 1: seeds 0..N-1) or seeds: 0-7, 0,3,5-7")
+    p.add_argument("--warm-starts", type=parse_seeds, default=[0], metavar="SEEDS",
+                   help="SFT seeds of the warm starts to run from (default 0; others stored under warm<w>/): 0,1,2")
+    p.add_argument("--cells", action="append", default=[], metavar="PATTERN",
+                   help="only cells matching <experiment>/<cell> (fnmatch, repeatable): 'stress_s/p3o_lr5e-4_*'")
+    p.add_argument("--select", action="append", default=[], choices=SELECTIONS,
+                   help="a named set of cells: decisive (breaking levels and the level below, the headline and "
+                        "remedy cells), headline (P3O vs GRPO at S = 4 and 8, the remedy at T = 1.5)")
+    p.add_argument("--dry-run", action="store_true", help="no run: how many runs are to make and how long they take")
     p.add_argument("--out", default=None, help="runs folder (default runs/experiments, or runs/experiments-quick)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each with cores / jobs threads")
     p.add_argument("--results", default=None, help="folder of the results page and plots (default docs/, "
@@ -225,11 +362,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiment(s) {unknown}; choose from {', '.join(EXPERIMENTS)} or all")
-    if not names and not a.report_only:
-        p.error("name experiments to run ('all' for every one), or --report-only")
+    if not names and not a.cells and not a.select and not a.report_only:
+        p.error("name experiments to run ('all' for every one), --cells or --select, or --report-only")
     scale = QUICK if a.quick else FULL
-    if a.seeds:
-        scale = Scale(**{**scale.__dict__, "seeds": a.seeds})
+    seeds = a.seeds or list(range(scale.seeds))
     out = (ROOT / (a.out or ("runs/experiments-quick" if a.quick else "runs/experiments"))).resolve()
     results = Path(a.results).resolve() if a.results else (out if a.quick else ROOT / "docs")
     summaries = Path(a.summaries).resolve() if a.summaries else (out / "summaries" if a.quick else SUMMARIES)
@@ -237,28 +373,34 @@ def main(argv: list[str] | None = None) -> None:
     if a.report_only:
         print(f"results: {write_report(summaries, results, scale, command)}", flush=True)
         return
+    include = [q for sel in a.select for q in selection(sel, summaries, scale)]
+    todo = plan(names, include, a.cells, scale, seeds, a.warm_starts)
+    if not todo:
+        p.error(f"no cell matches --cells {' '.join(a.cells)} (fnmatch on <experiment>/<cell>)")
+    if a.dry_run:
+        print(estimate(todo, out, summaries, scale, a.jobs), flush=True)
+        return
     t0 = time.time()
     threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
-    sft = prepare_base(out, scale, threads)
-    for temp in sorted({temperature(c) for n in names for c in EXPERIMENTS[n].cells[:scale.cells]} | {1.0}):
-        base_validation(out, sft, scale, summaries, threads, temp)
+    sfts = {}
+    for warm in a.warm_starts:    # each warm start: its SFT model and its own baselines, once
+        w_out, w_sum = warm_root(out, warm), warm_root(summaries, warm)
+        sfts[warm] = prepare_base(w_out, scale, threads, warm)
+        for temp in sorted({temperature(c) for w, _, c, _ in todo if w == warm} | {1.0}):
+            base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
     counts = {"done": 0, "skipped": 0, "failed": 0}
-    todo = {}                     # a run shared by two experiments (`same_as`) is run once
-    for name in names:
-        for cell in EXPERIMENTS[name].cells[:scale.cells]:
-            for seed in range(scale.seeds):
-                run_name, run_cell_ = canonical(name, cell)
-                todo.setdefault((run_name, run_cell_.label, seed), (name, cell, seed))
 
     def one(job):
-        name, cell, seed = job
+        warm, name, cell, seed = job
         t1 = time.time()
-        status = run_cell(name, cell, seed, sft, out, summaries, scale, threads)
-        print(f"[{name}] {cell.label} seed {seed}: {status} ({time.time() - t1:.0f} s)", flush=True)
+        status = run_cell(name, cell, seed, sfts[warm], warm_root(out, warm), warm_root(summaries, warm), scale,
+                          threads)
+        where = f" warm start {warm}" if warm else ""
+        print(f"[{name}] {cell.label} seed {seed}{where}: {status} ({time.time() - t1:.0f} s)", flush=True)
         return status
 
     with ThreadPoolExecutor(max_workers=a.jobs) as pool:
-        for status in pool.map(one, todo.values()):
+        for status in pool.map(one, todo):
             counts[status] += 1
     page = write_report(summaries, results, scale, command)
     print(f"{counts['done']} run, {counts['skipped']} skipped, {counts['failed']} failed in {time.time() - t0:.0f} s; "

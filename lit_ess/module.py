@@ -47,10 +47,12 @@ from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_ada
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
-from .packing import plan_micro_batches
+from .packing import packed_logprobs, plan_micro_batches, plan_ranks
 from .engines import SamplingConfig
 from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
+
+PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3"}   # model.packing's attention
 
 __all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
 
@@ -89,9 +91,21 @@ class PolicyModule(L.LightningModule):
             Rows are grouped by length, longest first (lit_ess.packing.plan_micro_batches), so short rows
             are no longer padded to the step's longest; a row longer than the budget gets a micro-batch
             of its own. The ESS pre-pass, the proximal scoring and the reference model use the same
-            micro-batches, and the update is the same as with one micro-batch. Data-parallel ranks plan
-            their own rows (no token balancing across ranks) and run the same number of passes.
+            micro-batches, and the update is the same as with one micro-batch. On several data-parallel
+            ranks the step's rows are gathered and dealt to the ranks by token count (lit_ess.packing.plan_ranks:
+            ranks within one row's length of each other, the same number of passes).
             None (default) = micro_batch_size decides.
+        packing: padding-free forwards (lit_ess.packing.packed_logprobs): the rows of each micro-batch laid
+            end to end in lines as wide as its longest row, position ids restarting at every row, so the
+            MLPs and projections see (almost) only tokens and attention is block-diagonal (transformers
+            builds that mask from the position ids for sdpa and eager, varlen for flash-attention; no
+            row attends to another). Lines, not one [1, N] line: sdpa and eager hold a dense mask, whose
+            attention costs N^2 against the padded b T^2. Rows longer than half the longest share no line,
+            so lengths within a factor 2 gain nothing. Logprobs and entropies come back as [b, T]: the
+            objectives, the ESS pre-pass, the proximal scoring and the reference model are unchanged, and
+            loss, gradient and ESS equal the padded forward's. With micro_batch_tokens the budget counts
+            the rows' tokens (their sum) instead of rows x longest row. Needs attn_implementation sdpa,
+            eager or flash_attention_2/3. False (default): padded [b, T] forwards.
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
@@ -131,6 +145,7 @@ class PolicyModule(L.LightningModule):
         max_grad_norm: float | None = 1.0,
         micro_batch_size: int | None = None,
         micro_batch_tokens: int | None = None,
+        packing: bool = False,
         ess_scope: Literal["step", "micro"] = "step",
         train_temperature: float | None = None,
         gradient_checkpointing: bool = False,
@@ -154,6 +169,8 @@ class PolicyModule(L.LightningModule):
         if micro_batch_size is not None and micro_batch_tokens is not None:
             raise ValueError(f"model.micro_batch_size={micro_batch_size} and model.micro_batch_tokens={micro_batch_tokens} "
                              f"are alternatives: set one of them (or neither, for the whole step at once)")
+        if not isinstance(packing, bool):
+            raise ValueError(f"model.packing must be true or false, got {packing!r}")
         check("model.train_temperature", train_temperature, gt=0, null=True)
         self.save_hyperparameters()
         check_model_path(model_path)
@@ -195,6 +212,7 @@ class PolicyModule(L.LightningModule):
 
         dtype = getattr(torch, self.hparams.model_dtype)
         self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=dtype).train()
+        self._check_packing(self.policy, "model_path")
         if self.hparams.disable_dropout:
             disable_dropout(self.policy)
         if self.hparams.gradient_checkpointing:
@@ -210,7 +228,17 @@ class PolicyModule(L.LightningModule):
                                f"that is intended")
         if self.objective.ref_kl_coef and (self.lora is None or self.hparams.ref_model_path):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
+            self._check_packing(ref, "ref_model_path")
             self.ref_policy = ref.eval().requires_grad_(False)
+
+    def _check_packing(self, model, where: str) -> None:
+        """With packing, refuse an attention implementation that does not turn restarting position ids into
+        a block-diagonal mask (transformers.masking_utils.find_packed_sequence_indices): rows would attend
+        to each other."""
+        impl = model.config._attn_implementation
+        if self.hparams.packing and impl not in PACKED_ATTENTION:
+            raise ValueError(f"model.packing=true needs attn_implementation in {sorted(PACKED_ATTENTION)} ({where}'s "
+                             f"model uses {impl!r}): packed rows would attend to each other; set model.packing=false")
 
     def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights with Hugging Face names, gathered one tensor at a time (FSDP2:
@@ -255,9 +283,11 @@ class PolicyModule(L.LightningModule):
         reference KL is exactly 0 whatever the sampling settings.
         """
         T = sampling.temperature if self.hparams.train_temperature is None else self.hparams.train_temperature
+        args = (model, mb.input_ids, mb.attention_mask, mb.completion_mask, T, sampling.top_k, sampling.top_p)
         with torch.enable_grad() if with_grad else torch.no_grad():
-            return sequence_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                     T, sampling.top_k, sampling.top_p, with_entropy=with_entropy)
+            if self.hparams.packing:        # lines as wide as the micro-batch's longest row (it is trimmed to it)
+                return packed_logprobs(*args, with_entropy=with_entropy, width=mb.input_ids.shape[1])
+            return sequence_logprobs(*args, with_entropy=with_entropy)
 
     def _forward(self, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool) -> tuple[Tensor, Tensor | None]:
         """(logprobs, entropy or None) of the policy on the micro-batch."""
@@ -322,16 +352,40 @@ class PolicyModule(L.LightningModule):
     def micro_batches(self, batch: RolloutBatch) -> list[tuple[slice | list[int], RolloutBatch]]:
         """The step's micro-batches, each with the rows of `batch` it holds (a slice or row indices), each
         trimmed to its longest row: micro_batch_tokens plans rows by their real length (attention-mask
-        tokens) with lit_ess.packing.plan_micro_batches, else consecutive slices of micro_batch_size rows
-        (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
+        tokens) with lit_ess.packing.plan_micro_batches (cost rows x longest row, or with packing the sum of
+        lengths), else consecutive slices of micro_batch_size rows (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
         reference model in it) and the proximal scoring all use these."""
         budget = self.hparams.micro_batch_tokens
         if budget is None:
             size = batch.rows if self.hparams.micro_batch_size is None else self.hparams.micro_batch_size
             cuts = [slice(s, s + size) for s in range(0, batch.rows, size)]
         else:
-            cuts = plan_micro_batches(batch.attention_mask.sum(-1).tolist(), budget)
+            cuts = plan_micro_batches(batch.attention_mask.sum(-1).tolist(), budget, packed=self.hparams.packing)
         return [(rows, batch.select(rows)) for rows in cuts]
+
+    def rank_passes(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[tuple[RolloutBatch, float]]]:
+        """This rank's micro-batches of the step, and its passes: (micro-batch, weight), the same count on every
+        rank (weight 0: a repeat that only joins the collectives).
+
+            one rank, or micro_batch_size   `micro_batches` of this rank's rows, padded by `_same_count`
+            micro_batch_tokens, W ranks      every rank's rows gathered (tokens, masks, logprobs: small) and
+                                             dealt by lit_ess.packing.plan_ranks: longest first to the rank
+                                             with the fewest tokens (ranks within one row's length of each
+                                             other), each rank's micro-batches split until all ranks run as
+                                             many passes; rank r trains plan[r]
+
+        The update is the same either way: losses are normalised by the step's global counts."""
+        budget = self.hparams.micro_batch_tokens
+        if budget is None or not self._world():
+            mbs = [mb for _, mb in self.micro_batches(batch)]
+            return mbs, self._same_count(mbs)
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, batch.to("cpu"))
+        step = RolloutBatch.cat(shares)
+        plan = plan_ranks(step.attention_mask.sum(-1).tolist(), budget, len(shares), packed=self.hparams.packing)
+        mbs = [step.select(rows).to(self.device) for rows in plan[dist.get_rank()] if rows]
+        pad = mbs[0] if mbs else step.select([0]).to(self.device)
+        return mbs, [(mb, 1.0) for mb in mbs] + [(pad, 0.0)] * (len(plan[0]) - len(mbs))
 
     def _same_count(self, mbs: list[RolloutBatch], pad: RolloutBatch | None = None) -> list[tuple[RolloutBatch, float]]:
         """(micro-batch, weight) pairs, padded to the largest count over ranks with weight-0 repeats (of
@@ -388,8 +442,9 @@ class PolicyModule(L.LightningModule):
         step, step ESS e_B or None). Gradients accumulate in the parameters' .grad; the caller clips
         and steps.
 
-            micro-batches    `micro_batches` (micro_batch_size rows or micro_batch_tokens), the same count
-                             on every rank (`_same_count`)
+            micro-batches    `rank_passes`: `micro_batches` (micro_batch_size rows or micro_batch_tokens),
+                             the same count on every rank; with micro_batch_tokens on several ranks the
+                             step's rows dealt to the ranks by token count
             counts           N tokens and sequences of the whole step (`_step_counts`)
             ESS pre-pass     e_B over the whole step, when it spans several passes (`ess_prepass`)
             gradient pass    forward, objective, backward per micro-batch (`gradient_pass`)
@@ -406,8 +461,7 @@ class PolicyModule(L.LightningModule):
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
                            f"max_staleness > steps_per_rollout - 1); warned once")
         sampling = batch.sampling
-        mbs = [mb for _, mb in self.micro_batches(batch)]
-        passes = self._same_count(mbs)
+        mbs, passes = self.rank_passes(batch)
         counts = self._step_counts(mbs)
         step_ess = None
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):

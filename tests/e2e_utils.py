@@ -309,3 +309,26 @@ class FlakyRetry(RetryArithmetic):
         if len(action.text) % 2:
             raise ValueError("flaky environment")
         return super().step(action)
+
+
+def spawn_ranks(target, *args, world: int = 2, timeout: float = 240, what: str = "the ranks") -> None:
+    """Run `target(rank, world, port, *args)` in `world` spawned processes (a free local port for gloo);
+    fail when one hangs past `timeout` seconds (mismatched collectives) or exits non-zero."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{what} hung (mismatched collectives)"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

@@ -119,3 +119,21 @@ def test_a_batch_checkpointed_with_a_sampling_dict_and_a_proximal_step_loads():
         b = RolloutBatch.from_state({**state, "prox_version": step, "prox_logprobs": prox})
         assert b.proximal == want and b.engine_dtype == "bfloat16"
         assert b.sampling == SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=3)
+
+
+def test_cat_puts_selected_rows_back_together():
+    """RolloutBatch.cat of slices of a batch (each trimmed to its own longest row) is the batch again, in
+    the slices' order: token fields padded back to the widest, row fields and texts concatenated."""
+    rows = [Row(prompt=[3] * (2 + i), completion=[5] * (1 + i % 3), logprobs=[-0.5] * (1 + i % 3), advantage=float(i),
+                reward=0.0, version=i, prompt_id=i, prompt_text=f"p{i}", completion_text=f"c{i}") for i in range(5)]
+    batch = collate(rows, pad_id=0, sampling=SamplingConfig(max_new_tokens=3))
+    parts = [batch.select([3, 1]), batch.select([0]), batch.select([4, 2])]
+    assert parts[1].input_ids.shape[1] < batch.input_ids.shape[1]
+    got = RolloutBatch.cat(parts)
+    want = batch.select([3, 1, 0, 4, 2])
+    for f, k in ((f, kind(f)) for f in fields(RolloutBatch)):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    with pytest.raises(ValueError, match="prox_logprobs is set on some batches only"):
+        parts[0].prox_logprobs = torch.zeros_like(parts[0].behavior_logprobs)
+        RolloutBatch.cat(parts)

@@ -31,6 +31,15 @@ def test_print_config_lists_every_objective_hyper_parameter(tiny_model_dir, cls)
     assert objective["init_args"] == defaults             # every field, with its default
 
 
+def test_print_config_lists_the_token_knobs(tiny_model_dir):
+    """micro_batch_tokens and packing are in the printed config, with their defaults, and take a value."""
+    model = print_config(tiny_model_dir)["model"]["init_args"]
+    assert model["micro_batch_tokens"] is None and model["packing"] is False
+    model = print_config(tiny_model_dir, "--model.init_args.packing", "true",
+                         "--model.init_args.micro_batch_tokens", "512")["model"]["init_args"]
+    assert model["packing"] is True and model["micro_batch_tokens"] == 512
+
+
 def test_print_config_lists_engine_settings(tiny_model_dir):
     cfg = print_config(tiny_model_dir, "--data.init_args.engine", "HFConfig")
     assert cfg["data"]["init_args"]["engine"] == {"class_path": "lit_ess.engines.HFConfig",

@@ -5,16 +5,14 @@ the same logged metrics, distinct prompts, and resume exactly from a sharded che
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
+from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, spawn_ranks, write_config
 from lit_ess.engines import SamplingConfig
 from lit_ess.objectives import P3O, ess_stats
 from lit_ess.rollout import Row, collate
@@ -22,12 +20,6 @@ from lit_ess.rollout import Row, collate
 pytestmark = pytest.mark.dist
 
 SAMPLING = SamplingConfig(temperature=1.0, top_k=-1, top_p=1.0, max_new_tokens=6)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch(rows: int = 6):
@@ -87,26 +79,16 @@ def _rank_main(rank, world, port, model_dir, out, ess_scope="step", cut=None):
 
 
 def _two_ranks(tiny_model_dir, out, ess_scope="step", cut=None) -> dict:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, tiny_model_dir, out, ess_scope, cut)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "the 2-rank step hung (mismatched collectives)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    spawn_ranks(_rank_main, tiny_model_dir, out, ess_scope, cut, what="the 2-rank step")
     return torch.load(out)
 
 
-@pytest.mark.parametrize("cut", [{"micro_batch_size": 2}, {"micro_batch_tokens": 20}], ids=["rows", "tokens"])
+@pytest.mark.parametrize("cut", [{"micro_batch_size": 2}, {"micro_batch_tokens": 20},
+                                 {"micro_batch_tokens": 20, "packing": True}], ids=["rows", "tokens", "packed"])
 def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path, cut):
-    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2; or a budget of 20 tokens, rows of 7-10
-    tokens: [[1, 2], [3, 0]] against [[5, 4]]): the ranks' pass counts differ, which deadlocks FSDP unless
-    padded; gradients are averaged by FSDP, so each rank's loss is scaled by W. The sharded step's
+    """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2: 2 passes against 1, which deadlocks FSDP
+    unless padded; or a budget of 20 tokens, rows of 7-10 tokens: the 6 rows dealt to the ranks by tokens,
+    packed or not); gradients are averaged by FSDP, so each rank's loss is scaled by W. The sharded step's
     gradients, ESS and metrics equal one process's on all 6 rows."""
     got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", cut=cut)
 
@@ -146,18 +128,8 @@ def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model
     """A phase's waiting batches differ between ranks (here 3 micro-batches against none): the ranks run
     the same number of forwards (each a collective under FSDP2) and rank 0's proximal logprobs equal one
     process's."""
-    ctx = mp.get_context("spawn")
-    port, out = _free_port(), tmp_path / "prox.pt"
-    procs = [ctx.Process(target=_proximal_rank_main, args=(r, 2, port, tiny_model_dir, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "proximal scoring hung (mismatched collectives)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    out = tmp_path / "prox.pt"
+    spawn_ranks(_proximal_rank_main, tiny_model_dir, out, what="proximal scoring")
     got = torch.load(out)
     from lit_ess.module import PolicyModule
 

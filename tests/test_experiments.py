@@ -1,6 +1,7 @@
 """The experiment runner end to end (`--quick`): warm start, every experiment, CSVs, plots, results page,
 summaries, the page rebuilt from the summaries alone, and a second invocation that skips every finished
 run. The stress experiments' breaking-point table from hand-made summaries."""
+import argparse
 import json
 import shutil
 import subprocess
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from experiments.cells import EXPERIMENTS, FULL, HIGH_LR, K_LEVELS, LR, METHODS, QUICK, apply, cell_lr
 from experiments.report import COLLAPSE, write_report
@@ -46,10 +49,10 @@ def test_stress_cells_cover_every_method_rate_and_level():
     assert all(c.same_as == f"stress_k/{c.label}" and c.label.endswith("_k1") for c in on_policy)
 
 
-def _summary(folder: Path, val: float) -> None:
+def _summary(folder: Path, val: float, **summary) -> None:
     folder.mkdir(parents=True)
     (folder / "curves.csv").write_text(f"step,train/ess,val/pass@1\n1,0.9,\n48,,{val}\n")
-    (folder / "summary.json").write_text(json.dumps({"seconds": 1.0}))
+    (folder / "summary.json").write_text(json.dumps({"seconds": 1.0, **summary}))
 
 
 def test_breaking_point_is_the_first_level_where_two_of_three_seeds_collapse(tmp_path):
@@ -125,3 +128,178 @@ def test_quick_suite_makes_the_plots_and_the_results_page(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and f"0 run, {len(EXPERIMENTS) * QUICK.cells} skipped, 0 failed" in again.stdout, \
         again.stdout[-2000:]
+
+
+# --- intervals (hand-computed) -------------------------------------------------------------------------
+
+def test_wilson_interval_known_values():
+    """z = 1.96, z^2 = 3.8415. 0/3: center = half-width = (z^2/2) / (3 + z^2) = 1.9207 / 6.8415 = 0.2807, so
+    [0, 0.5615]; 3/3 mirrors it, [0.4385, 1]. 5/10: center 0.5, half = 1.96 / 13.8415 * sqrt(2.5 + 0.9604)
+    = 0.1416 * 1.8602 = 0.2634, so [0.2366, 0.7634]."""
+    from experiments.intervals import wilson
+
+    for (k, n), (lo, hi) in {(0, 3): (0.0, 0.5615), (3, 3): (0.4385, 1.0), (5, 10): (0.2366, 0.7634)}.items():
+        assert wilson(k, n) == pytest.approx((lo, hi), abs=1e-4)
+    with pytest.raises(ValueError, match="k <= n"):
+        wilson(4, 3)
+
+
+def test_bootstrap_interval_known_values():
+    """Resample means of [0, 1]: 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4: the 95% bounds are 0 and 1, the
+    central 40% (a = 0.3) is 0.5 alone. Four 0s and four 1s: the mean is Binomial(8, 1/2) / 8; P(<= 1/8) =
+    9/256 = 0.035 is the first cumulative >= 0.025, P(<= 6/8) = 247/256 = 0.965 < 0.975: [0.125, 0.875]."""
+    from experiments.intervals import bootstrap_mean
+
+    assert bootstrap_mean([0.0, 1.0]) == (0.0, 1.0)
+    assert bootstrap_mean([0.0, 1.0], level=0.4) == (0.5, 0.5)
+    assert bootstrap_mean([0.0] * 4 + [1.0] * 4) == (0.125, 0.875)
+    assert bootstrap_mean([0.3, 0.3, 0.3]) == (0.3, 0.3)
+    xs = [0.61, 0.55, 0.72, 0.66, 0.58, 0.7, 0.64, 0.59]
+    assert bootstrap_mean(xs) == bootstrap_mean(xs)                    # a fixed RNG seed: the page is reproducible
+    with pytest.raises(ValueError, match="no values"):
+        bootstrap_mean([])
+
+
+@given(st.lists(st.floats(0, 1), min_size=3, max_size=3))
+@settings(max_examples=30, deadline=None)
+def test_bootstrap_interval_of_three_seeds_is_their_range(xs):
+    """With 3 values an all-min (or all-max) resample has probability 1/27 > 2.5%: the bounds are min and max."""
+    from experiments.intervals import bootstrap_mean
+
+    lo, hi = bootstrap_mean(xs)
+    assert lo == pytest.approx(min(xs)) and hi == pytest.approx(max(xs))
+
+
+def test_apart_needs_the_intervals_not_to_overlap():
+    from experiments.intervals import apart
+
+    assert apart((0.6, 0.7), (0.4, 0.59)) == 1 and apart((0.4, 0.59), (0.6, 0.7)) == -1
+    assert apart((0.4, 0.6), (0.6, 0.7)) == 0 and apart((0.0, 1.0), (0.4, 0.5)) == 0
+
+
+# --- the runner's axes: seeds, warm starts, cell selections (no training) ------------------------------
+
+def test_seeds_take_a_count_ranges_and_lists(capsys):
+    from experiments.run import main, parse_seeds
+
+    assert parse_seeds("8") == list(range(8)) and parse_seeds("0-7") == list(range(8))
+    assert parse_seeds("0,3,5-7") == [0, 3, 5, 6, 7] and parse_seeds("5-5") == [5] and parse_seeds("2,1-3") == [2, 1, 3]
+    for bad in ("3-1", "a", "1-", "-2", "0", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_seeds(bad)
+    with pytest.raises(SystemExit):
+        main(["clip", "--seeds", "3-1", "--dry-run"])
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_plan_names_patterns_seeds_and_warm_starts():
+    from experiments.run import plan
+
+    assert len(plan(["clip"], [], [], FULL, [0, 1, 2], [0])) == 5 * 3
+    only = plan(["clip"], [], ["clip/p3o"], FULL, [3, 4], [0])
+    assert [(w, n, c.label, s) for w, n, c, s in only] == [(0, "clip", "p3o", 3), (0, "clip", "p3o", 4)]
+    # a pattern alone; stress_s's S = 0 cell is stress_k's run, planned once
+    jobs = plan([], ["stress_s/p3o_lr5e-4_*"], [], FULL, [3], [0, 1])
+    assert sorted((w, c.label) for w, _, c, _ in jobs) == sorted(
+        (w, f"p3o_lr5e-4_{lv}") for w in (0, 1) for lv in ("S4", "S8", "S24", "k1"))
+    both = plan(["stress_k", "stress_s"], [], [], FULL, [0], [0])
+    assert len(both) == len(EXPERIMENTS["stress_k"].cells) + sum(c.same_as is None for c in EXPERIMENTS["stress_s"].cells)
+    assert plan([], ["nothing/*"], [], FULL, [0], [0]) == []
+
+
+def test_warm_start_zero_keeps_the_layout_and_the_config(tmp_path):
+    """Warm start 0's runs and summaries stay where they were (the stored summaries stay valid); a run's
+    config depends on its cell, seed and warm start only, not on how the seeds were asked for."""
+    from experiments.run import cell_config, config_digest, warm_root
+
+    assert warm_root(tmp_path, 0) == tmp_path and warm_root(tmp_path, 2) == tmp_path / "warm2"
+    cell = EXPERIMENTS["clip"].cells[0]
+    cfg = cell_config("clip", cell, 5, tmp_path / "_base" / "sft", tmp_path / "clip" / cell.label / "seed5", FULL)
+    assert cfg["seed_everything"] == 5 and cfg["model"]["init_args"]["model_path"] == str(tmp_path / "_base" / "sft")
+    assert config_digest("clip", cell, 5, FULL) == config_digest("clip", cell, 5, FULL) != config_digest("clip", cell, 6, FULL)
+
+
+def test_a_summary_made_elsewhere_with_the_same_config_is_reused(tmp_path):
+    from experiments.run import config_digest, made
+
+    cell = EXPERIMENTS["clip"].cells[0]
+    d, dest = tmp_path / "runs" / "seed0", tmp_path / "summaries" / "seed0"
+    digest = config_digest("clip", cell, 0, FULL)
+    dest.mkdir(parents=True)
+    (dest / "summary.json").write_text(json.dumps({"seconds": 1.0, "config_sha256": digest}))
+    assert made(d, dest, "cfg", digest)
+    assert not made(d, dest, "cfg", config_digest("clip", cell, 1, FULL))     # another config: run it
+    (dest / "summary.json").write_text(json.dumps({"seconds": 1.0}))            # no digest: not known to match
+    assert not made(d, dest, "cfg", digest)
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text("cfg")
+    (d / "done.json").write_text("{}")
+    assert made(d, dest, "cfg", digest) and not made(d, dest, "other", digest)
+
+
+def test_runs_are_not_added_to_summaries_of_another_warm_start(tmp_path):
+    from experiments.run import base_validation
+
+    d = tmp_path / "runs" / "_base" / "val"
+    d.mkdir(parents=True)
+    (d / "metrics.csv").write_text("tag,step,value\nval/pass@1,0,0.635\n")
+    _summary(tmp_path / "summaries" / "_base" / "val", 0.574)
+    (tmp_path / "summaries" / "_base" / "val" / "summary.json").write_text(json.dumps({"final": {"val/pass@1": 0.574}}))
+    with pytest.raises(SystemExit, match="not the one"):
+        base_validation(tmp_path / "runs", tmp_path / "sft", FULL, tmp_path / "summaries")
+    (tmp_path / "summaries" / "_base" / "val" / "summary.json").write_text(json.dumps({"final": {"val/pass@1": 0.635}}))
+    base_validation(tmp_path / "runs", tmp_path / "sft", FULL, tmp_path / "summaries")       # the same one: fine
+
+
+def test_selections_name_existing_cells_and_decisive_follows_the_breaks(tmp_path):
+    """decisive: on each stress line's learning rate, every method at each level where one breaks and the
+    level below, a line that breaks nowhere at the top level; plus the headline and remedy cells."""
+    from experiments.run import HEADLINE, REMEDY, plan, selection
+
+    for pattern in HEADLINE + [REMEDY]:
+        assert plan([], [pattern], [], FULL, [0], [0]), pattern
+    base, low = 0.5, 0.5 - COLLAPSE - 0.01
+    _summary(tmp_path / "_base" / "val", base)
+    for c in EXPERIMENTS["stress_s"].cells:
+        if c.method == "p3o" and cell_lr(c) == HIGH_LR:   # breaks at S = 8 (S = 0 is stress_k's k = 1 run)
+            for s, v in enumerate([low, low, low] if c.level in (8, 24) else [0.7, 0.7, 0.7]):
+                _summary(tmp_path / (c.same_as or f"stress_s/{c.label}") / f"seed{s}", v)
+    chosen = plan([], selection("decisive", tmp_path, FULL), [], FULL, [0], [0])
+    stress_s = {(cell_lr(c), c.level, c.method) for _, n, c, _ in chosen if n == "stress_s"}
+    assert stress_s == ({(HIGH_LR, lv, m) for lv in (4, 8) for m in METHODS} | {(LR, 24, m) for m in METHODS}
+                        | {(HIGH_LR, 24, m) for m in METHODS if m != "p3o"})          # lines that break nowhere
+    assert {c.level for _, n, c, _ in chosen if n == "stress_k"} == {K_LEVELS[-1]}       # nothing broke there
+    assert {c.label for _, n, c, _ in chosen if n == "temperature"} == {
+        f"p3o_T{t}_processed_k4{a}" for t in (0.6, 1.2, 1.5) for a in ("", "_anchor")}
+
+
+# --- the page's intervals and sentences ---------------------------------------------------------------
+
+def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp_path):
+    _summary(tmp_path / "_base" / "val", 0.5)
+    anchor, paper = ((tmp_path / "temperature" / f"p3o_T1.5_processed_k4{a}") for a in ("_anchor", ""))
+    own = {"own_temperature": {"temperature": 1.5, "val/pass@1": 0.3}}
+    for s in range(8):                                  # 8 seeds apart: resolved; 3 seeds of grpo in clip
+        _summary(anchor / f"seed{s}", 0.70 + 0.01 * s, **own)
+        _summary(paper / f"seed{s}", 0.20 + 0.01 * s, **own)
+    for s in range(3):
+        _summary(tmp_path / "clip" / "p3o" / f"seed{s}", 0.6 + 0.01 * s)
+        _summary(tmp_path / "clip" / "grpo_eps0.2" / f"seed{s}", 0.61 + 0.01 * s)
+    page = write_report(tmp_path, tmp_path / "out", FULL, "test").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| p3o_T1.5_processed_k4_anchor |"))
+    assert "| 8/8 | 0.735 [" in row and "| 0/8 [0.00, 0.32] |" in row
+    assert "`p3o_T1.5_processed_k4_anchor` above `p3o_T1.5_processed_k4` (0.735 vs 0.235)" in page
+    assert "| 0.610 [0.600, 0.620] |" in next(line for line in page.splitlines() if line.startswith("| p3o | 3/3"))
+    assert "**Not resolved** (the means' intervals overlap): `p3o` vs `grpo_eps0.2`" in page
+    claims = page.split("## What this evidence says about the paper's claims")[1]
+    assert "T = 1.5: 0.735 vs 0.235, resolved above" in claims and "not resolved in 1 (clip/`p3o`)" in claims
+    assert "## Warm starts" not in page
+    # a second warm start: its own section, each difference per warm start
+    _summary(tmp_path / "warm1" / "_base" / "val", 0.6)
+    for s in range(3):
+        _summary(tmp_path / "warm1" / "temperature" / "p3o_T1.5_processed_k4_anchor" / f"seed{s}", 0.7, **own)
+        _summary(tmp_path / "warm1" / "temperature" / "p3o_T1.5_processed_k4" / f"seed{s}", 0.69 + 0.01 * s, **own)
+    page = write_report(tmp_path, tmp_path / "out", FULL, "test").read_text()
+    warm = page.split("## Warm starts")[1]
+    assert "warm start 1 (from 0.600)" in warm
+    assert ("warm start 0 above, warm start 1 not resolved: depends on the warm start" in warm)

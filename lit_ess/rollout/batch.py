@@ -165,6 +165,28 @@ class RolloutBatch:
             return v[rows] if k == ROW else [v[i] for i in idx] if v else []
         return replace(self, **{f.name: part(k, getattr(self, f.name)) for f, k in declared(type(self))})
 
+    @classmethod
+    def cat(cls, batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """The rows of `batches` in order, in one batch as wide as the widest (token fields padded with 0);
+        the batch-wide fields (sampling, proximal, stats, ...) are the first batch's. prox_logprobs must be
+        set on all or none."""
+        width = max(b.input_ids.shape[1] for b in batches)
+
+        def part(f: Field, k: str):
+            vs = [getattr(b, f.name) for b in batches]
+            if k in (CONFIG, PLAIN):
+                return vs[0]
+            if k == TEXTS:
+                return [t for v in vs for t in v] if all(vs) else []
+            if all(v is None for v in vs):
+                return None
+            if any(v is None for v in vs):
+                raise ValueError(f"RolloutBatch.cat: {f.name} is set on some batches only")
+            if k == TOKEN:
+                vs = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in vs]
+            return torch.cat(vs)
+        return cls(**{f.name: part(f, k) for f, k in declared(cls)})
+
     def to(self, device: torch.device | str, **kwargs) -> "RolloutBatch":
         """The batch with its tensors on `device` (Lightning's batch transfer calls it)."""
         return replace(self, **{f.name: getattr(self, f.name).to(device, **kwargs) for f, k in declared(type(self))
