@@ -356,8 +356,10 @@ class VLLMServerEngine(RolloutEngine):
         import aiohttp
 
         self.slots = asyncio.Semaphore(self.config.max_concurrency)
-        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_concurrency, keepalive_timeout=2.0))
+        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request.
+        # No connection limit: `slots` bounds the generate requests, and a control call must never queue behind
+        # them (an in-flight update's /pause would wait for the very requests it should freeze)
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
 
     def _run(self, coro):
         """Run `coro` on the client's event loop (its own thread) and wait for its result."""
