@@ -400,19 +400,19 @@ def test_an_in_flight_update_labels_each_token_with_its_version_and_pi_b(server,
 
 @pytest.mark.e2e
 def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(server, tiny_model_dir, tmp_path):
-    """`lit-ess fit`, async (S = 1) on the module's server with weight_update: in_flight: weights pushed
+    """`lit-ess fit`, async (S = 2) on the module's server with weight_update: in_flight: weights pushed
     after each step reach the phase being sampled, so some rows are sampled by two versions
     (rollout/multi_version_frac > 0); the lag of a row is its oldest token's and never exceeds S, nor
     does any token's (the histogram rollout/token_lag, read back from TensorBoard)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    S = 1
-    # long completions, two requests at a time: a phase (4 waves of up to 200 tokens) takes longer to
-    # sample than a step to train, so the pushes land in it
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=6, prompts=2, samples=4, extra_data={
+    S = 2
+    # S = 2: two phases in flight, so the worker samples all the time and the push after each step lands
+    # in a phase being sampled (with S = 1 it does only when sampling a phase outlasts a step)
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, prompts=2, samples=4, extra_data={
         "mode": "async", "max_staleness": S, "sampling": {"temperature": 1.0, "max_new_tokens": 200, "seed": 0},
         "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
-                   "init_args": {"urls": server.urls, "weight_update": "in_flight", "max_concurrency": 2}}})
+                   "init_args": {"urls": server.urls, "weight_update": "in_flight"}}})
     t0 = time.perf_counter()
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
     assert res.returncode == 0, res.stderr[-4000:]
@@ -422,12 +422,12 @@ def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(serve
     token_lag = dict(s["train/token_lag"])
     print(f"fit {time.perf_counter() - t0:.0f} s; multi_version_frac per step {mixed}; row lag {list(row_lag.values())}; "
           f"token lag {list(token_lag.values())}")
-    assert len(mixed) == 6 and max(mixed) > 0, mixed
+    assert len(mixed) == 8 and max(mixed) > 0, mixed
     assert max(row_lag_max) <= S, row_lag_max                          # the bound, on each row's oldest token
     assert [v for _, v in s["rollout/stale_dropped"]][-1] == 0
     acc = EventAccumulator(str(tmp_path / "tb" / "run"), size_guidance={"histograms": 0})
     acc.Reload()
     lags = {e.step: (e.histogram_value.min, e.histogram_value.max) for e in acc.Histograms("rollout/token_lag")}
     print(f"token lag (min, max) per step: {lags}")
-    assert len(lags) == 6 and all(0 <= lo <= hi <= S for lo, hi in lags.values()), lags   # every token within S
+    assert len(lags) == 8 and all(0 <= lo <= hi <= S for lo, hi in lags.values()), lags   # every token within S
     assert "rollout/policy_lag" in acc.Tags()["histograms"]
