@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -241,6 +242,8 @@ class Flaky(Environment):
 
     def reset(self, example):
         self.how = example.answer
+        if self.how == "reset raises":
+            raise KeyError("no such task")
         return 42 if self.how == "bad reset" else example.prompt
 
     def step(self, action):
@@ -260,6 +263,18 @@ class Flaky(Environment):
             return Step(observation="more", reward=0.75)
         if self.how == "twice":
             return Step(observation="again", reward=0.25, done=action.token_ids[-1] == 99)
+        if self.how == "done yes":
+            return Step(observation="more", reward=1.0, done="yes")
+        if self.how == "done none":
+            return Step(reward=1.0, done=None)
+        if self.how == "numpy done":
+            return Step(reward=np.float32(0.5), done=np.bool_(True))
+        if self.how == "calls":
+            return Step(reward=1.0, done=True, tool_calls="2")
+        if self.how == "no messages":
+            return Step(observation=[], reward=1.0)
+        if self.how == "messages":
+            return Step(observation=[{"role": "user", "content": "more"}])
         return Step(reward=1.0, done=True)
 
 
@@ -279,6 +294,50 @@ def test_failing_steps_end_their_episode_with_reward_0_and_are_counted(byte_tok)
     assert episode_stats(eps)["rollout/env_seconds"] > 0.5 / 6
     with pytest.raises(ValueError, match="reset returned 42, not text or a list of"):
         runner.run(engine, [Example("q", "bad reset")], 1, S)
+
+
+def test_answers_that_are_not_a_steps_fields_end_their_episode_with_reward_0_and_are_counted(byte_tok):
+    """A done that is not a bool ('yes' would read as done, None as not done), tool calls that are not a
+    count, an empty list of messages: the episode ends with reward 0, counted, the reason in its error.
+    numpy's bool and float are a bool and a number."""
+    hows = ["done yes", "done none", "calls", "no messages", "numpy done"]
+    engine = ScriptedEngine({i: [[50, 51]] for i in range(len(hows))}, byte_tok.eos_token_id)
+    runner = EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky", max_turns=2), byte_tok, max_error_rate=1.0)
+    with pytest.warns(UserWarning, match="failed in an episode"):
+        eps = runner.run(engine, [Example("q", h) for h in hows], 1, S)
+    assert [(e.reward, e.turns, e.env_errors) for e in eps] == [(0.0, 1, 1)] * 4 + [(0.5, 1, 0)]
+    assert "done 'yes', not a bool" in eps[0].error and "done None, not a bool" in eps[1].error
+    assert "tool_calls '2', not a count" in eps[2].error and "not text or chat messages" in eps[3].error
+    assert runner.state_dict() == {"errors": 4, "timeouts": 0}
+
+
+class Unbuildable(Environment):
+    def __init__(self):
+        raise RuntimeError("no licence")
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action):
+        return Step(done=True)
+
+
+def test_an_environment_that_cannot_start_or_answer_in_the_tokenizers_format_stops_in_one_line(byte_tok):
+    """What every episode would do the same (a constructor or reset that raises, chat messages for a
+    tokenizer without a chat template) is no episode's failure: one line naming the environment, an
+    EnvError (a worker process reports it as it is, not as a crash)."""
+    engine = ScriptedEngine({0: [[50]] * 2}, byte_tok.eos_token_id)
+    built = r"cannot be built from env.kwargs \{\}: RuntimeError: no licence"
+    for env, answer, why in [(f"{__name__}:Unbuildable", "ok", built),
+                             (f"{__name__}:Flaky", "bad reset", "reset returned 42, not text"),
+                             (f"{__name__}:Flaky", "messages", "answered with chat messages, but the tokenizer has no "
+                                                               "chat template")]:
+        runner = EpisodeRunner(EnvConfig(env=env, max_turns=2), byte_tok)
+        with pytest.raises(EnvError, match=f"^environment '{env}'.* {why}") as e:
+            runner.run(engine, [Example("q", answer)], 1, S)
+        assert "\n" not in str(e.value)
+    with pytest.raises(EnvError, match=f"^environment '{__name__}:Flaky' cannot start an episode from .*KeyError"):
+        EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky"), byte_tok).run(engine, [Example("q", "reset raises")], 1, S)
 
 
 def test_an_error_after_a_rewarded_step_zeroes_the_episode(byte_tok):

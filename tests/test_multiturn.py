@@ -12,8 +12,9 @@ import torch
 import yaml
 
 from e2e_utils import cli, kill_after_checkpoint, scalars, trained_prompts, write_config
+from test_dist_async import by_phase, records
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
-from lit_ess.datamodules.prompts import encode_prompt
+from lit_ess.datamodules.prompts import PromptOrder, encode_prompt
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.envs import EnvConfig, EnvError, Environment, Step
 
@@ -85,6 +86,56 @@ def test_environment_failures_count_as_reward_failures_and_survive_a_checkpoint(
         strict.generate_phase()
 
 
+def test_a_phase_carries_the_environment_counters_its_sampling_left(tiny_model_dir):
+    """The worker process scores phase p while its engine samples phase p + 1 (two threads): phase p's
+    cumulative environment counters (its batches' rollout/env_errors, the counters a checkpoint keeps)
+    count phases <= p only, also split into every rank's share (dedicated placement: the counters travel
+    with rank 0's share, the others report 0, the sum over ranks is the phase's). Counting p + 1's too
+    would count them twice after a resume, which samples p + 1 again."""
+    from fake_engine import FakeConfig
+    from lit_ess.rollout import PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
+
+    worker = RolloutWorker(WorkerConfig(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), samples_per_prompt=2,
+                                        sampling=SamplingConfig(max_new_tokens=3, seed=0), max_reward_error_rate=1.0,
+                                        env=EnvConfig(env=f"{__name__}:AlwaysFails")))
+    tok = worker.tokenizer
+
+    def phase(p: int) -> PhaseShares:                        # 2 ranks x 2 prompts x 2 episodes
+        return PhaseShares(p, [RolloutRequest(p, [r, r + 2], [encode_prompt(tok, "1+1=")] * 2, ["1+1="] * 2, ["2"] * 2,
+                                              prompt_keys=[r, r + 2]) for r in range(2)])
+    with pytest.warns(UserWarning, match="tool server down"):
+        s0 = worker.sample(phase(0).merged())
+        s1 = worker.sample(phase(1).merged())
+    for p, sampled in ((0, s0), (1, s1)):
+        whole = worker.score(phase(p).merged(), *sampled)
+        assert whole.reward_counters["env"] == {"errors": 8 * (p + 1), "timeouts": 0}
+        assert whole.batches[0].stats["rollout/env_errors"] == 8 * (p + 1)
+        shares = worker.score_shares(phase(p), *sampled)
+        assert [r.reward_counters.get("env") for r in shares] == [{"errors": 8 * (p + 1), "timeouts": 0}, None]
+        assert sum(r.batches[0].stats["rollout/env_errors"] for r in shares) == 8 * (p + 1)
+    worker.close()
+
+
+def test_async_environment_that_cannot_start_stops_the_run_in_one_line(tiny_model_dir):
+    """An environment whose reset raises, in the async worker process: the data module raises the
+    environment's EnvError, one line (not a crash report of the worker with its traceback)."""
+    from test_async import make_dm, weights
+
+    dm = make_dm(tiny_model_dir, mode="async", env=EnvConfig(env=f"{__name__}:CannotStart"))
+    try:
+        dm.push_weights(weights(0), 0)
+        with pytest.raises(EnvError, match=r"^environment 'test_multiturn:CannotStart' cannot start an episode from "
+                                           r".*: KeyError: 'no such task'$"):
+            dm.next_batch(0)
+    finally:
+        dm.teardown("fit")
+
+
+class CannotStart(AlwaysFails):
+    def reset(self, example):
+        raise KeyError("no such task")
+
+
 def test_an_episode_budget_above_the_models_length_is_refused(tiny_model_dir):
     env = EnvConfig(env="retry_arithmetic", max_turns=3, max_episode_tokens=1000)
     with pytest.raises(ValueError, match=r"env.max_episode_tokens=1000 exceeds the engine's model length 256"):
@@ -111,17 +162,21 @@ def warm_start(tmp_path_factory):
     return root / "runs/demo/sft"
 
 
-def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None = None, **data) -> Path:
-    """configs/demo_multiturn.yaml, smaller (16 prompts x 4 episodes), no validation or export, every
-    step's prompts and row versions recorded."""
+def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None = None, devices: int = 1,
+                     **data) -> Path:
+    """configs/demo_multiturn.yaml, smaller (16 prompts x 4 episodes unless `data` says), no validation or
+    export, every step's prompts and row versions recorded (rank r > 0: prompts.jsonl.rank{r}); several
+    `devices`: DDP."""
     cfg = yaml.safe_load((CONFIGS / "demo_multiturn.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = str(model)
     d = cfg["data"]["init_args"]
-    d.update(prompts_per_rollout=16, samples_per_prompt=4, **data)
+    d.update({"prompts_per_rollout": 16, "samples_per_prompt": 4, **data})
     for k in ("val_source", "val_prompts", "val_samples"):
         d.pop(k)
     t = cfg["trainer"]
     t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=ckpt_every is not None)
+    if devices > 1:
+        t.update(devices=devices, strategy="ddp")
     t.pop("check_val_every_n_epoch")
     t["logger"]["init_args"] = {"save_dir": str(out), "name": "tb", "version": "run"}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "LogCompletions")]
@@ -185,3 +240,51 @@ def test_async_multiturn_stays_within_the_lag_bound(warm_start, tmp_path):
     assert sorted(steps) == list(range(6))
     assert all(step - v <= S for step, r in steps.items() for v in r["versions"])
     assert min(v for _, v in s["rollout/turns"]) > 1
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("placement, engine", [("colocated", {"class_path": "lit_ess.engines.HFConfig"}),
+                                               ("dedicated", None)], ids=["colocated-hf", "dedicated-vllm"])
+def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(tiny_model_dir, tmp_path, placement,
+                                                                                engine):
+    """The multi-turn config on 2 ranks (DDP, gloo), async with S = 2, from a random policy (wrong answers,
+    so episodes of 3 turns), its own vLLM engine in one worker (dedicated) or the hf engine in each rank's
+    (colocated: two vLLM engines on this CPU cost more than they show). kill -9 after the step-3
+    checkpoint, which holds episodes not yet trained (phases planned or sampled for steps >= 3), then
+    --ckpt_path last. Every step is trained on both ranks; each phase's prompts are the ones the prompt
+    order draws, split between the ranks, and every episode (prompt x sample) is trained once; no row is
+    dropped as stale; the lag stays within S, in TensorBoard and on every trained row. The environment
+    fails on some answers: its failure counters go on from the checkpoint's (rank 0's worker holds them
+    under the dedicated placement, each rank's its own under the colocated one)."""
+    S, P, n, steps = 2, 8, 4, 5
+    env = {"env": "e2e_utils:FlakyRetry", "kwargs": {"max_tries": 3}, "max_turns": 3, "max_episode_tokens": 96}
+    cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=3, devices=2, mode="async",
+                           placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n, env=env,
+                           max_reward_error_rate=1.0, **({"engine": engine} if engine else {}))
+    kill_after_checkpoint(cfg, tmp_path / "ckpt", 3)
+    (ckpt,) = (tmp_path / "ckpt").glob("*step=3*.ckpt")
+    ranks = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["ranks"]
+    held = {r["phase"] for st in ranks for r in st["requests"]} | {int(p) for st in ranks
+                                                                    for p in st["buffer"]["ready"]}
+    assert held and min(held) >= 3, held                            # episodes in flight at the kill
+    s = fit(cfg, "--ckpt_path", "last")
+    lines = (tmp_path / "prompts.jsonl").read_text().splitlines()
+    assert sum('"step": 0,' in ln for ln in lines) == 1             # resumed, not started again
+    assert len(s["train/policy_lag_max"]) == steps
+    assert max(v for _, v in s["train/policy_lag_max"]) <= S
+    assert max(v for _, v in s["rollout/stale_dropped"]) == 0
+    assert min(v for _, v in s["rollout/turns"]) > 1
+    errors = [v for _, v in s["rollout/env_errors"]]
+    assert len(errors) == steps and 0 < errors[0] and errors == sorted(errors), errors    # cumulative across the kill
+    recs = records(tmp_path)
+    assert sorted(r["step"] for r in recs if r["rank"] == 0) == sorted(r["step"] for r in recs if r["rank"] == 1) \
+        == list(range(steps))
+    assert all(r["step"] - v <= S for r in recs for v in r["versions"])
+    src = yaml.safe_load(cfg.read_text())["data"]["init_args"]["source"]["init_args"]
+    order = PromptOrder(len(Arithmetic(**src)), seed=0)
+    phases = by_phase(recs)
+    assert sorted(phases) == list(range(steps))                     # one phase per step
+    for phase in range(steps):
+        got, want = phases[phase], order.take(P)
+        assert not set(got[0]) & set(got[1]), f"phase {phase}: both ranks trained a prompt"
+        assert Counter(got[0] + got[1]) == Counter(want * n), phase

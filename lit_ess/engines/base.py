@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from typing import ClassVar, Iterable, Literal
 
 from torch import Tensor
 
@@ -128,11 +128,18 @@ class EngineConfig:
         return {}
 
 
+class EngineFault(RuntimeError):
+    """An engine that failed mid-run for a reason outside the trainer (a server that died or stopped
+    answering), said in one line that names where: the run stops with that line, not a traceback."""
+
+
 class RolloutEngine(ABC):
     """Generate, refresh weights, report version. `version` is the optimizer step whose weights the
-    engine holds (0 = the initial checkpoint)."""
+    engine holds (0 = the initial checkpoint). `concurrent`: `generate` may be called from several threads
+    at once (an HTTP client); otherwise callers that have several threads (users' agents) take turns."""
 
     version: int = 0
+    concurrent: ClassVar[bool] = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, call_seed: int = 0,

@@ -28,6 +28,12 @@ start, with the vLLM version, processed logprobs, the dtype and the model (`mode
 server that fails a check is refused with the flag to add. The dev routes are not guarded by
 `--api-key`: bind servers to a private interface (a launched server listens on 127.0.0.1).
 
+Faults: a server that refuses connections, resets them, gives no answer within request_timeout
+(generation) or control_timeout (the rest), or answers HTTP 5xx is out of the run (ServerGone): the
+request goes again, with its seed, to the server with the fewest outstanding requests among the
+others, and weight pushes skip it. When none is left the call fails with one line naming the URL, the
+request and, for a launched server, its exit code and log (an EngineFault: the CLI prints that line).
+
 A server for other machines: `python -m lit_ess.engines.serve --model DIR --port P` (lit_ess/engines/serve.py).
 """
 from __future__ import annotations
@@ -54,7 +60,7 @@ from torch import Tensor
 
 from ..knobs import check
 from ..lora import is_adapter_payload
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, capped_limit, derive_seed
+from .base import Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, capped_limit, derive_seed
 from .vllm_engine import adapter_root, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
@@ -275,7 +281,11 @@ class LaunchedServer:
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the server's process group (the API server and its engine core), SIGKILL it after `grace` s."""
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None:          # killed alone (kill -9): its engine core may outlive it
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             try:
@@ -293,7 +303,7 @@ class LaunchedServer:
             pass
 
 
-class ServerError(RuntimeError):
+class ServerError(EngineFault):
     """A failed HTTP call to a server: one line with the URL, the call and what came back."""
 
 
@@ -316,8 +326,15 @@ def span_versions(spans: list[dict] | None, n: int) -> list[int]:
     return out
 
 
+class ServerGone(ServerError):
+    """A server that did not answer (connection refused or reset, no answer within the timeout) or failed
+    inside (HTTP 5xx): it is out of the run, and its requests go to the other servers."""
+
+
 class VLLMServerEngine(RolloutEngine):
     """Rollouts on vLLM servers for `model_path` with the settings of `config`."""
+
+    concurrent = True           # generate from any thread: requests go through the client's event loop
 
     def __init__(self, model_path: str, config: VLLMServerConfig | None = None):
         c = self.config = config if config is not None else VLLMServerConfig()
@@ -346,6 +363,7 @@ class VLLMServerEngine(RolloutEngine):
                 self.urls = [url]
                 self.server.wait_ready(c.startup_timeout)
             self.outstanding = {u: 0 for u in self.urls}
+            self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
             self.close()
@@ -365,16 +383,40 @@ class VLLMServerEngine(RolloutEngine):
         """Run `coro` on the client's event loop (its own thread) and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def _run_all(self, coros) -> list:
-        """Run the coroutines concurrently on the client's event loop; their results in order."""
+    def _run_all(self, coros, return_exceptions: bool = False) -> list:
+        """Run the coroutines concurrently on the client's event loop; their results in order. The first
+        error cancels the others (unless `return_exceptions`: the errors in place of results)."""
         async def gather():
-            return await asyncio.gather(*coros)
+            tasks = [asyncio.ensure_future(c) for c in coros]
+            try:
+                return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
 
         return self._run(gather())
 
     def _where(self, url: str) -> str:
-        log = f"; server log: {self.server.log_file}" if self.server is not None and self.server.url == url else ""
-        return f"vLLM server {url}{log}"
+        if self.server is None or self.server.url != url:
+            return f"vLLM server {url}"
+        rc = self.server.proc.poll()
+        exited = "" if rc is None else f" (exited with code {rc})"
+        return f"vLLM server {url}{exited}; server log: {self.server.log_file}"
+
+    def _live(self) -> list[str]:
+        return [u for u in self.urls if u not in self.gone]
+
+    def _put_out(self, url: str, error: ServerGone) -> None:
+        """Take `url` out of the run for `error`; when no server is left, raise `error` saying so."""
+        if url not in self.gone:
+            self.gone[url] = str(error)
+            if live := self._live():
+                print(f"lit-ess: warning: {error}; its requests go to the other {len(live)} server(s) from now on",
+                      file=sys.stderr, flush=True)
+        if not self._live():
+            raise ServerGone(f"{error}; no other server is left ({len(self.urls)} in engine.urls)" if len(self.urls) > 1
+                             else str(error)) from None
 
     async def _request(self, url: str, method: str, route: str, body: dict | None, timeout: float,
                        call: str) -> tuple[int, str]:
@@ -394,9 +436,10 @@ class VLLMServerEngine(RolloutEngine):
                 # (every call here may run twice: a seeded sample comes back the same, a reload loads the same)
                 return await once()
         except asyncio.TimeoutError:
-            raise ServerError(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s") from None
+            raise ServerGone(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s "
+                             f"(engine.{'request' if call.startswith('POST /inference') else 'control'}_timeout)") from None
         except aiohttp.ClientError as e:
-            raise ServerError(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
+            raise ServerGone(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
 
     async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
                     what: str | None = None, ok: tuple[int, ...] = (200,)) -> tuple[int, dict]:
@@ -404,7 +447,8 @@ class VLLMServerEngine(RolloutEngine):
         call = what or f"{method} {route}"
         status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
         if status not in ok:
-            raise ServerError(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
+            error = ServerGone if status >= 500 else ServerError
+            raise error(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
         try:
             return status, json.loads(text) if text else {}
         except json.JSONDecodeError:
@@ -468,14 +512,21 @@ class VLLMServerEngine(RolloutEngine):
                   "max_tokens": s.max_new_tokens, "stop": list(s.stop) or None, "include_stop_str_in_output": True,
                   "detokenize": bool(s.stop), "seed": seed, "logprobs": 0}
         async with self.slots:
-            url = min(self.urls, key=self.outstanding.__getitem__)        # least outstanding requests
-            self.outstanding[url] += 1
-            try:
-                _, out = await self._call(url, "POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
-                                       timeout=self.config.request_timeout,
-                                       what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
-            finally:
-                self.outstanding[url] -= 1
+            while True:                     # a server that is gone: the same request (same seed) to another
+                if not (live := self._live()):
+                    raise ServerGone(f"no vLLM server is left: {' | '.join(self.gone.values())}")
+                url = min(live, key=self.outstanding.__getitem__)               # least outstanding requests
+                self.outstanding[url] += 1
+                try:
+                    _, out = await self._call(url, "POST", "/inference/v1/generate",
+                                              {"token_ids": prompt, "sampling_params": params},
+                                              timeout=self.config.request_timeout,
+                                              what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
+                    break
+                except ServerGone as e:
+                    self._put_out(url, e)
+                finally:
+                    self.outstanding[url] -= 1
         choice = out["choices"][0]
         ids = list(choice["token_ids"])
         lps = [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
@@ -502,7 +553,13 @@ class VLLMServerEngine(RolloutEngine):
                              "take yet: use model.lora.sync: merged")
         folder = self._write_weights(([first] if first is not None else []) + list(it), version)
         try:
-            self._run_all([self._reload(u, folder, version) for u in self.urls])
+            live = self._live()
+            errors = self._run_all([self._reload(u, folder, version) for u in live], return_exceptions=True)
+            for url, e in zip(live, errors):
+                if isinstance(e, ServerGone):
+                    self._put_out(url, e)   # it may hold any weights now: it serves no more of this run
+            if e := next((e for e in errors if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
+                raise e
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

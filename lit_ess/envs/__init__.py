@@ -1,19 +1,22 @@
 """Multi-turn environments and episodes, token in, token out.
 
-    base.py         Environment (reset / step), Action, Step
+    base.py         Environment (reset / step), Action, Step, EnvError
     config.py       EnvConfig: which environment (a built-in name or module:Class), the runner's limits
     single_turn.py  SingleTurn: prompt -> completion -> reward as a one-turn environment
     arithmetic.py   RetryArithmetic (feedback, retries) and Calculator (a tool call) on the arithmetic task
     tokens.py       prompt and observation token ids (chat-template deltas), never re-encoding the policy's
     episodes.py     EpisodeRunner (batched turns, timed environment steps, limits), Episode, collate_episodes
+    agent.py        Agent, AgentRunner: a user's function plays episodes through an OpenAI-compatible URL
+    proxy.py        that URL: /v1/chat/completions and /v1/completions, recorded token in, token out
 """
+from .agent import Agent, AgentRunner, make_runner
 from .arithmetic import Calculator, RetryArithmetic
-from .base import Action, Environment, Step
+from .base import Action, EnvError, Environment, Step
 from .config import EnvConfig, resolve_env
-from .episodes import EnvError, Episode, EpisodeRunner, collate_episodes, episode_stats, to_row
+from .episodes import Episode, EpisodeRunner, collate_episodes, episode_stats, to_row
 from .single_turn import SingleTurn
 from .tokens import EpisodeTokens, TemplateError
 
-__all__ = ["Action", "Calculator", "EnvConfig", "EnvError", "Environment", "Episode", "EpisodeRunner", "EpisodeTokens",
-           "RetryArithmetic", "SingleTurn", "Step", "TemplateError", "collate_episodes", "episode_stats",
-           "resolve_env", "to_row"]
+__all__ = ["Action", "Agent", "AgentRunner", "Calculator", "EnvConfig", "EnvError", "Environment", "Episode",
+           "EpisodeRunner", "EpisodeTokens", "RetryArithmetic", "SingleTurn", "Step", "TemplateError", "collate_episodes",
+           "episode_stats", "make_runner", "resolve_env", "to_row"]

@@ -18,14 +18,23 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
+from lit_ess.rewards import RewardError
+
 Message = dict[str, str]
 Observation = Union[str, list[Message]]
 
 
 def is_observation(obs) -> bool:
-    """Text, or a list of {'role', 'content'} messages of text."""
-    return isinstance(obs, str) or isinstance(obs, list) and all(
+    """Text, or a non-empty list of {'role', 'content'} messages of text."""
+    return isinstance(obs, str) or isinstance(obs, list) and bool(obs) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in obs)
+
+
+class EnvError(RewardError):
+    """An environment cannot play (it cannot be built or started, or answers in a form the tokenizer
+    cannot take), or its steps failed (raised, timed out, bad answer) in more than `max_error_rate` of a
+    run's episodes (data.max_reward_error_rate). One line; a RewardError, so a worker process reports it
+    as it is, not as a crash."""
 
 
 @dataclass(frozen=True)

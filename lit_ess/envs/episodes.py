@@ -17,14 +17,16 @@ appended, since no policy token would follow it.
 `EpisodeRunner.run` steps a batch of episodes together: one engine call per turn for every episode
 still running (the first turn is the single-turn rollout's call: n samples of each prompt, the same
 seeds), then every environment step at once, each in its own thread with `step_timeout`. A step that
-raises, times out, or returns something that is not a Step with a finite reward ends its episode with
-reward 0, counted (env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes
-fail raises EnvError (the worker passes data.max_reward_error_rate: environment failures count as failing
-rewards do). Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt
-included); an episode stopped by one is truncated and counted (truncated = "turns" or "tokens"): a turn
-that would pass the token budget is cut at it (a prefix of a sample is a sample: its logprobs stay
-exact) and not stepped, an observation that would reach it is dropped. The reward is then what the
-steps so far gave.
+raises, times out, or returns something that is not a Step (a finite reward, a bool `done`, a count of
+tool calls, an observation of text or messages unless done) ends its episode with reward 0, counted
+(env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes fail raises EnvError
+(the worker passes data.max_reward_error_rate: environment failures count as failing rewards do). What
+every episode would do alike stops the run at once, an EnvError naming the environment: a constructor or
+`reset` that raises or returns no observation, chat messages for a tokenizer without a chat template.
+Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt included); an episode stopped
+by one is truncated and counted (truncated = "turns" or "tokens"): a turn that would pass the token
+budget is cut at it (a prefix of a sample is a sample: its logprobs stay exact) and not stepped, an
+observation that would reach it is dropped. The reward is then what the steps so far gave.
 
 `to_row` makes an episode a batch row whose `mask` is the episode's token mask; `collate_episodes` pads
 episodes into a RolloutBatch whose completion mask is that mask.
@@ -38,21 +40,18 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
 from lit_ess.knobs import check
-from lit_ess.rewards import RewardError, as_score
+from lit_ess.rewards import as_score
 from lit_ess.rollout.batch import RolloutBatch, Row, collate
 
-from .base import Action, Environment, Example, Message, Step, is_observation
+from .base import Action, EnvError, Environment, Example, Message, Step, is_observation
 from .config import EnvConfig
-from .tokens import EpisodeTokens
+from .tokens import EpisodeTokens, TemplateError
 
 TRUNCATIONS = ("turns", "tokens")
-
-
-class EnvError(RewardError):
-    """Environment steps failed (raised, timed out, bad reward) in more than `max_error_rate` of a run's
-    episodes (data.max_reward_error_rate)."""
 
 
 @dataclass
@@ -144,6 +143,7 @@ class EpisodeRunner:
         self.config, self.tokens, self.tokenizer = config, EpisodeTokens(tokenizer), tokenizer
         self.max_error_rate = max_error_rate
         self.errors = self.timeouts = 0
+        self.what = f"environment {config.env!r}"        # who failed, in messages
 
     def run(self, engine: RolloutEngine, examples: list[Example], n: int, sampling: SamplingConfig,
             call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
@@ -176,25 +176,37 @@ class EpisodeRunner:
         for x in live:
             self._finish(x)
         episodes = [x.episode for x in live]
-        failed = [e for e in episodes if e.failed]
-        if episodes and len(failed) / len(episodes) > self.max_error_rate:
-            raise EnvError(f"environment {c.env!r} failed in {len(failed)} of {len(episodes)} episodes, more than "
-                           f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
+        self._check_failures(episodes)
         return episodes
 
+    def _check_failures(self, episodes: list[Episode]) -> None:
+        """EnvError when more than max_error_rate of a run's episodes failed."""
+        failed = [e for e in episodes if e.failed]
+        if episodes and len(failed) / len(episodes) > self.max_error_rate:
+            raise EnvError(f"{self.what} failed in {len(failed)} of {len(episodes)} episodes, more than "
+                           f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
+
     def _start(self, example: Example, key: int, version: int) -> _Live:
-        env = self.config.make()
+        try:
+            env = self.config.make()
+        except Exception as e:
+            raise EnvError(f"{self.what} cannot be built from env.kwargs {self.config.kwargs}: "
+                           f"{type(e).__name__}: {_one_line(e)}") from None
         try:
             obs = env.reset(example)
         except Exception as e:
-            raise ValueError(f"environment {self.config.env!r} cannot start an episode from {example!r}: "
-                             f"{type(e).__name__}: {e}") from None
+            raise EnvError(f"{self.what} cannot start an episode from {example!r}: "
+                           f"{type(e).__name__}: {_one_line(e)}") from None
         if not is_observation(obs):
-            raise ValueError(f"environment {self.config.env!r}: reset returned {obs!r}, not text or a list of "
-                             f"{{'role', 'content'}} messages")
+            raise EnvError(f"{self.what} reset returned {_short(obs)}, not text or a list of "
+                           f"{{'role', 'content'}} messages (at least one)")
         role = env.observation_role
         history = self.tokens.messages(obs, role) if self.tokens.chat else []
-        return _Live(env, Episode(self.tokens.prompt(obs, role), start_version=version), history, key)
+        try:
+            prompt = self.tokens.prompt(obs, role)
+        except TemplateError as e:
+            raise TemplateError(f"{self.what}: {e}") from None
+        return _Live(env, Episode(prompt, start_version=version), history, key)
 
     def _over_budget(self, x: _Live) -> bool:
         b = self.config.max_episode_tokens
@@ -249,20 +261,29 @@ class EpisodeRunner:
             reward, bad = as_score(value.reward)
             if bad is not None:
                 status, value = "error", ValueError(f"step's reward {bad}")
+            elif not isinstance(value.done, (bool, np.bool_)):
+                status, value = "error", TypeError(f"step returned done {_short(value.done)}, not a bool")
+            elif isinstance(value.tool_calls, bool) or not isinstance(value.tool_calls, (int, np.integer)) \
+                    or value.tool_calls < 0:
+                status, value = "error", TypeError(f"step returned tool_calls {_short(value.tool_calls)}, not a "
+                                                   f"count (an int >= 0)")
             elif not value.done and not is_observation(value.observation):
-                status, value = "error", ValueError(f"step returned the observation {value.observation!r} for an "
-                                                    f"episode that is not done, not text or chat messages")
+                status, value = "error", ValueError(f"step returned the observation {_short(value.observation)} for "
+                                                    f"an episode that is not done, not text or chat messages")
         if status != "ok":
             self._fail(x, status, value)
             return False
         e.reward += reward
-        e.tool_calls += value.tool_calls
+        e.tool_calls += int(value.tool_calls)
         if value.done:
             return False
         if last_turn:
             e.truncated = "turns"
             return False
-        obs_ids = self.tokens.observation(x.history, value.observation, x.env.observation_role, list(s.token_ids))
+        try:
+            obs_ids = self.tokens.observation(x.history, value.observation, x.env.observation_role, list(s.token_ids))
+        except TemplateError as err:
+            raise TemplateError(f"{self.what}: {err}") from None
         b = self.config.max_episode_tokens
         if b is not None and len(e.prompt_ids) + len(e.completion_ids) + len(obs_ids) >= b:
             e.truncated = "tokens"              # no room for the next turn: the observation is not appended
@@ -282,14 +303,14 @@ class EpisodeRunner:
         if status == "timeout":
             e.env_timeouts += 1
             self.timeouts += 1
-            e.error = f"step timed out after {self.config.step_timeout} s"
+            e.error = f"timed out after {self.config.step_timeout} s (env.step_timeout)"
             x.env = None                        # its thread may still run: it is not closed under it
         else:
             e.env_errors += 1
             self.errors += 1
             e.error = f"{type(error).__name__}: {error}"
         if self.errors + self.timeouts == 1:
-            warnings.warn(f"environment {self.config.env!r} failed in an episode ({e.error}); the episode ends with "
+            warnings.warn(f"{self.what} failed in an episode ({e.error}); the episode ends with "
                           f"reward 0 and is counted in rollout/env_errors, rollout/env_timeouts", stacklevel=3)
 
     def _finish(self, x: _Live) -> None:
@@ -302,11 +323,24 @@ class EpisodeRunner:
             self.errors += 1
             x.episode.error = x.episode.error or f"close: {type(err).__name__}: {err}"
 
+    def close(self) -> None:
+        """Free what the runner holds (nothing here: environments close with their episodes)."""
+
     def state_dict(self) -> dict[str, int]:
         return {"errors": self.errors, "timeouts": self.timeouts}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.errors, self.timeouts = int(state.get("errors", 0)), int(state.get("timeouts", 0))
+
+
+def _short(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (an error line stays one short line)."""
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def episode_stats(episodes: list[Episode]) -> dict[str, float]:

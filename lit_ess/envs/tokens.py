@@ -20,7 +20,7 @@ would not be the one it is served later.
 """
 from __future__ import annotations
 
-from .base import Message, Observation
+from .base import EnvError, Message, Observation
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -28,19 +28,25 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     (user turn + generation prompt) when the tokenizer has one, else the plain text after a bos."""
     if getattr(tokenizer, "chat_template", None):
         return render_chat(tokenizer, [{"role": "user", "content": text}], generation=True)
+    return encode_text(tokenizer, text)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of a plain-text prompt (no chat template): a bos, then the text."""
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     if tokenizer.bos_token_id is not None and (not ids or ids[0] != tokenizer.bos_token_id):
         ids = [tokenizer.bos_token_id] + ids
     return list(ids)
 
 
-def render_chat(tokenizer, messages: list[Message], generation: bool) -> list[int]:
-    """Token ids of `messages` in the tokenizer's chat template (+ the generation prompt)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True)
+def render_chat(tokenizer, messages: list[Message], generation: bool, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` in the tokenizer's chat template (+ the generation prompt); `tools` the
+    OpenAI tool schemas the template renders, if any."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, tools=tools)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-class TemplateError(ValueError):
+class TemplateError(EnvError):
     """The tokenizer (its chat template, or the lack of one) cannot give token-in-token-out observation
     tokens for what the environment answers."""
 
@@ -66,19 +72,19 @@ class EpisodeTokens:
         if isinstance(obs, str):
             return encode_prompt(self.tok, obs)
         if not self.chat:
-            raise TemplateError("the environment's first observation is chat messages, but the tokenizer has no "
-                                "chat template: return text")
+            raise TemplateError("reset returned chat messages, but the tokenizer has no chat template: return text")
         return render_chat(self.tok, self.messages(obs, role), generation=True)
 
-    def observation(self, history: list[Message], obs: Observation, role: str, turn_ids: list[int]) -> list[int]:
-        """Ids to append after the policy's turn `turn_ids` (the last message of `history`, for a chat model)."""
+    def observation(self, history: list[Message], obs: Observation, role: str, turn_ids: list[int],
+                    tools: list[dict] | None = None) -> list[int]:
+        """Ids to append after the policy's turn `turn_ids` (the last message of `history`, for a chat model;
+        `tools` the tool schemas its template renders)."""
         if not self.chat:
             if not isinstance(obs, str):
-                raise TemplateError("the environment answered with chat messages, but the tokenizer has no chat "
-                                    "template: return text")
+                raise TemplateError("answered with chat messages, but the tokenizer has no chat template: return text")
             return list(self.tok(obs, add_special_tokens=False)["input_ids"])
-        before = render_chat(self.tok, history, generation=False)
-        after = render_chat(self.tok, history + self.messages(obs, role), generation=True)
+        before = render_chat(self.tok, history, generation=False, tools=tools)
+        after = render_chat(self.tok, history + self.messages(obs, role), generation=True, tools=tools)
         if after[:len(before)] != before:
             raise TemplateError("the chat template rewrites earlier turns when a message is added (the conversation "
                                 "rendered with the new message does not start with the one rendered without it): "

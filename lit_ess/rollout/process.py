@@ -43,6 +43,7 @@ from multiprocessing.connection import Client, Connection
 
 import torch
 
+from lit_ess.engines.base import EngineFault
 from lit_ess.rewards import RewardError
 
 from .executor import OwnShare, WorkerError
@@ -163,8 +164,8 @@ class WorkerProcess(OwnShare):
                 self._check_progress()
                 return out
             if kind == "error":
-                if isinstance(payload, RewardError):
-                    raise payload                # bad input, not a worker fault: the same one line as sync
+                if isinstance(payload, (RewardError, EngineFault)):
+                    raise payload                # bad input, or a server that is gone: the same one line as sync
                 raise WorkerError(f"the rollout worker failed:\n{payload}")
             self.last_heard = max(self.last_heard, info[-1])       # when it was sent
             if kind == "ready":
@@ -249,6 +250,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
         worker = RolloutWorker(config, in_process=False)
+    except EngineFault as e:             # e.g. a server refused at start: its one line
+        results.put(("error", -1, e, None))
+        return
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
         return
@@ -341,11 +345,13 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             whole = payload.merged() if isinstance(payload, (PhaseShares, EvalShares)) else payload
             try:
                 sampled = worker.sample(whole) if kind == "phase" else worker.sample_eval(whole)
-            except RewardError as e:             # an environment failing in too many episodes (EnvError): bad
+            except RewardError as e:             # an environment that cannot play or fails too often (EnvError): bad
                 results.put(("error", rid, e, None))      # input, one line, as the scorer's in score_loop
                 return
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
+    except EngineFault as e:
+        results.put(("error", -1, e, None))
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
     finally:

@@ -21,7 +21,9 @@ the engine takes them in flight (`EngineConfig.updates_in_flight`): then a row's
 the row's version (`RolloutBatch.versions`, the one the staleness bound checks) is its oldest token's.
 
 Counters that survive a resume (`counters`, `load_counters`): the reward scorer's failures, and the
-environment's (`"env"`), each cumulative and logged as rollout/reward_* and rollout/env_*.
+environment's (`"env"`), each cumulative and logged as rollout/reward_* and rollout/env_*. A phase's
+result carries them as they stood after its own stages: the environment fails while sampling, the
+reward while scoring, and the worker process samples phase p + 1 while it scores phase p.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ import torch
 
 from lit_ess.advantages import group_advantages
 from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_seed
-import lit_ess.envs.episodes as episodes        # a module, not its names: lit_ess.envs imports this package
+import lit_ess.envs.agent as agent              # modules, not their names: lit_ess.envs imports this package
+import lit_ess.envs.episodes as episodes
 from lit_ess.envs.config import EnvConfig
 from lit_ess.rewards import RewardScorer
 
@@ -150,7 +153,7 @@ class RolloutWorker:
             env, limit = c.env, c.engine.model_len(c.model_path)
             if env.max_episode_tokens is None and limit is not None:
                 env = replace(env, max_episode_tokens=limit[0])
-            self.runner = episodes.EpisodeRunner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
+            self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
@@ -185,27 +188,29 @@ class RolloutWorker:
         return self.score(req, *self.sample(req))
 
     @torch.no_grad()
-    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[episodes.Episode]], list[str], float]:
-        """Stage 1, the engine: n completions (or, with an environment, episodes) per prompt, their texts
-        and the generation time (an episode's environment steps included)."""
+    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[episodes.Episode]], list[str],
+                                                   float, dict[str, int] | None]:
+        """Stage 1, the engine: n completions (or, with an environment, episodes) per prompt, their texts,
+        the generation time (an episode's environment steps included) and the environment's cumulative
+        failure counters once this phase's episodes ended (None without an environment)."""
         c, n = self.config, self.config.samples_per_prompt
         t0 = time.perf_counter()
         if self.runner is None:
             groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
-            return groups, texts, time.perf_counter() - t0
+            return groups, texts, time.perf_counter() - t0, None
         from lit_ess.envs.base import Example
 
         examples = [Example(p, a) for p, a in zip(req.prompt_texts, req.answers)]
         eps = self.runner.run(self.engine, examples, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
         groups = [eps[i * n:(i + 1) * n] for i in range(len(req.prompts))]
-        return groups, [e.text() for e in eps], time.perf_counter() - t0
+        return groups, [e.text() for e in eps], time.perf_counter() - t0, self.runner.state_dict()
 
     def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]], texts: list[str],
-              t_gen: float) -> PhaseResult:
+              t_gen: float, env_counters: dict[str, int] | None) -> PhaseResult:
         """Stage 2, no engine: rewards (an episode's are its environment's), group advantages, rows, the
         phase's batches and statistics. (The worker process runs it in a thread, beside the next phase's
-        sampling.)"""
+        sampling: the environment's counters are those `sample` left, `env_counters`, not the runner's now.)"""
         c, n = self.config, self.config.samples_per_prompt
         answers = [a for a in req.answers for _ in range(n)]
         t0 = time.perf_counter()
@@ -255,20 +260,24 @@ class RolloutWorker:
             "rollout/phase": float(req.phase),
             "rollout/multi_version_frac": sum(len(set(r.versions_trained())) > 1 for r in rows) / max(len(rows), 1),
         }
-        if self.runner is not None:
+        if env_counters is not None:
             stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
-                "rollout/env_errors": float(self.runner.errors), "rollout/env_timeouts": float(self.runner.timeouts)})
+                "rollout/env_errors": float(env_counters["errors"]),
+                "rollout/env_timeouts": float(env_counters["timeouts"])})
         k = c.steps_per_rollout
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
         batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
                            phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
-        return PhaseResult(req.phase, batches, self.counters(), t_gen)
+        counters = {**self.scorer.state_dict(), **({"env": dict(env_counters)} if env_counters is not None else {})}
+        return PhaseResult(req.phase, batches, counters, t_gen)
 
     def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],
-                     t_gen: float) -> list[PhaseResult]:
+                     t_gen: float, env_counters: dict[str, int] | None) -> list[PhaseResult]:
         """Dedicated placement: a phase sampled whole (`PhaseShares.merged`), scored share by share as each
-        rank would score its own. The scorer is one, so its counters travel once: with share 0 (rank
-        0's), scored last so that they include every share; the others report none."""
+        rank would score its own. The scorer and the environments' runner are one, so their counters
+        travel once: with share 0 (rank 0's), scored last so that they include every share (the
+        environment's already do: its episodes ran in `sample`); the others report none, so the sum over
+        ranks (rollout/*_errors add up over ranks, lit_ess.metrics.RULES) is the worker's count."""
         shares = req.shares
         n, starts = self.config.samples_per_prompt, [0]
         for s in shares:
@@ -276,7 +285,7 @@ class RolloutWorker:
         out = [None] * len(shares)
         for r in reversed(range(len(shares))):
             a, b = starts[r], starts[r + 1]
-            out[r] = self.score(shares[r], groups[a:b], texts[a * n:b * n], t_gen)
+            out[r] = self.score(shares[r], groups[a:b], texts[a * n:b * n], t_gen, env_counters)
             if r > 0:
                 out[r].reward_counters = {}
                 for batch in out[r].batches:
@@ -303,7 +312,9 @@ class RolloutWorker:
                 "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
 
     def close(self) -> None:
-        """Close the scorer and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
+        """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
         executor ends here: InlineExecutor.close (sync), the worker process's exit (async)."""
         self.scorer.close()
+        if self.runner is not None:
+            self.runner.close()
         self.engine.close()
