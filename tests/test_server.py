@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
 from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
+from lit_ess.logprobs import sequence_logprobs
 
 
 # ---- fast: knobs, command, identity checks against faked answers ----
@@ -36,6 +37,7 @@ from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, 
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"kv_cache_gib": 0}, "kv_cache_gib"),
     ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
+    ({"weight_update": "wait"}, "weight_update"),
 ])
 def test_bad_knobs_are_one_line(kwargs, says):
     with pytest.raises(ValueError, match=says) as e:
@@ -233,6 +235,21 @@ def test_a_refused_prefix_cache_reset_fails_the_update_and_still_resumes(fake_se
     engine.close()
 
 
+@pytest.mark.parametrize("mode, pause, reset", [("drain", "mode=wait", ""),
+                                               ("in_flight", "mode=keep", "reset_running_requests=true")])
+def test_an_update_pauses_as_weight_update_says(mode, pause, reset, fake_server, tiny_model_dir):
+    """drain: running requests finish first; in_flight: they are frozen, and the prefix-cache reset
+    preempts them (their prefix is recomputed with the new weights when they resume)."""
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, weight_update=mode).build(tiny_model_dir)
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": True}), "/weight_info": (200, {"weight_version": "3"})}
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items(), version=3)
+    calls = FakeVLLM.hits[-6:]
+    assert [h.split("?")[0] for h in calls] == ["/pause", "/collective_rpc", "/update_weight_version",
+                                                "/reset_prefix_cache", "/resume", "/weight_info"]
+    assert calls[0] == f"/pause?{pause}" and calls[3] == "/reset_prefix_cache" + (f"?{reset}" if reset else "")
+    engine.close()
+
+
 @pytest.mark.parametrize("route, answer, says", [
     ("/inference/v1/generate", (403, {"error": {"message": "disabled"}}), "--enable-scale-out"),
     ("/server_info", (404, {"detail": "Not Found"}), "VLLM_SERVER_DEV_MODE=1"),
@@ -393,13 +410,19 @@ def test_stop_strings_and_eos_end_completions(server, tiny_model_dir):
     assert "stop" in reasons
 
 
-@pytest.mark.e2e
-def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    torch.manual_seed(0)
+def perturbed(model_dir: str, seed: int):
+    """The model of `model_dir` with Gaussian noise (std 0.05, `seed`) on every weight: other weights to push."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.e2e
+def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
+    model = perturbed(tiny_model_dir, seed=0)
     s = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=3)
     before = max_logprob_gap(model, PROMPTS, server.generate(PROMPTS, 2, s), s)
     t0 = time.perf_counter()
@@ -706,3 +729,88 @@ def test_demo_agent_through_the_server(mode, server, tiny_model_dir, tmp_path):
         assert max(v for _, v in s["train/policy_lag_max"]) <= 1
     assert min(v for _, v in s["rollout/turns"]) > 1 and max(v for _, v in s["rollout/turns"]) <= 3
     assert [v for _, v in s["rollout/env_errors"]] == [0.0] * steps and min(v for _, v in s["rollout/env_tokens"]) > 0
+
+
+def own_version_logprobs(models: dict, prompt: list[int], c, s) -> torch.Tensor:
+    """[C] the logprob of each of completion `c`'s tokens under the weights of its own version
+    (`models`: version -> model), given the tokens before it."""
+    ids = torch.tensor([prompt + c.token_ids])
+    cm = torch.zeros_like(ids, dtype=torch.bool)
+    cm[0, len(prompt):] = True
+    per_version = {v: sequence_logprobs(m, ids, torch.ones_like(ids), cm, s.temperature, s.top_k, s.top_p)[0][0, len(prompt):]
+                   for v, m in models.items()}
+    return torch.stack([per_version[v][t] for t, v in enumerate(c.token_versions)])
+
+
+@pytest.mark.e2e
+def test_an_in_flight_update_labels_each_token_with_its_version_and_pi_b(server, hf_model, tiny_model_dir):
+    """weight_update: in_flight (a second client of the module's server): weights pushed while requests
+    run reach them mid-completion. A completion's tokens before the switch carry the old version and the
+    old weights' logprob, those after it the new ones' (the frozen requests' prefix is recomputed with the
+    new weights), and its version is its oldest token's."""
+    engine = VLLMServerConfig(urls=server.urls, weight_update="in_flight").build(tiny_model_dir)
+    new = perturbed(tiny_model_dir, seed=1)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=200, seed=21)
+    prompts = [[1, 20, 21, 14]]
+    mixed, switched = [], None
+    for attempt in range(4):                            # the push must land while tokens are being sampled
+        old_v, new_v = 30 + 2 * attempt, 31 + 2 * attempt
+        engine.load_weights(hf_model.state_dict().items(), version=old_v)     # nothing runs: a plain update
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(groups=engine.generate(prompts, 16, s, call_seed=attempt)))
+        thread.start()
+        time.sleep(0.5 + 0.5 * attempt)
+        t0 = time.perf_counter()
+        engine.load_weights(new.state_dict().items(), version=new_v)
+        switched = time.perf_counter() - t0
+        thread.join(300)
+        group = out["groups"][0]
+        models = {old_v: hf_model, new_v: new}
+        for c in group:
+            assert c.token_versions == sorted(c.token_versions) and set(c.token_versions) <= {old_v, new_v}
+            assert c.version == min(c.token_versions)
+            gap = (own_version_logprobs(models, prompts[0], c, s) - torch.tensor(c.logprobs)).abs().max().item()
+            assert gap < 1e-4, (gap, c.token_versions)
+        mixed = [c for c in group if len(set(c.token_versions)) == 2]
+        if mixed:
+            break
+    print(f"in-flight update {switched:.2f} s; {len(mixed)} of 16 completions sampled by two versions, switching "
+          f"after {[c.token_versions.index(new_v) for c in mixed]} tokens")
+    assert mixed, "no completion was running when the weights changed"
+    assert engine.version == new_v and weight_label(server.urls[0]) == str(new_v)
+    engine.close()
+
+
+@pytest.mark.e2e
+def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(server, tiny_model_dir, tmp_path):
+    """`lit-ess fit`, async (S = 2) on the module's server with weight_update: in_flight: weights pushed
+    after each step reach the phase being sampled, so some rows are sampled by two versions
+    (rollout/multi_version_frac > 0); the lag of a row is its oldest token's and never exceeds S, nor
+    does any token's (the histogram rollout/token_lag, read back from TensorBoard)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    S = 2
+    # S = 2: two phases in flight, so the worker samples all the time and the push after each step lands
+    # in a phase being sampled (with S = 1 it does only when sampling a phase outlasts a step)
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, prompts=2, samples=4, extra_data={
+        "mode": "async", "max_staleness": S, "sampling": {"temperature": 1.0, "max_new_tokens": 200, "seed": 0},
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                   "init_args": {"urls": server.urls, "weight_update": "in_flight"}}})
+    t0 = time.perf_counter()
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    mixed = [v for _, v in s["rollout/multi_version_frac"]]
+    row_lag, row_lag_max = dict(s["train/policy_lag"]), [v for _, v in s["train/policy_lag_max"]]
+    token_lag = dict(s["train/token_lag"])
+    print(f"fit {time.perf_counter() - t0:.0f} s; multi_version_frac per step {mixed}; row lag {list(row_lag.values())}; "
+          f"token lag {list(token_lag.values())}")
+    assert len(mixed) == 8 and max(mixed) > 0, mixed
+    assert max(row_lag_max) <= S, row_lag_max                          # the bound, on each row's oldest token
+    assert [v for _, v in s["rollout/stale_dropped"]][-1] == 0
+    acc = EventAccumulator(str(tmp_path / "tb" / "run"), size_guidance={"histograms": 0})
+    acc.Reload()
+    lags = {e.step: (e.histogram_value.min, e.histogram_value.max) for e in acc.Histograms("rollout/token_lag")}
+    print(f"token lag (min, max) per step: {lags}")
+    assert len(lags) == 8 and all(0 <= lo <= hi <= S for lo, hi in lags.values()), lags   # every token within S
+    assert "rollout/policy_lag" in acc.Tags()["histograms"]

@@ -51,7 +51,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]          # behaviour logprob of each sampled token
     finish_reason: str             # "stop" (eos or stop string) or "length"
-    version: int                   # policy version that produced it
+    version: int                   # policy version that produced it: its oldest token's
+    token_versions: list[int] | None = None   # the version that sampled each token (None: all `version`);
+                                              # several when the weights changed in flight
 
 
 def derive_seed(*parts: int) -> int:
@@ -112,6 +114,13 @@ class EngineConfig:
         that sets it; None when the model's config does not say. Default: the model's
         max_position_embeddings."""
         return position_limit(model_path)
+
+    def updates_in_flight(self) -> bool:
+        """Whether the engine takes new weights while it generates (requests running go on with them,
+        each token labelled with its version in `Completion.token_versions`), so the async worker
+        loads a push at once instead of before its next request. Default: no, weights change between
+        requests."""
+        return False
 
     def worker_env(self) -> dict[str, str]:
         """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an

@@ -4,17 +4,24 @@ Token ids in, token ids out: each sample is one `POST /inference/v1/generate` wi
 seed (a batched call with one seed returns copies for repeated prompts), sent concurrently from a
 background event loop and spread over the servers by least outstanding requests. A response carries
 the sampled ids, vLLM's *processed* logprob of each (what it sampled from: pi_b) and the weight-version
-spans of its tokens; a completion's version is the oldest span's label.
+spans of its tokens: each token's behaviour version (`Completion.token_versions`); a completion's
+version is the oldest span's label.
 
 Weights (CPU path, and wherever NCCL is not there): the trainer's tensors are written as safetensors
 into a folder the servers can read (written under a temporary name, then renamed), and every server
 
-    POST /pause?mode=wait        finish what runs, hold new requests
+    POST /pause?mode=wait        finish what runs, hold new requests         (weight_update: drain)
+         /pause?mode=keep        freeze what runs where it is                 (weight_update: in_flight)
     POST /collective_rpc         {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
     POST /update_weight_version  {"new_version": "<optimizer step>"}
     POST /reset_prefix_cache     body {"success": true} checked: no KV entry of the old weights is reused
+                                 (in_flight: ?reset_running_requests=true, the frozen requests are
+                                 preempted and their prefix recomputed with the new weights on resume)
     POST /resume                 always (finally)
     GET  /weight_info            the label must now be the pushed version
+
+In flight, a request frozen after t tokens goes on with the new weights: its spans say which tokens
+each version sampled, and the logprob of every token is the one it was sampled with (its own pi_b).
 
 The dev routes need `VLLM_SERVER_DEV_MODE=1`, the token route `--enable-scale-out`; both are checked at
 start, with the vLLM version, processed logprobs, the dtype and the model (`model_fingerprint`), and a
@@ -91,6 +98,13 @@ class VLLMServerConfig(EngineConfig):
         weights_dir: where pushed weights are written as safetensors; every server must read it at the
             same path (a shared filesystem for servers on other machines). None = a folder of this
             process in /dev/shm (memory), enough for servers on this machine.
+        weight_update: how a server takes new weights. "drain": requests running finish with the old
+            weights first (`/pause?mode=wait`), so every token of a completion has one version.
+            "in_flight": running requests are frozen (`/pause?mode=keep`), the weights loaded, and they
+            go on with the new ones: a completion may be sampled by several versions, each token's
+            read from the server's spans (`rollout/multi_version_frac`, the `rollout/token_lag`
+            histogram), its staleness its oldest token's. Needs data.mode: async (the trainer pushes
+            while the worker generates; sync generates between steps).
     """
 
     urls: list[str] | None = None
@@ -108,6 +122,7 @@ class VLLMServerConfig(EngineConfig):
     control_timeout: float = 120.0
     max_concurrency: int = 512
     weights_dir: str | None = None
+    weight_update: Literal["drain", "in_flight"] = "drain"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -127,6 +142,8 @@ class VLLMServerConfig(EngineConfig):
         for knob in ("startup_timeout", "request_timeout", "control_timeout"):
             check(f"VLLMServerConfig.{knob}", getattr(self, knob), gt=0, hint=" (seconds)")
         check("VLLMServerConfig.max_concurrency", self.max_concurrency, ge=1, integer=True)
+        if self.weight_update not in ("drain", "in_flight"):
+            raise ValueError(f"VLLMServerConfig.weight_update={self.weight_update!r} is not one of ('drain', 'in_flight')")
         if self.urls and (self.port is not None or self.server_args or self.log_file):
             raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
                              "elsewhere: start them with `python -m lit_ess.engines.serve`")
@@ -139,6 +156,9 @@ class VLLMServerConfig(EngineConfig):
 
     def model_len(self, model_path: str) -> tuple[int, str] | None:
         return capped_limit(self.max_model_len, model_path)
+
+    def updates_in_flight(self) -> bool:
+        return self.weight_update == "in_flight"
 
     def build(self, model_path: str) -> "VLLMServerEngine":
         return VLLMServerEngine(model_path, self)
@@ -287,6 +307,25 @@ class ServerError(EngineFault):
     """A failed HTTP call to a server: one line with the URL, the call and what came back."""
 
 
+def span_versions(spans: list[dict] | None, n: int) -> list[int]:
+    """The behaviour version of each of a completion's `n` tokens, from the server's spans
+    `[{"version": "3", "start": 0, "end": 111}, {"version": "4", "start": 111, "end": 240}]` (labels are
+    optimizer steps, `end` exclusive); ValueError when they are not optimizer steps or do not tile 0..n."""
+    out: list[int | None] = [None] * n
+    try:
+        for sp in spans or []:
+            v, a, b = int(sp["version"]), int(sp["start"]), int(sp["end"])
+            if not 0 <= a <= b <= n or any(x is not None for x in out[a:b]):
+                raise ValueError
+            out[a:b] = [v] * (b - a)
+    except (TypeError, ValueError, KeyError):
+        raise ValueError(f"weight_versions {spans!r} are not optimizer steps over {n} tokens: another client "
+                         f"relabelled the server (POST /update_weight_version)") from None
+    if None in out:
+        raise ValueError(f"weight_versions {spans!r} leave token {out.index(None)} of {n} without a version")
+    return out
+
+
 class ServerGone(ServerError):
     """A server that did not answer (connection refused or reset, no answer within the timeout) or failed
     inside (HTTP 5xx): it is out of the run, and its requests go to the other servers."""
@@ -335,8 +374,10 @@ class VLLMServerEngine(RolloutEngine):
         import aiohttp
 
         self.slots = asyncio.Semaphore(self.config.max_concurrency)
-        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_concurrency, keepalive_timeout=2.0))
+        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request.
+        # No connection limit: `slots` bounds the generate requests, and a control call must never queue behind
+        # them (an in-flight update's /pause would wait for the very requests it should freeze)
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
 
     def _run(self, coro):
         """Run `coro` on the client's event loop (its own thread) and wait for its result."""
@@ -492,16 +533,12 @@ class VLLMServerEngine(RolloutEngine):
         if len(lps) != len(ids):
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
                               f"with {len(lps)} logprobs")
-        return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
-                          self._span_version(url, choice.get("weight_versions")))
-
-    def _span_version(self, url: str, spans: list[dict] | None) -> int:
-        """The oldest weight version among a response's spans (its tokens' behaviour versions)."""
         try:
-            return min(int(sp["version"]) for sp in spans)
-        except (TypeError, ValueError, KeyError):
-            raise ServerError(f"{self._where(url)}: a response's weight_versions {spans!r} are not optimizer steps: "
-                              f"another client relabelled the server (POST /update_weight_version)") from None
+            versions = span_versions(choice.get("weight_versions"), len(ids))
+        except ValueError as e:
+            raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}): {e}") from None
+        return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
+                          min(versions, default=self.version), token_versions=versions)
 
     # ---- weights ----
 
@@ -550,13 +587,15 @@ class VLLMServerEngine(RolloutEngine):
         return final
 
     async def _reload(self, url: str, folder: str, version: int) -> None:
-        await self._call(url, "POST", "/pause?mode=wait")
+        keep = self.config.updates_in_flight()
+        await self._call(url, "POST", "/pause?mode=keep" if keep else "/pause?mode=wait")
         try:
             await self._call(url, "POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": folder}},
                              what=f"POST /collective_rpc reload_weights from {folder}")
             await self._call(url, "POST", "/update_weight_version", {"new_version": str(version)})
-            _, reset = await self._call(url, "POST", "/reset_prefix_cache")
+            _, reset = await self._call(url, "POST", "/reset_prefix_cache?reset_running_requests=true" if keep
+                                        else "/reset_prefix_cache")
             if reset.get("success") is not True:
                 raise ServerError(f"{self._where(url)}: POST /reset_prefix_cache answered {reset}: the prefix cache of "
                                   f"the old weights would be reused")

@@ -122,6 +122,7 @@ class DedicatedWorker(WorkerProcess):
 
 
 class ShareReceiver:
+    updates_in_flight = False                # no engine here: rank 0's worker takes them
     """The executor of a rank > 0 under the dedicated placement (see the module docstring)."""
     plans = False
 

@@ -15,8 +15,10 @@ A phase has two stages: `sample` (the engine) and `score` (rewards and batching,
 trainer's process they run one after the other; the worker process scores a phase in a thread while
 its engine samples the next one, so a reward that waits (a remote verifier) overlaps generation.
 
-Weights change only between requests, so every token of a phase was sampled by one policy version and
-each row carries it (`RolloutBatch.versions`).
+Weights change between requests, so every token of a phase is sampled by one policy version, unless
+the engine takes them in flight (`EngineConfig.updates_in_flight`): then a row's tokens may have several
+(`RolloutBatch.token_versions`, `rollout/multi_version_frac`: the share of rows with two or more), and
+the row's version (`RolloutBatch.versions`, the one the staleness bound checks) is its oldest token's.
 
 Counters that survive a resume (`counters`, `load_counters`): the reward scorer's failures, and the
 environment's (`"env"`), each cumulative and logged as rollout/reward_* and rollout/env_*. A phase's
@@ -245,7 +247,8 @@ class RolloutWorker:
         if self.runner is None:
             rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
                         advantage=float(adv[g, j]), reward=float(rewards[g, j]), version=groups[g][j].version,
-                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j])
+                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j],
+                        token_versions=groups[g][j].token_versions)
                     for g in keep for j in range(n)]
             lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
             cut = sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel()
@@ -275,6 +278,7 @@ class RolloutWorker:
             "rollout/reward_errors": float(counts["errors"]),
             "rollout/reward_timeouts": float(counts["timeouts"]),
             "rollout/phase": float(req.phase),
+            "rollout/multi_version_frac": sum(len(set(r.versions_trained())) > 1 for r in rows) / max(len(rows), 1),
         }
         if env_counters is not None:
             stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
