@@ -210,13 +210,13 @@ def test_demo_multiturn_is_on_policy_over_several_turns(warm_start, tmp_path):
 
 @pytest.mark.e2e
 def test_demo_calculator_calls_the_tool_on_policy(tmp_path):
-    """configs/demo_calculator_sft.yaml cut to 150 steps, then configs/demo_calculator.yaml for 6 steps on
+    """configs/demo_calculator_sft.yaml cut to 100 steps, then configs/demo_calculator.yaml for 6 steps on
     vLLM: the policy calls the calculator, the call turns stop at ')', and every step is on-policy."""
     from lit_ess.tiny import build_tiny_model
 
     build_tiny_model(tmp_path / "runs/demo/init")
     cfg = yaml.safe_load((CONFIGS / "demo_calculator_sft.yaml").read_text())
-    cfg["trainer"].update(max_steps=150, enable_progress_bar=False, logger=False)
+    cfg["trainer"].update(max_steps=100, enable_progress_bar=False, logger=False)
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "sft.yaml"))], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     s = fit(multiturn_config(tmp_path / "runs/demo/calculator_sft", tmp_path / "rl", steps=6,
