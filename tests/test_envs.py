@@ -340,6 +340,40 @@ def test_an_environment_that_cannot_start_or_answer_in_the_tokenizers_format_sto
         EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky"), byte_tok).run(engine, [Example("q", "reset raises")], 1, S)
 
 
+class Stuck(Environment):
+    """reset or close hangs (for 30 s) when the example's answer says so."""
+
+    def reset(self, example):
+        self.how = example.answer
+        if self.how == "reset hangs":
+            time.sleep(30)
+        return example.prompt
+
+    def step(self, action):
+        return Step(reward=1.0, done=True)
+
+    def close(self):
+        if self.how == "close hangs":
+            time.sleep(30)
+
+
+def test_a_reset_or_close_that_hangs_does_not_hang_the_rollout(byte_tok):
+    """env.step_timeout bounds an environment's reset and close as it bounds its steps: a reset that hangs
+    stops the run in one line (as one that raises), a close that hangs is counted, its episode kept."""
+    engine = ScriptedEngine({0: [[50]], 1: [[50]]}, byte_tok.eos_token_id)
+    runner = EpisodeRunner(EnvConfig(env=f"{__name__}:Stuck", step_timeout=0.5), byte_tok, max_error_rate=1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(EnvError, match=rf"^environment '{__name__}:Stuck' did not start an episode .* within "
+                                       r"env.step_timeout=0.5 s"):
+        runner.run(engine, [Example("q", "ok"), Example("q", "reset hangs")], 1, S)
+    assert time.perf_counter() - t0 < 5
+    t0 = time.perf_counter()
+    a, b = runner.run(engine, [Example("q", "ok"), Example("q", "close hangs")], 1, S)
+    assert time.perf_counter() - t0 < 5
+    assert (a.reward, a.failed, b.reward, b.env_timeouts) == (1.0, False, 1.0, 1)
+    assert runner.state_dict() == {"errors": 0, "timeouts": 1}
+
+
 def test_an_error_after_a_rewarded_step_zeroes_the_episode(byte_tok):
     engine = ScriptedEngine({0: [[50], [51]]}, byte_tok.eos_token_id)
     runner = EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky", max_turns=2), byte_tok, max_error_rate=1.0)
