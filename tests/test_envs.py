@@ -233,6 +233,31 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
         EpisodeRunner(EnvConfig(env="retry_arithmetic", max_turns=2), tok).run(engine, [Example("1+1=", "2")], 1, S)
 
 
+class Hints(Environment):
+    """Answers with a system message."""
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action):
+        return Step(observation=[{"role": "system", "content": "hint"}])
+
+
+def test_a_template_that_raises_on_the_messages_stops_in_one_line():
+    """A chat template that refuses the environment's messages (raise_exception, as many templates do for
+    roles out of order) stops the run with one line naming the environment and the template's words."""
+    tok = build_chat_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                         "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = ScriptedEngine({0: [ids(tok, "1") + [tok.eos_token_id]] * 2}, tok.eos_token_id)
+    with pytest.raises(TemplateError, match=rf"^environment '{__name__}:Hints': the chat template .*"
+                                            r"System message must be at the beginning") as e:
+        EpisodeRunner(EnvConfig(env=f"{__name__}:Hints", max_turns=2), tok).run(engine, [Example("1+1=", "2")], 1, S)
+    assert "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Failures and limits
 
