@@ -258,6 +258,34 @@ def test_a_template_that_raises_on_the_messages_stops_in_one_line():
     assert "\n" not in str(e.value)
 
 
+class ToolRole(Environment):
+    """Text observations in the 'tool' role; the prompt (text) is a user message as every prompt is."""
+    observation_role = "tool"
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action):
+        return Step(observation="42", done=len(action.token_ids) > 2)
+
+
+def test_a_text_prompt_is_the_user_message_in_the_history_whatever_the_observation_role():
+    """The first observation, text, is encoded as a user turn (encode_prompt); the history the template
+    renders the deltas from says so too, also for an environment whose observations are 'tool' messages
+    (a template that needs a user query, as Qwen3's does, would refuse a history without one)."""
+    tok = build_chat_tokenizer()
+    tok.chat_template = ("{% if not messages | selectattr('role', 'equalto', 'user') | list %}"
+                         "{{ raise_exception('No user query found in messages.') }}{% endif %}"
+                         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    eos = tok.eos_token_id
+    engine = ScriptedEngine({0: [ids(tok, "1") + [eos], ids(tok, "12") + [eos]]}, eos)
+    (e,) = EpisodeRunner(EnvConfig(env=f"{__name__}:ToolRole", max_turns=2), tok).run(engine, [Example("1+1=", "2")], 1, S)
+    assert e.prompt_ids == ids(tok, "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n")
+    delta = ids(tok, "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    assert e.completion_ids == ids(tok, "1") + [eos] + delta + ids(tok, "12") + [eos] and e.turns == 2
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Failures and limits
 

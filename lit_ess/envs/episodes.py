@@ -217,7 +217,8 @@ class EpisodeRunner:
             raise EnvError(f"{self.what} reset returned {_short(obs)}, not text or a list of "
                            f"{{'role', 'content'}} messages (at least one)")
         role = env.observation_role
-        history = self.tokens.messages(obs, role) if self.tokens.chat else []
+        # a text prompt is a user turn (EpisodeTokens.prompt), whatever the role of later observations
+        history = self.tokens.messages(obs, "user") if self.tokens.chat else []
         try:
             prompt = self.tokens.prompt(obs, role)
         except TemplateError as e:
