@@ -414,3 +414,16 @@ def test_an_engine_of_one_call_at_a_time_is_free_when_a_run_of_timed_out_agents_
     finally:
         runner.close()
     assert not engine.overlap
+
+
+@pytest.mark.parametrize("knob, value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
+                                         ("min_p", 0.1), ("logit_bias", {"50": 100}), ("min_tokens", 4)])
+def test_a_request_that_asks_for_another_distribution_is_refused(knob, value):
+    """Penalties, biases and floors change what is sampled: the engine samples with the run's settings, so a
+    request asking for them is refused in one line naming the knob (their neutral values are served)."""
+    from lit_ess.envs.proxy import request_sampling
+
+    with pytest.raises(RequestError, match=f"^{knob}="):
+        request_sampling({knob: value}, S)
+    neutral = {"logit_bias": {}, "repetition_penalty": 1.0}.get(knob, 0)
+    assert request_sampling({knob: neutral}, S) == S and request_sampling({knob: None}, S) == S

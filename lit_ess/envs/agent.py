@@ -24,7 +24,7 @@ that does not continue (a dropped or edited message or reply, other tools, a con
 cannot be one token sequence: it is refused with HTTP 400 naming the function, and the episode fails.
 
 Sampling is the run's (data.sampling): a request's temperature, top_p and top_k must be the run's or absent
-(the trainer scores with the run's), its max_tokens is capped by sampling.max_new_tokens (the default),
+(the trainer scores with the run's), penalties, logit_bias, min_p and min_tokens absent or neutral, its max_tokens is capped by sampling.max_new_tokens (the default),
 its stop strings apply (a reply keeps the stop string that ended it), its seed is ignored: seeds derive
 from the run's as every rollout's (phase, episode, call). Calls of one episode are sequential. Limits:
 env.max_turns calls (one more is refused: truncated "turns"), env.max_episode_tokens tokens (a prompt that
