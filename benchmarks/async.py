@@ -9,10 +9,12 @@ cores, so overlapping them cannot make both faster; the number is reported as me
 On `--devices` data-parallel ranks (DDP, default 2) async runs in both placements: colocated (a worker
 process per rank, each generating its half) and dedicated (one worker process for the whole phase,
 each rank receiving its share). Runs alternate sync / async for `--rounds` rounds, each a `lit-ess
-fit` of `--steps` steps; the first 3 steps of each run are dropped (vLLM warm-up) and the median
-step time is kept.
+fit` of `--steps` steps; the first 3 steps of each run are dropped (vLLM warm-up). Reported: the median
+step time over all rounds, and each round's ratio (its async median over the same round's sync median)
+with their median and range, so a machine shared with other jobs shows as spread; the load average
+(1 min) before and after each case.
 
-    .venv/bin/python benchmarks/async.py [--model runs/demo/sft] [--steps 25 --rounds 2 --devices 2]
+    .venv/bin/python benchmarks/async.py [--model runs/demo/sft] [--steps 25 --rounds 3 --devices 2] [--cases b]
 """
 from __future__ import annotations
 
@@ -62,32 +64,48 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="runs/demo/sft", help="policy folder (default: the demo's SFT model)")
     p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", type=int, default=2, help="data-parallel ranks (DDP); 1: no placement to compare")
+    p.add_argument("--cases", default="ab", help="which cases: a (demo config), b (latency-bound reward), or ab")
+    p.add_argument("--placements", default="colocated,dedicated", help="the async placements to run beside sync")
     p.add_argument("--out", default="benchmarks/results/async.json")
     a = p.parse_args(argv)
+    if bad := [x for x in a.placements.split(",") if f"async {x}" not in MODES]:
+        p.error(f"--placements: {', '.join(bad)} is not colocated or dedicated")
     if not Path(a.model).is_dir():
         sys.exit(f"benchmarks/async.py: no model folder {a.model}: run `bash scripts/demo.sh` first, or pass --model")
     model = str(Path(a.model).resolve())
     results = {}
     cases = {"(a) demo config": "exact_match", "(b) latency-bound reward": "benchmarks.timing:waiting_exact_match"}
+    cases = {k: v for k, v in cases.items() if k[1] in a.cases}
     with tempfile.TemporaryDirectory() as d:
         for case, reward in cases.items():
-            modes = list(MODES) if a.devices > 1 else ["sync", "async colocated"]
+            modes = ["sync", *(f"async {x}" for x in a.placements.split(",") if a.devices > 1 or x == "colocated")]
             times = {m: [] for m in modes}
+            rounds = {m: [] for m in modes}                  # each round's median
+            load = [os.getloadavg()[0]]
             for r in range(a.rounds):
                 for mode in modes:
                     out = Path(d) / f"{len(results)}-{r}-{mode.replace(' ', '_')}"
                     out.mkdir(parents=True, exist_ok=True)
-                    times[mode] += run(model, out, mode, a.steps, reward, a.devices)
+                    t = run(model, out, mode, a.steps, reward, a.devices)
+                    times[mode] += t
+                    rounds[mode].append(statistics.median(t))
+            load.append(os.getloadavg()[0])
             s = statistics.median(times["sync"])
-            results[case] = {"sync_s_per_step": s, "steps_timed": len(times["sync"])}
+            results[case] = {"sync_s_per_step": s, "steps_timed": len(times["sync"]),
+                             "sync_round_medians": rounds["sync"], "load_avg_1min_before_after": load}
             goal = "  (goal <= 0.6)" if case.startswith("(b)") else ""
             for mode in modes[1:]:
                 y = statistics.median(times[mode])
                 key = mode.replace(" ", "_")
-                results[case].update({f"{key}_s_per_step": y, f"{key}_ratio": y / s})
-                print(f"{case}, {a.devices} ranks: sync {s:.3f} s/step, {mode} S=1 {y:.3f} s/step, ratio {y / s:.2f}{goal}",
+                per_round = [x / z for x, z in zip(rounds[mode], rounds["sync"])]
+                results[case].update({f"{key}_s_per_step": y, f"{key}_ratio": y / s, f"{key}_round_medians": rounds[mode],
+                                      f"{key}_round_ratios": per_round,
+                                      f"{key}_round_ratio_median": statistics.median(per_round),
+                                      f"{key}_round_ratio_range": [min(per_round), max(per_round)]})
+                print(f"{case}, {a.devices} ranks: sync {s:.3f} s/step, {mode} S=1 {y:.3f} s/step, ratio {y / s:.2f}{goal}; "
+                      f"per round {', '.join(f'{x:.2f}' for x in per_round)} (load {load[0]:.1f} -> {load[1]:.1f})",
                       flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"model": a.model, "steps": a.steps, "rounds": a.rounds, "devices": a.devices,

@@ -1,20 +1,61 @@
-"""vLLM's own server as the rollout engine against the in-process engine, in one process, at the demo's
-shape (32 prompts x 8 samples, <= 8 new tokens, fp32): start-up seconds, seconds per generate call
-(the two engines alternate, `--rounds` calls each, the median kept) and seconds per weight update.
-Server and client share the machine's cores, as they do in configs/demo_server.yaml.
+"""vLLM's own server as the rollout engine against the in-process engine, at the demo's shape (32
+prompts x 8 samples, <= 8 new tokens, fp32). Server and client share the machine's cores, as they do in
+configs/demo_server.yaml.
 
-    .venv/bin/python benchmarks/server.py [--model runs/demo/sft] [--rounds 5] [--out benchmarks/results/server.json]
+(1) Engines alone, in this process: start-up seconds, seconds per generate call (the two engines
+    alternate, `--rounds` calls each, the median kept) and seconds per weight update.
+(2) Training, `lit-ess fit` of the demo config at the latency-bound shape (a verifier that waits 2 ms
+    per completion, benchmarks.timing:waiting_exact_match): seconds per optimizer step of today's async
+    worker (the in-process engine in its worker process, S = 1) against the server engine (the server
+    of (1) by `urls`, its start not counted), async S = 1 and sync. The runs alternate for
+    `--fit-rounds` rounds of `--fit-steps` steps; the first 3 steps of each run are dropped and the
+    median kept. The load average is recorded before and after: the machine is shared.
+
+    .venv/bin/python benchmarks/server.py [--model runs/demo/sft] [--rounds 5] [--fit-steps 15 --fit-rounds 1]
+                                          [--out benchmarks/results/server.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LATENCY_BOUND = "benchmarks.timing:waiting_exact_match"
+FIT_MODES = {"async worker (in-process engine)": ({"class_path": "lit_ess.engines.VLLMConfig",
+                                                    "init_args": {"max_model_len": 256}}, "async"),
+             "async server engine": (None, "async"), "sync server engine": (None, "sync")}
+
+
+def fit_step_seconds(model: str, out: Path, engine: dict, mode: str, steps: int) -> list[float]:
+    """Seconds per optimizer step of `lit-ess fit` on the demo config with `engine`, `mode` (async: S = 1)
+    and the latency-bound reward, less the first 3 steps."""
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["model"]["init_args"]["model_path"] = model
+    cfg["data"]["init_args"].update({"engine": engine, "mode": mode, "reward": LATENCY_BOUND, "val_source": None,
+                                     **({"max_staleness": 1} if mode == "async" else {})})
+    times = out / "times.json"
+    cfg["trainer"].update({"max_steps": steps, "logger": False, "enable_checkpointing": False, "devices": 1,
+                           "default_root_dir": str(out), "enable_progress_bar": False, "check_val_every_n_epoch": 1,
+                           "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
+                                         {"class_path": "benchmarks.timing.StepTimes", "init_args": {"path": str(times)}}]})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res = subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(out / "config.yaml")], cwd=out,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+    if res.returncode:
+        sys.exit(f"benchmarks/server.py: the {mode} run failed:\n{res.stderr[-3000:]}")
+    t = json.loads(times.read_text())
+    return [b - a for a, b in zip(t[3:], t[4:])]
 
 
 def main() -> None:
@@ -23,6 +64,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--fit-steps", type=int, default=15, help="steps per training run; 0: no training runs")
+    p.add_argument("--fit-rounds", type=int, default=1)
     p.add_argument("--out", default=None, help="JSON file for the results (default: print only)")
     args = p.parse_args()
 
@@ -60,6 +103,18 @@ def main() -> None:
             t0 = time.perf_counter()
             engine.load_weights(hf.state_dict().items(), version=v)
             update[name].append(time.perf_counter() - t0)
+    local.close()
+
+    fit = {name: [] for name in FIT_MODES}
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as d:
+        for r in range(args.fit_rounds if args.fit_steps > 3 else 0):
+            for i, (name, (engine, mode)) in enumerate(FIT_MODES.items()):
+                engine = engine or {"class_path": "lit_ess.engines.VLLMServerConfig",
+                                    "init_args": {"urls": server.urls, "max_model_len": 256}}
+                fit[name] += fit_step_seconds(model, Path(d) / f"{r}-{i}", engine, mode, args.fit_steps)
+                print(f"{name}: {statistics.median(fit[name]):.3f} s/step", flush=True)
+    load.append(os.getloadavg()[0])
     server.close()
 
     med = {k: {name: statistics.median(xs) for name, xs in d.items()} for k, d in (("generate", gen), ("update", update))}
@@ -68,6 +123,13 @@ def main() -> None:
               "generate_seconds_median": med["generate"], "update_seconds_median": med["update"],
               "generate_ratio_server_over_in_process": med["generate"]["server"] / med["generate"]["in_process"],
               "generate_seconds_all": gen, "update_seconds_all": update}
+    if any(fit.values()):
+        worker = statistics.median(fit["async worker (in-process engine)"])
+        result["fit"] = {"reward": LATENCY_BOUND, "steps": args.fit_steps, "rounds": args.fit_rounds,
+                         "cores": os.cpu_count(), "load_average_1min_before_after": load,
+                         "seconds_per_step_median": {k: statistics.median(v) for k, v in fit.items()},
+                         "ratio_over_async_worker": {k: statistics.median(v) / worker for k, v in fit.items()},
+                         "seconds_per_step_all": fit}
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

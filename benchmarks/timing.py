@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import lightning as L
 
@@ -41,3 +42,51 @@ def completion_length(completion: str, answer: str) -> float:
     samples almost never ties (a random byte-level model's texts differ in length, replacement
     characters included), and which does not shorten completions."""
     return float(len(completion))
+
+
+class TrainPeak:
+    """Peak memory of a stretch of a process (CPU): RSS high-water mark from `start` (freed heap handed back
+    to the OS first, then VmHWM reset to the current RSS by /proc/self/clear_refs 5) to `stop`, minus the
+    RSS at `start`, in KiB: what the stretch's activations and gradients added."""
+
+    def __init__(self):
+        self.base = None
+
+    def start(self) -> None:
+        from benchmarks.memory import _release_freed, _status_kib
+
+        _release_freed()
+        Path("/proc/self/clear_refs").write_text("5")
+        self.base = _status_kib("VmRSS")
+
+    def stop(self) -> int:
+        from benchmarks.memory import _status_kib
+
+        return _status_kib("VmHWM") - self.base if self.base is not None else 0
+
+
+class TrainingPhase(L.Callback):
+    """What each step's training phase saw, written to `path` (JSON) at fit end: its peak memory
+    (`TrainPeak`, from the batch's start to its end: forward, backward, optimizer) and the completion
+    lengths of the batch. Place it before WeightSync (whose push after the step is not training)."""
+
+    def __init__(self, path: str):
+        self.path, self.peak, self.peaks, self.lengths = path, TrainPeak(), [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lengths.append(batch.completion_mask.sum(1).tolist())
+        self.peak.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.peaks.append(self.peak.stop())
+
+    def on_fit_end(self, trainer, pl_module):
+        if not trainer.global_rank:
+            Path(self.path).write_text(json.dumps({"peak_kib": self.peaks, "lengths": self.lengths}))
+
+
+def first_character(completion: str, answer: str) -> float:
+    """The first character's code point modulo 10 (0 for an empty completion), whatever the answer: a group's
+    samples rarely tie, and the completion's length does not count (under a length reward the tail shape's
+    one stopping weight is trained away within a few steps)."""
+    return float(ord(completion[0]) % 10) if completion else 0.0

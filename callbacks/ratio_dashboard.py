@@ -1,7 +1,9 @@
 """RatioDashboard: TensorBoard histograms of the importance ratios and a custom-scalars layout.
 
 Every `every_n_steps` it writes histograms of the step's token log-ratios log(pi_theta / pi_b) and of
-the capped weights min(rho, e_B) (P3O), and of the rows' policy lag (steps), gathered from all ranks and written by rank 0 (the logger is a
+the capped weights min(rho, e_B) (P3O), of the rows' policy lag and of the trained tokens' lag (steps;
+below the row's oldest-token lag when the weights changed in flight, lit_ess.engines VLLMServerConfig
+weight_update: in_flight), gathered from all ranks and written by rank 0 (the logger is a
 dummy elsewhere). At fit start it writes a custom-scalars layout that groups ESS, KL, reward, lengths.
 """
 from __future__ import annotations
@@ -19,8 +21,8 @@ LAYOUT = {
         "Reward": ["Multiline", ["rollout/reward_mean", "rollout/reward_std", "rollout/degenerate_frac"]],
         "Lengths": ["Multiline", ["rollout/response_len", "rollout/response_len_max", "rollout/truncated_frac"]],
         "Optimisation": ["Multiline", ["train/loss", "train/grad_norm", "train/lr"]],
-        "Staleness": ["Multiline", ["train/policy_lag", "train/policy_lag_max", "rollout/stale_dropped",
-                                    "rollout/buffer_size"]],
+        "Staleness": ["Multiline", ["train/policy_lag", "train/policy_lag_max", "train/token_lag",
+                                    "rollout/multi_version_frac", "rollout/stale_dropped", "rollout/buffer_size"]],
         "Throughput": ["Multiline", ["perf/trainer_wait_frac", "perf/worker_idle_frac", "perf/weight_sync_seconds"]],
     }
 }
@@ -74,6 +76,8 @@ class RatioDashboard(L.Callback):
             tb.add_histogram("ratio/capped_weight", gathered["weight"], step)
         if "policy_lag" in gathered and gathered["policy_lag"].numel():
             tb.add_histogram("rollout/policy_lag", gathered["policy_lag"], step)
+        if "token_lag" in gathered and gathered["token_lag"].numel():
+            tb.add_histogram("rollout/token_lag", gathered["token_lag"], step)
 
 
 def _all_gather_varlen(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:

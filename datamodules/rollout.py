@@ -243,6 +243,10 @@ class RolloutDataModule(L.LightningDataModule):
         if placement == "dedicated" and mode != "async":
             raise ValueError("placement: dedicated runs one rollout worker process beside the trainers: it needs "
                              "mode: async (mode: sync generates in each trainer's process)")
+        if mode == "sync" and isinstance(engine, EngineConfig) and engine.updates_in_flight():
+            raise ValueError("engine.weight_update: in_flight updates the weights of requests being generated, "
+                             "which happens only in mode: async (sync generates between steps): set data.mode: "
+                             "async, or engine.weight_update: drain")
         if env is not None and not isinstance(env, EnvConfig):
             raise ValueError(f"env must be an environment config (lit_ess.envs.EnvConfig) or null, got {env!r}")
         if not isinstance(engine, EngineConfig):
@@ -353,12 +357,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ weights (PolicyModule.push_due, lit_ess.callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
-        """True when the engine will generate before the trainer's next step, so new weights are needed.
-        Called on every rank at the same point; true on every rank when it is true on one."""
+        """True when the engine will generate before the trainer's next step, so new weights are needed
+        (an engine that takes them in flight: also while a phase is being generated). Called on every
+        rank at the same point; true on every rank when it is true on one."""
         def mine() -> tuple[bool]:
             self._collect(timeout=0.0)
             return (self.executor.version != version                         # (e.g. after a skipped step: it
-                    and self._admissible(version, step=version) is not None,)  # has these weights already)
+                    and (self._admissible(version, step=version) is not None   # has these weights already)
+                         or (self.executor.updates_in_flight and bool(self.submitted))),)
         return any(w for (w,) in in_step(self.ranks, mine, share=True))
 
     def push_weights(self, named_tensors, version: int) -> None:

@@ -12,6 +12,7 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     ablations    off-policy regime: P3O, without the (1 - e_B) KL term, without the cap, ESS per micro-batch
     stress_k     steps per rollout k up to where methods break: 7 methods x 2 learning rates
     stress_s     staleness S up to where methods break (sync, generated ahead: exactly reproducible)
+    multiturn    retry-with-feedback episodes (configs/demo_multiturn.yaml): P3O, GRPO, GRPO + token TIS at S 0/4/8
 
 Held-out evaluation samples at T = 1.0 in every run (`val_sampling`), one ruler for every cell; the
 temperature cells also get a final evaluation at their own temperature (`Cell.own_val`).
@@ -19,7 +20,7 @@ temperature cells also get a final evaluation at their own temperature (`Cell.ow
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 OBJ = "lit_ess.objectives."
 
@@ -42,6 +43,12 @@ class Experiment:
     common: dict = field(default_factory=dict)   # overrides shared by every cell
     axis: str | None = None           # stress experiments: the level's name (x axis of the plot)
     batch_per_step: bool = False      # prompts_per_rollout = scale.prompts x k: the same rows per step at every k
+    size: dict = field(default_factory=dict)     # Scale fields capped for this experiment (its runs cost more per step)
+
+    def sized(self, scale: "Scale") -> "Scale":
+        """The scale this experiment runs at: `scale` with each field in `size` at most that value (so
+        --quick stays quick)."""
+        return replace(scale, **{k: min(getattr(scale, k), v) for k, v in self.size.items()})
 
 
 def objective(name: str, **init_args) -> dict:
@@ -73,6 +80,16 @@ HIGH_LR = 5.0e-4            # the stress experiments' second one (1e-3 collapsed
 # 7 methods x 2 rates x 3 seeds x (2 + 3) levels = 210 runs (S = 0 is k = 1).
 K_LEVELS = (1, 48)          # steps per rollout; the per-step batch stays the same (prompts x k per rollout)
 S_LEVELS = (4, 8, 24)      # staleness with k = 1; S = 0 is stress_k's k = 1 run
+
+
+# The multi-turn task of configs/demo_multiturn.yaml: the policy answers a sum, a wrong answer is told so
+# and the question asked again, up to 3 answers, reward 1 / tries (tests/test_experiments.py checks the
+# two stay the same). Its warm start is the demo's (configs/demo_sft.yaml), which is the experiments'
+# `_base/sft`. Held-out evaluation stays single-turn (first try, exact match): the one ruler of the page.
+MULTITURN_ENV = {"env": "retry_arithmetic", "kwargs": {"max_tries": 3, "feedback": "wrong"}, "max_turns": 3,
+                 "max_episode_tokens": 96}
+MULTITURN_METHODS = ("p3o", "grpo_eps0.2", "grpo_tis")
+MULTITURN_S = (0, 4, 8)
 
 
 def lr_tag(lr: float) -> str:
@@ -159,6 +176,18 @@ EXPERIMENTS = {e.name: e for e in [
         "timing noise; it grows from 0 by about one step every two steps until it reaches S, the mean lag is "
         "on the page): at which S does each method break?",
         stress("s"), axis="staleness S"),
+    Experiment(
+        "multiturn", "Multi-turn: retry with feedback, staleness S",
+        "Episodes of up to 3 answers (a wrong one is told `wrong` and asked again, reward 1 / tries; the "
+        "environment's tokens are context, never trained on), one step per rollout, the engine generating "
+        "ahead by up to S steps as in stress_s (sync, exactly reproducible): do P3O, GRPO (eps 0.2) and GRPO "
+        "with token-level truncated IS keep learning as S grows, and do the episodes get shorter (the task "
+        "pays fewer tries more)?",
+        [Cell(f"{m}_S{s}", {**METHODS[m], S: s}, m, s) for s in MULTITURN_S for m in MULTITURN_METHODS],
+        common={"data.init_args.env": MULTITURN_ENV}, axis="staleness S",
+        # an episode is up to 3 engine calls and a longer row to train: 8 prompts x 8 samples, 32 steps
+        # keep the 27 runs within about an hour on the 2 shared cores
+        size={"steps": 32, "prompts": 8, "val_every": 8}),
 ]}
 
 

@@ -40,6 +40,12 @@ CURVES = [("rollout/reward_mean", "training reward (sampled)"), ("val/pass@1", "
           ("train/ess", "ESS e_B")]
 
 
+# a stress experiment whose runs played multi-turn episodes (rollout/turns logged) also plots and tables
+# these per run: the mean over its last 10% of steps, or (ESS) over every step
+EPISODES = [("rollout/reward_mean", "training reward (1 / tries), last 10% of steps"),
+            ("rollout/turns", "policy turns per episode, last 10% of steps"), ("train/ess", "mean ESS e_B")]
+
+
 def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
     """A summary's curves.csv (a row per step, a column per scalar, empty where not logged)."""
     out: dict[str, list[tuple[int, float]]] = {}
@@ -130,10 +136,13 @@ def _diagnosis(run: dict) -> str:
     return ", ".join(parts)
 
 
-def _base(summaries: Path, temp: float) -> float | None:
-    """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet)."""
-    d = summaries / "_base" / base_folder(temp)
-    return _final(read_curves(d / "curves.csv"), "val/pass@1") if (d / "curves.csv").exists() else None
+def _base(summaries: Path, temp: float, exp: str | None = None) -> float | None:
+    """The warm start's held-out pass@1 sampled at `temp` (None: not measured yet): the one experiment
+    `exp`'s runs started from (`<exp>/_base/`, written when it ran) where kept, else the page's."""
+    for d in ([summaries / exp / "_base" / base_folder(temp)] if exp else []) + [summaries / "_base" / base_folder(temp)]:
+        if (d / "curves.csv").exists():
+            return _final(read_curves(d / "curves.csv"), "val/pass@1")
+    return None
 
 
 def _pyplot():
@@ -174,30 +183,35 @@ def plot(exp, runs_by_cell: dict[str, list[dict]], base: float, path: Path) -> N
     plt.close(fig)
 
 
-def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], base: float, path: Path) -> None:
+def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], base: float, path: Path,
+                extra: dict[str, dict[tuple[float, str], dict[int, list[float]]]] | None = None) -> None:
     """Final held-out pass@1 against the level: a panel per learning rate, a line per method (mean over
-    seeds, min..max shaded); the warm start dashed, the collapse line dotted."""
+    seeds, min..max shaded); the warm start dashed, the collapse line dotted. `extra` (y label -> the
+    same layout of values) adds a panel per learning rate for each, e.g. turns per episode."""
     plt = _pyplot()
     lrs = sorted({lr for lr, _ in finals})
     methods = list(dict.fromkeys(m for _, m in finals))
     levels = sorted({lv for f in finals.values() for lv in f})
     x = {lv: i for i, lv in enumerate(levels)}                    # evenly spaced: levels grow geometrically
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
-    fig, axes = plt.subplots(1, len(lrs), figsize=(5.5 * len(lrs) + 2, 3.8), squeeze=False,
-                             sharey=True)
-    for ax, lr in zip(axes[0], lrs):
+    panels = [("final held-out pass@1 (T = 1.0)", lr, finals) for lr in lrs]
+    panels += [(label, lr, values) for label, values in (extra or {}).items() for lr in lrs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 2, 3.8), squeeze=False,
+                             sharey=not extra)
+    for ax, (ylabel, lr, values) in zip(axes[0], panels):
         for m in methods:
-            pts = sorted((lv, v) for lv, v in finals.get((lr, m), {}).items() if v)
+            pts = sorted((lv, v) for lv, v in values.get((lr, m), {}).items() if v)
             if not pts:
                 continue
             xs = [x[lv] for lv, _ in pts]
             ax.plot(xs, [statistics.mean(v) for _, v in pts], label=m, color=colors[m], marker="o", ms=3)
             ax.fill_between(xs, [min(v) for _, v in pts], [max(v) for _, v in pts], color=colors[m], alpha=0.15)
-        ax.axhline(base, color="gray", ls="--", lw=1, label="warm start")
-        ax.axhline(base - COLLAPSE, color="gray", ls=":", lw=1, label="collapse line")
+        if values is finals:
+            ax.axhline(base, color="gray", ls="--", lw=1, label="warm start")
+            ax.axhline(base - COLLAPSE, color="gray", ls=":", lw=1, label="collapse line")
         ax.set_xticks(range(len(levels)), [str(lv) for lv in levels])
         ax.set_xlabel(exp.axis)
-        ax.set_ylabel("final held-out pass@1 (T = 1.0)")
+        ax.set_ylabel(ylabel)
         ax.set_title(f"lr {lr_tag(lr)[2:]}")
         ax.grid(alpha=0.3)
     legend = {}                                                   # every panel's lines, once
@@ -206,7 +220,7 @@ def plot_levels(exp, finals: dict[tuple[float, str], dict[int, list[float]]], ba
             legend.setdefault(label, h)
     fig.legend(list(legend.values()), list(legend), fontsize=7, loc="center right")
     fig.suptitle(exp.title, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1 - 2 / (5.5 * len(lrs) + 2), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 2 / (5.5 * len(panels) + 2), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -237,11 +251,12 @@ def cell_stats(summaries: Path, base: float, scale: Scale) -> dict[tuple[str, st
     """(experiment, cell) -> its stats, for every cell with a summary or a failed run under `summaries`."""
     out = {}
     for name, exp in EXPERIMENTS.items():
+        own = _base(summaries, 1.0, name) or base      # the warm start this experiment's runs started from
         for cell in exp.cells[:scale.cells]:
             runs, failed = _runs(summaries, name, cell)
             if runs or failed:
                 out[(name, cell.label)] = CellStats([v for r in runs if (v := _final(r, "val/pass@1")) is not None],
-                                                    len(_collapsed(runs, base)) + failed, len(runs) + failed)
+                                                    len(_collapsed(runs, own)) + failed, len(runs) + failed)
     return out
 
 
@@ -318,7 +333,7 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
         delta = f"{statistics.mean(finals) - base:+.3f}" if finals else "n/a"
         row = f"| {cell.label} | {len(runs)}/{max(scale.seeds, len(runs) + failed)} | {_mean_ci(finals)} | {delta} | "
         if own:
-            temp, own_base = temperature(cell), _base(summaries, temperature(cell))
+            temp, own_base = temperature(cell), _base(summaries, temperature(cell), name)
             at_t = [r["summary"]["own_temperature"]["val/pass@1"] if temp != 1.0 else _final(r, "val/pass@1")
                     for r in runs]
             at_t = [v for v in at_t if v is not None]
@@ -397,17 +412,24 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
     finals: dict[tuple[float, str], dict[int, list[float]]] = {}
     diagnosed: dict[tuple[float, str, int], list[str]] = {}
     lags: dict[int, list[float]] = {}                                        # level -> each run's mean lag
+    episodes: dict[str, dict[tuple[float, str], dict[int, list[float]]]] = {label: {} for _, label in EPISODES}
     for cell in exp.cells[:scale.cells]:
         runs, _ = _runs(summaries, name, cell)
         line = (cell_lr(cell), cell.method)
+        for tag, label in EPISODES:
+            per_run = [(statistics.mean(v for _, v in r[tag]) if tag == "train/ess" else _last_frac(r, tag))
+                       for r in runs if r.get(tag)]
+            episodes[label].setdefault(line, {})[cell.level] = per_run
         finals.setdefault(line, {})[cell.level] = [v for r in runs if (v := _final(r, "val/pass@1")) is not None]
         lags.setdefault(cell.level, []).extend(statistics.mean(v for _, v in r["train/policy_lag"])
                                                for r in runs if r.get("train/policy_lag"))
         diagnosed[(*line, cell.level)] = [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}"
                                           for r in _collapsed(runs, base)]
     by_line, levels = _lines(name, exp, stats, scale)
+    if not any(v for f in episodes[EPISODES[1][1]].values() for v in f.values()):
+        episodes = {}                             # single-turn runs: no episode tables or panels
     png = results / "img" / "experiments" / f"{name}.png"
-    plot_levels(exp, finals, base, png)
+    plot_levels(exp, finals, base, png, {label: episodes[label] for _, label in EPISODES[:2]} if episodes else None)
     lrs = sorted({lr for lr, _ in finals})
     methods = list(dict.fromkeys(m for _, m in finals))
     letter = exp.axis.split()[-1]
@@ -435,6 +457,13 @@ def _stress_section(name: str, exp, summaries: Path, results: Path, scale: Scale
             lines.append(f"| {m} | " + " | ".join(by_line.get((lr, m), {}).get(lv, CellStats([], 0, 0)).text()
                                                  for lv in levels) + " |")
         lines.append("")
+        for label, values in episodes.items():       # multi-turn: the episodes' reward, turns and the ESS
+            lines += [f"{label[0].upper() + label[1:]}, lr {lr_tag(lr)[2:]}: mean +- std over seeds.", "",
+                      "| method | " + " | ".join(f"{letter} = {lv}" for lv in levels) + " |",
+                      "|---" * (len(levels) + 1) + "|"]
+            lines += [f"| {m} | " + " | ".join(_mean_std(values.get((lr, m), {}).get(lv, [])) for lv in levels) + " |"
+                      for m in methods]
+            lines.append("")
     resolved, unresolved = [], []
     for (lr, m), lv in breaks.items():           # a break against the level below: the collapse counts
         if lv is None or levels.index(lv) == 0:
@@ -631,11 +660,19 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
     ]
     for name, exp in EXPERIMENTS.items():
         lines += [f"## {exp.title}", "", exp.question, "", f"`python -m experiments.run {name}`", ""]
+        if exp.size:
+            own = exp.sized(scale)
+            lines += [f"This experiment's runs are smaller than the rest: {own.prompts} prompts x {own.samples} "
+                      f"samples per rollout, {own.steps} optimizer steps, held out every {own.val_every} steps.", ""]
         if not any(_runs(summaries, name, c) != ([], 0) for c in exp.cells[:scale.cells]):
             lines += ["Not run yet (no summaries).", ""]
             continue
+        own_base = _base(summaries, 1.0, name)
+        if own_base != base:
+            lines += [f"This experiment's runs started from another warm start (the same config, made again): its "
+                      f"held-out pass@1 at T = 1.0 is **{own_base:.3f}**, the collapse line {own_base - COLLAPSE:.3f}.", ""]
         section = _stress_section if exp.axis else _section
-        lines += section(name, exp, summaries, results, scale, base, stats)
+        lines += section(name, exp, summaries, results, scale, own_base, stats)
     lines += _warm_starts(summaries, scale, base)
     lines += claims(stats, scale)
     page = results / "results.md"

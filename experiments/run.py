@@ -56,7 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "experiments" / "results"
 # the scalars a summary keeps (the plots' and the collapse diagnosis'), rounded to 5 digits
 KEEP = ("rollout/reward_mean", "val/pass@1", "val/pass@4", "train/ess", "train/ratio_max", "train/kl_behavior",
-        "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max")
+        "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max",
+        "rollout/turns", "rollout/truncated_turns")     # the last two: multi-turn episodes (data.env)
 
 
 def lit_ess(args: list[str], log: Path, threads: int | None = None) -> subprocess.CompletedProcess:
@@ -194,6 +195,7 @@ def canonical(exp_name: str, cell) -> tuple[str, object]:
 
 def cell_config(exp_name: str, cell, seed: int, sft: Path, d: Path, scale: Scale) -> dict:
     exp = EXPERIMENTS[exp_name]
+    scale = exp.sized(scale)
     cfg = apply(apply(base_config(str(sft), str(d), seed, scale), exp.common), cell.overrides)
     if exp.batch_per_step:        # the same rows per optimizer step at every k: the rollout grows with k
         cfg["data"]["init_args"]["prompts_per_rollout"] = scale.prompts * int(cell.overrides.get(K, 1))
@@ -387,7 +389,9 @@ def main(argv: list[str] | None = None) -> None:
         w_out, w_sum = warm_root(out, warm), warm_root(summaries, warm)
         sfts[warm] = prepare_base(w_out, scale, threads, warm)
         for temp in sorted({temperature(c) for w, _, c, _ in todo if w == warm} | {1.0}):
-            base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
+            d = base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
+            for name in names:    # beside the experiment's runs too: what its section's baseline was
+                summarize(d, base_dir(w_sum / name, temp), {})
     counts = {"done": 0, "skipped": 0, "failed": 0}
 
     def one(job):

@@ -53,7 +53,7 @@ from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBa
 from lit_ess.checkpoint import AtomicCheckpointIO, candidates, lock_folder, resolve_resume  # noqa: E402
 from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.datamodules import RolloutDataModule  # noqa: E402
-from lit_ess.engines import EngineConfig  # noqa: E402
+from lit_ess.engines import EngineConfig, EngineFault  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
@@ -269,7 +269,7 @@ def main(args: list[str] | None = None) -> None:
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(_explain(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-    except (WorkerError, RankFailed, ESSAlarmError, NonFiniteError) as e:     # a fault found mid-run: what and where, exit 1
+    except (WorkerError, RankFailed, ESSAlarmError, NonFiniteError, EngineFault) as e:   # a fault found mid-run: what and where, exit 1
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise
         _fail(str(e), code=1)

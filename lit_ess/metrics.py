@@ -119,6 +119,7 @@ RULES: dict[str, str | PooledStd] = {
     "train/batch_rows": SUM,
     "train/policy_lag": RANK_MEAN,
     "train/policy_lag_max": MAX,
+    "train/token_lag": RANK_MEAN,              # mean lag of the step's trained tokens (in flight: below the rows')
     "train/ess_alarms": SAME,                  # cumulative; decided on the reduced ESS and lag (lit_ess/health.py)
     # lit_ess/rollout/worker.py: statistics of a rollout phase, each rank over its own rows
     "rollout/reward_mean": RANK_MEAN,
@@ -135,6 +136,7 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/reward_errors": SUM,              # cumulative, each rank's own scorer
     "rollout/reward_timeouts": SUM,
     "rollout/phase": RANK_MEAN,                # the same phase on every rank
+    "rollout/multi_version_frac": RANK_MEAN,   # rows sampled by 2+ weight versions (in-flight updates)
     # lit_ess/envs/episodes.py (data.env): multi-turn episodes, each rank over its own (equally many)
     "rollout/turns": RANK_MEAN,                # policy turns per episode
     "rollout/env_tokens": RANK_MEAN,           # environment tokens per episode

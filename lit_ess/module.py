@@ -565,7 +565,8 @@ class PolicyModule(L.LightningModule):
 
         then the step's metrics, combined over ranks, are logged."""
         step = self.global_step
-        lag = self.check_batch(batch)                                      # [B] policy lag of each row
+        lag = self.check_batch(batch)                                      # [B] policy lag of each row (oldest token)
+        token_lag = batch.token_lags(step)                                 # [N] of each trained token
         proximal_seconds = self.score_phase(batch)
         t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
         metrics, grad_norm, lr = self.update(batch)
@@ -575,11 +576,13 @@ class PolicyModule(L.LightningModule):
         per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
                     "train/lr": lr, "train/batch_rows": float(batch.rows),
                     "train/policy_lag": float(lag.mean()), "train/policy_lag_max": float(lag.max()),   # 0 = on-policy
+                    "train/token_lag": float(token_lag.mean()) if token_lag.numel() else 0.0,
                     "perf/train_seconds": train_seconds, **batch.stats}
         logs = dict(metrics)                                              # already over all ranks
         logs.update(reduce_over_ranks(per_rank, device=self.device))      # the step's rows, lag, rollout statistics
         self._check_ess(logs, self.step_facts(batch.sampling, batch.engine_dtype, logs["train/policy_lag_max"]), step)
         self.last_step["policy_lag"] = lag.cpu()
+        self.last_step["token_lag"] = token_lag.cpu()
         self._log_step(logs)
         if proximal_seconds is not None:        # on every step that starts a phase, whatever log_every_n_steps
             for lg in self.loggers:             # this rank's (rank 0's is written)

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from lit_ess.rollout import RankFailed, WorkerError, WorkerProcess
+from fake_engine import FakeConfig
+from lit_ess.engines import SamplingConfig
 from test_async import make_dm, weights
 
 
@@ -223,3 +225,51 @@ def test_a_receiver_closes_at_once_whether_or_not_the_worker_connected(connected
     d.close()
     r.reader.join(timeout=5)
     assert time.monotonic() - t0 < 5 and not r.reader.is_alive()
+
+
+MEET = threading.Barrier(2, timeout=10)
+
+
+def both_shares_at_once(completion: str, answer: str) -> float:
+    """A reward that returns only when another completion is being scored at the same time (a barrier of
+    two): scored one share after the other, the first call waits 10 s and every later one fails. It
+    raises for the answer "bad" (after meeting)."""
+    MEET.wait()
+    if answer == "bad":
+        raise ValueError("bad answer")
+    return 1.0
+
+
+def test_dedicated_worker_scores_the_shares_at_the_same_time(tiny_model_dir):
+    """Dedicated placement: one worker scores every rank's share, each share by its own scorer at the same
+    time (as each rank scores its own in the other placements), so a reward that waits costs one share's
+    wait per phase, not the sum. The failure counters are the scorers' total, carried by share 0 only."""
+    from lit_ess.rollout.worker import PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
+
+    MEET.reset()
+    cfg = WorkerConfig(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), samples_per_prompt=2,
+                       sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="test_async_ranks:both_shares_at_once")
+    worker = RolloutWorker(cfg, in_process=False)
+    shares = [RolloutRequest(0, [0, 1, 2], [[49, 43, 49]] * 3, ["1+1"] * 3, ["2", "2", "2"], [0, 1, 2]),
+              RolloutRequest(0, [3, 4, 5], [[50, 43, 50]] * 3, ["2+2"] * 3, ["4", "bad", "4"], [3, 4, 5])]
+    try:
+        req = PhaseShares(0, shares)
+        out = worker.score_shares(req, *worker.sample(req.merged()))
+        assert [sorted(x for b in res.batches for x in b.rewards.tolist()) for res in out] == [[1.0] * 6, [0.0] * 2 + [1.0] * 4]
+        assert out[0].reward_counters == {"errors": 2, "timeouts": 0} and out[1].reward_counters == {}
+        assert [res.batches[0].stats["rollout/reward_errors"] for res in out] == [2.0, 0.0]
+        assert worker.counters() == {"errors": 2, "timeouts": 0}
+        worker.load_counters({"errors": 5, "timeouts": 1})            # a resumed run's total
+        assert worker.counters() == {"errors": 5, "timeouts": 1}
+    finally:
+        worker.close()
+
+
+def test_dedicated_worker_on_cpu_gets_every_ranks_threads(tiny_model_dir):
+    """CPU: the dedicated worker generates both ranks' shares, so its process gets both ranks' threads
+    (OMP_NUM_THREADS = 2 x the trainer's torch threads), where a colocated worker gets its own rank's."""
+    def fn(dm, r):
+        return dict(dm.executor.env) if r == 0 else None
+    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated")
+    assert err == [None, None], err
+    assert res[0]["OMP_NUM_THREADS"] == str(2 * torch.get_num_threads())

@@ -1,9 +1,13 @@
 """vLLM's own server as the rollout engine (lit_ess.engines.VLLMServerConfig): one server for the whole
-module (its start takes 60-140 s here), launched by the engine on the tiny model; the identity checks
-against HTTP answers faked by a small local server (starting vLLM once per refusal would cost minutes)."""
+module (its start takes 60-140 s here), started by the documented command (`python -m
+lit_ess.engines.serve`) on the tiny model and used by URL; one more launched by `lit-ess fit` itself and
+killed mid-run; the identity checks and faults against HTTP answers faked by a small local server
+(starting vLLM once per refusal would cost minutes)."""
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -15,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_utils import cli, rl_config, scalars, write_config
+from e2e_utils import cli, pythonpath, rl_config, scalars, write_config
 from test_engines import PROMPTS, max_logprob_gap
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
 from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
+from lit_ess.logprobs import sequence_logprobs
 
 
 # ---- fast: knobs, command, identity checks against faked answers ----
@@ -32,6 +37,7 @@ from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, 
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"kv_cache_gib": 0}, "kv_cache_gib"),
     ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
+    ({"weight_update": "wait"}, "weight_update"),
 ])
 def test_bad_knobs_are_one_line(kwargs, says):
     with pytest.raises(ValueError, match=says) as e:
@@ -82,6 +88,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
     """A vLLM 0.32 server's answers to the start-up checks; `answers` (a class attribute) overrides them."""
     answers: dict = {}
     hits: list = []
+    hang: float = 0.0            # seconds a generate request waits before its answer (a server that stopped)
 
     def log_message(self, *args):
         pass
@@ -89,6 +96,8 @@ class FakeVLLM(BaseHTTPRequestHandler):
     def _answer(self):
         route = self.path.split("?")[0]
         self.hits.append(self.path)
+        if route == "/inference/v1/generate" and self.hang:
+            time.sleep(self.hang)
         if route in self.answers:
             code, body = self.answers[route]
         else:
@@ -103,6 +112,24 @@ class FakeVLLM(BaseHTTPRequestHandler):
     do_GET = do_POST = _answer
 
 
+class QuietHTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass                     # a client that gave up on a hanging answer: a broken pipe, as expected
+
+
+def start_fake(handler) -> tuple[str, ThreadingHTTPServer]:
+    httpd = QuietHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{httpd.server_address[1]}", httpd
+
+
+def stop_fake(httpd: ThreadingHTTPServer) -> None:
+    """The server is gone: its port refuses connections."""
+    httpd.shutdown()
+    httpd.server_close()
+
+
 @pytest.fixture
 def fake_server(tiny_model_dir):
     FakeVLLM.defaults = {
@@ -115,11 +142,72 @@ def fake_server(tiny_model_dir):
         "/inference/v1/generate": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]},
                                                 "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}}
     FakeVLLM.hits = []
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLM)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    url, httpd = start_fake(FakeVLLM)
+    yield url
+    stop_fake(httpd)
     FakeVLLM.answers = {}
+
+
+@pytest.fixture
+def two_fakes(fake_server):
+    """Two more faked servers, each with its own record of calls (`hits`) and `hang`."""
+    pair = []
+    for name in ("A", "B"):
+        handler = type(f"Fake{name}", (FakeVLLM,), {"hits": [], "hang": 0.0})
+        url, httpd = start_fake(handler)
+        pair.append((url, httpd, handler))
+    yield pair
+    for _, httpd, _ in pair:
+        stop_fake(httpd)
+
+
+def generates(handler) -> int:
+    return sum(h == "/inference/v1/generate" for h in handler.hits)
+
+
+def test_requests_of_a_dead_server_go_to_the_other_until_none_is_left(two_fakes, tiny_model_dir, capfd):
+    """Least outstanding requests spread a call over both servers; one that refuses connections (gone)
+    gets no more requests, and no weight push, while the other serves every sample; when the last one is
+    gone too, the call fails in one line naming its URL and the request."""
+    (url_a, httpd_a, a), (url_b, httpd_b, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10).build(tiny_model_dir)
+    assert len(engine.generate([[1, 2]], 4, SamplingConfig(seed=0))[0]) == 4
+    assert generates(a) >= 1 and generates(b) >= 1                      # both in use
+    stop_fake(httpd_a)
+    before = generates(b)
+    assert [c.token_ids for c in engine.generate([[1, 2]], 6, SamplingConfig(seed=0))[0]] == [[5]] * 6
+    assert generates(b) - before >= 6
+    warning = capfd.readouterr().err
+    assert f"vLLM server {url_a}" in warning and "its requests go to the other 1 server(s)" in warning
+    FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "3"}), "/reset_prefix_cache": (200, {"success": True})}
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine.load_weights(model.state_dict().items(), version=3)         # pushed to the live server only
+    assert engine.version == 3 and "/collective_rpc" in b.hits and "/collective_rpc" not in a.hits
+    stop_fake(httpd_b)
+    with pytest.raises(ServerError, match=rf"vLLM server {url_b}: POST /inference/v1/generate \(prompt 0 sample \d, "
+                                          r"2 prompt tokens\) failed: .*no other server is left") as e:
+        engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
+    assert "\n" not in str(e.value)
+    engine.close()
+
+
+@pytest.mark.parametrize("fault", ["no answer", "HTTP 500"])
+def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, tiny_model_dir, capfd):
+    """A server that accepts requests but answers none within request_timeout (stopped, swapped out),
+    or answers 500: each of its requests goes to the other server, no call waits longer than the timeout."""
+    (url_a, _, a), (url_b, _, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, request_timeout=2).build(tiny_model_dir)
+    if fault == "no answer":
+        a.hang = 30.0
+    else:
+        a.answers = {"/inference/v1/generate": (500, {"error": "EngineDeadError"})}
+    t0 = time.perf_counter()
+    groups = engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
+    assert time.perf_counter() - t0 < 15
+    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
+    said = "got no answer in 2 s (engine.request_timeout)" if fault == "no answer" else "answered HTTP 500"
+    assert said in capfd.readouterr().err
+    engine.close()
 
 
 def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
@@ -144,6 +232,21 @@ def test_a_refused_prefix_cache_reset_fails_the_update_and_still_resumes(fake_se
     calls = [h.split("?")[0] for h in FakeVLLM.hits]
     assert calls[-5:] == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
     assert engine.version == 0 and os.listdir(engine.weights_root) == []     # the refused folder is not kept
+    engine.close()
+
+
+@pytest.mark.parametrize("mode, pause, reset", [("drain", "mode=wait", ""),
+                                               ("in_flight", "mode=keep", "reset_running_requests=true")])
+def test_an_update_pauses_as_weight_update_says(mode, pause, reset, fake_server, tiny_model_dir):
+    """drain: running requests finish first; in_flight: they are frozen, and the prefix-cache reset
+    preempts them (their prefix is recomputed with the new weights when they resume)."""
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, weight_update=mode).build(tiny_model_dir)
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": True}), "/weight_info": (200, {"weight_version": "3"})}
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items(), version=3)
+    calls = FakeVLLM.hits[-6:]
+    assert [h.split("?")[0] for h in calls] == ["/pause", "/collective_rpc", "/update_weight_version",
+                                                "/reset_prefix_cache", "/resume", "/weight_info"]
+    assert calls[0] == f"/pause?{pause}" and calls[3] == "/reset_prefix_cache" + (f"?{reset}" if reset else "")
     engine.close()
 
 
@@ -229,19 +332,37 @@ def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir,
     assert "--no-such-vllm-flag" in log.read_text()
 
 
-# ---- one real server for the module ----
+# ---- one real server for the module, started by the documented command ----
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    engine = VLLMServerConfig(max_model_len=256).build(tiny_model_dir)
-    print(f"vLLM server ready in {engine.startup_seconds:.0f} s (log: {engine.server.log_file})")
+def served(tiny_model_dir, tmp_path_factory):
+    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256`: its URL once it prints
+    that it is ready; SIGTERM stops it (and its vLLM) at the end of the module."""
+    port, log = free_port(), tmp_path_factory.mktemp("served") / "server.log"
+    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port", str(port),
+                             "--max-model-len", "256", "--startup-timeout", "300", "--log-file", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.perf_counter()
+    while "ready in" not in (line := proc.stdout.readline()):
+        if not line:                                             # serve exited (or timed out) during start-up
+            pytest.fail(f"serve did not start: {proc.stderr.read()[-2000:]}")
+    print(f"{line.strip()} ({time.perf_counter() - t0:.0f} s)")
+    url = f"http://127.0.0.1:{port}"
+    assert url in line
+    yield url
+    proc.terminate()
+    assert proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def server(served, tiny_model_dir):
+    engine = VLLMServerConfig(urls=[served], max_model_len=256).build(tiny_model_dir)
     yield engine
     engine.close()
-    assert engine.server.proc.poll() is not None
 
 
-def weight_label(server) -> str:
-    with urllib.request.urlopen(server.urls[0] + "/weight_info", timeout=10) as r:
+def weight_label(url: str) -> str:
+    with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
         return json.load(r)["weight_version"]
 
 
@@ -289,13 +410,19 @@ def test_stop_strings_and_eos_end_completions(server, tiny_model_dir):
     assert "stop" in reasons
 
 
-@pytest.mark.e2e
-def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    torch.manual_seed(0)
+def perturbed(model_dir: str, seed: int):
+    """The model of `model_dir` with Gaussian noise (std 0.05, `seed`) on every weight: other weights to push."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.e2e
+def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
+    model = perturbed(tiny_model_dir, seed=0)
     s = SamplingConfig(temperature=1.0, max_new_tokens=10, seed=3)
     before = max_logprob_gap(model, PROMPTS, server.generate(PROMPTS, 2, s), s)
     t0 = time.perf_counter()
@@ -305,16 +432,16 @@ def test_a_weight_update_changes_logprobs_and_version(server, tiny_model_dir):
     assert before > 1e-3
     assert max_logprob_gap(model, PROMPTS, groups, s) < 1e-5
     assert server.version == 7 and all(c.version == 7 for g in groups for c in g)
-    assert weight_label(server) == "7"
+    assert weight_label(server.urls[0]) == "7"
     assert len(os.listdir(server.weights_root)) == 1                     # the previous folder is gone
 
 
 @pytest.mark.e2e
-def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_path):
-    """`lit-ess fit` with the server engine by URL (the module's server; a launched one is the same
-    engine): every step's ESS is 1, the lag-0 alarm applies (fp32 on both sides) and stays silent."""
+def test_sync_fit_through_the_server_is_on_policy(served, tiny_model_dir, tmp_path):
+    """`lit-ess fit` with the server engine by URL, a server started by the documented command: every
+    step's ESS is 1, the lag-0 alarm applies (fp32 on both sides) and stays silent."""
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, extra_data={
-        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": server.urls}}})
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": [served]}}})
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
     assert res.returncode == 0, res.stderr[-4000:]
     s = scalars(tmp_path)
@@ -322,7 +449,197 @@ def test_sync_fit_through_the_server_is_on_policy(server, tiny_model_dir, tmp_pa
     assert len(ess) == 3 and min(ess) >= 0.9999, ess
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
-    assert weight_label(server) == "2"                                    # pushed before step 2
+    assert weight_label(served) == "2"                                    # pushed before step 2
+
+
+class DyingProxy:
+    """A TCP relay 127.0.0.1:port -> `target` that dies on its `die_at`-th connection: it closes its port
+    and every connection it relays, requests in flight included (a server killed mid-call, as the client sees it)."""
+
+    def __init__(self, target: str, die_at: int):
+        self.target = ("127.0.0.1", int(target.rsplit(":", 1)[1]))
+        self.die_at, self.accepted, self.open, self.dead = die_at, 0, [], threading.Event()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.die_at and self.accepted >= self.die_at:
+                client.close()
+                return self.kill()
+            upstream = socket.create_connection(self.target)
+            self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def kill(self):
+        self.dead.set()
+        self.sock.close()
+        for s in self.open:
+            try:
+                s.shutdown(socket.SHUT_RDWR)     # wakes the relay threads reading it (a close alone would not)
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.e2e
+def test_a_server_killed_mid_call_leaves_its_requests_to_the_other(served, server, tiny_model_dir, capfd):
+    """Two URLs, one of them a relay to the real server that dies mid-call: every sample still comes
+    back, equal (same seed) to what the real server alone returns, and the dead URL gets no more requests."""
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=21)
+    want = server.generate(PROMPTS, 8, s, call_seed=5)
+    proxy = DyingProxy(served, die_at=0)
+    engine = VLLMServerConfig(urls=[proxy.url, served], max_model_len=256).build(tiny_model_dir)
+    proxy.die_at = proxy.accepted + 4                    # after 3 connections of the next call (keep-alive: ~3 requests)
+    got = engine.generate(PROMPTS, 8, s, call_seed=5)
+    assert proxy.dead.is_set()
+    assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
+    for g, w in zip(got, want):
+        for c, d in zip(g, w):
+            assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
+    assert f"vLLM server {proxy.url}: POST /inference/v1/generate" in capfd.readouterr().err
+    assert list(engine.gone) == [proxy.url]
+    assert len(engine.generate(PROMPTS, 2, s)[0]) == 2              # later calls: the live server only
+    engine.close()
+
+
+def test_a_server_gone_in_an_async_run_stops_it_with_the_same_line(fake_server, tiny_model_dir):
+    """mode: async, the engine in the worker process: a server gone after step 0 (the worker fails on the
+    push of step 1, or on a phase it samples ahead) reaches the trainer as its own one line (EngineFault),
+    not as the worker's traceback."""
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import EngineFault
+
+    FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": True})}
+    url, httpd = start_fake(FakeVLLM)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=VLLMServerConfig(urls=[url], startup_timeout=10),
+                           mode="async", max_staleness=1, prompts_per_rollout=2, samples_per_prompt=2,
+                           source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward="e2e_utils:digit_fraction")
+    dm.setup("fit")
+    try:
+        dm.push_weights({"w": torch.zeros(2)}.items(), 0)
+        dm.next_batch(0)
+        stop_fake(httpd)
+        dm.push_weights({"w": torch.ones(2)}.items(), 1)
+        with pytest.raises(EngineFault, match=rf"^vLLM server {url}: POST /(pause\S*|inference/v1/generate \(prompt \d+ sample \d+, \d+ prompt tokens\)) "
+                                          r"failed: ClientConnectorError") as e:
+            for step in range(1, 4):
+                dm.next_batch(step)
+        assert "\n" not in str(e.value)
+    finally:
+        dm.teardown("fit")
+
+
+def vllm_children(pid: int) -> list[int]:
+    """The pids of the vLLM API servers process `pid` launched."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"vllm.entrypoints.openai.api_server" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.e2e
+def test_kill_9_of_the_launched_server_stops_the_run_in_one_line_and_the_checkpoint_resumes(served, tiny_model_dir,
+                                                                                           tmp_path):
+    """`lit-ess fit` launches its server; kill -9 of that server after the step-2 checkpoint: the run
+    exits 1 with one line naming the server's URL, its exit and the request that failed, no traceback,
+    no vLLM process left. `--ckpt_path last` then resumes on a server by URL (the module's, which holds
+    other weights under another label): the checkpoint's weights are pushed before its first request
+    (ESS 1 on the first resumed step, the label of the checkpoint's step)."""
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, ckpt_every=1, extra_data={
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                   "init_args": {"max_model_len": 256, "log_file": str(tmp_path / "server.log")}}})
+    config = write_config(cfg, tmp_path / "config.yaml")
+    env = dict(os.environ, PYTHONPATH=pythonpath(), TOKENIZERS_PARALLELISM="false")
+    with open(tmp_path / "stderr", "w") as err:
+        fit = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(config)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=err)
+    ckpt = tmp_path / "ckpt"
+    deadline = time.time() + 400
+    while not list(ckpt.glob("*step=2*.ckpt")) and fit.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    pids = vllm_children(fit.pid)
+    assert len(pids) == 1 and fit.poll() is None, (pids, (tmp_path / "stderr").read_text()[-3000:])
+    os.kill(pids[0], signal.SIGKILL)
+    try:
+        rc = fit.wait(300)                                   # never a hang
+    except subprocess.TimeoutExpired:
+        fit.kill()
+        pytest.fail("the run hung after its server was killed")
+    stderr = (tmp_path / "stderr").read_text()
+    assert rc == 1 and "Traceback" not in stderr, stderr[-3000:]
+    said = [ln for ln in stderr.splitlines() if ln.startswith("lit-ess: error:")]
+    assert len(said) == 1, stderr[-3000:]
+    assert re.match(r"lit-ess: error: vLLM server http://127\.0\.0\.1:\d+ \(exited with code -9\); server log: "
+                    rf"{re.escape(str(tmp_path / 'server.log'))}: POST /\S+ .*(failed|no answer)", said[0]), said[0]
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pids[0], 0)                                # its engine core went with it
+    last = max(int(re.search(r"step=(\d+)", p.name).group(1)) for p in ckpt.glob("*step=*.ckpt"))
+
+    cfg["data"]["init_args"]["engine"]["init_args"] = {"urls": [served], "max_model_len": 256}
+    cfg["trainer"]["max_steps"] = last + 2
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                        "init_args": {"path": str(tmp_path / "resumed.jsonl")}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "resume.yaml")), "--ckpt_path", "last"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    steps = [json.loads(ln) for ln in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [last, last + 1]
+    assert set(steps[0]["versions"]) == {last}               # sampled by the checkpoint's weights, labelled so
+    ess = [v for _, v in scalars(tmp_path)["train/ess"]][-2:]     # the resumed run's two steps (the last logged)
+    assert min(ess) >= 0.9999, ess
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_two_ddp_ranks_sharing_one_server_train_the_one_rank_batch(served, tiny_model_dir, tmp_path):
+    """2 DDP ranks name one server in `urls` (each rank's engine sends its share of the prompts and pushes
+    the same weights under the same step label before its rollout): losses, ESS, gradient norms and
+    rollout statistics equal those of 1 process on that server, as test_dist checks for the in-process
+    engine, and the ranks train different prompts."""
+    from test_dist import _config, _fit, _records
+
+    engine = {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": [served], "max_model_len": 256}}
+    runs = {}
+    for name, world in (("one", 1), ("ddp", 2)):
+        out = tmp_path / name
+        runs[name] = _fit(_config(tiny_model_dir, out, world, "ddp", max_steps=3, extra_data={"engine": engine}), out)
+    one, two = runs["one"], runs["ddp"]
+    for key in ("train/loss", "train/ess", "train/grad_norm", "train/tokens", "train/kl_behavior",
+                "rollout/reward_mean", "rollout/reward_std", "rollout/response_len"):
+        a, b = [v for _, v in one[key]], [v for _, v in two[key]]
+        assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (key, a, b)
+    assert min(v for _, v in two["train/ess"]) >= 0.9999
+    r0, r1 = _records(tmp_path / "ddp" / "prompts.jsonl"), _records(tmp_path / "ddp" / "prompts.jsonl.rank1")
+    for a, b, s in zip(r0, r1, _records(tmp_path / "one" / "prompts.jsonl"), strict=True):
+        assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
+        assert sorted(a["prompt_ids"] + b["prompt_ids"]) == sorted(s["prompt_ids"])
 
 
 # ---- users' agents through the server (lit_ess.envs.agent) ----
@@ -345,6 +662,7 @@ def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_m
     from lit_ess.envs import EnvConfig, collate_episodes, make_runner
     from lit_ess.logprobs import sequence_logprobs
 
+    server.load_weights(hf_model.state_dict().items(), version=0)     # the module's earlier tests pushed others
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     chat = AutoTokenizer.from_pretrained(tiny_model_dir)
     chat.chat_template = ("{% for m in messages %}<|sep|>{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
@@ -411,3 +729,88 @@ def test_demo_agent_through_the_server(mode, server, tiny_model_dir, tmp_path):
         assert max(v for _, v in s["train/policy_lag_max"]) <= 1
     assert min(v for _, v in s["rollout/turns"]) > 1 and max(v for _, v in s["rollout/turns"]) <= 3
     assert [v for _, v in s["rollout/env_errors"]] == [0.0] * steps and min(v for _, v in s["rollout/env_tokens"]) > 0
+
+
+def own_version_logprobs(models: dict, prompt: list[int], c, s) -> torch.Tensor:
+    """[C] the logprob of each of completion `c`'s tokens under the weights of its own version
+    (`models`: version -> model), given the tokens before it."""
+    ids = torch.tensor([prompt + c.token_ids])
+    cm = torch.zeros_like(ids, dtype=torch.bool)
+    cm[0, len(prompt):] = True
+    per_version = {v: sequence_logprobs(m, ids, torch.ones_like(ids), cm, s.temperature, s.top_k, s.top_p)[0][0, len(prompt):]
+                   for v, m in models.items()}
+    return torch.stack([per_version[v][t] for t, v in enumerate(c.token_versions)])
+
+
+@pytest.mark.e2e
+def test_an_in_flight_update_labels_each_token_with_its_version_and_pi_b(server, hf_model, tiny_model_dir):
+    """weight_update: in_flight (a second client of the module's server): weights pushed while requests
+    run reach them mid-completion. A completion's tokens before the switch carry the old version and the
+    old weights' logprob, those after it the new ones' (the frozen requests' prefix is recomputed with the
+    new weights), and its version is its oldest token's."""
+    engine = VLLMServerConfig(urls=server.urls, weight_update="in_flight").build(tiny_model_dir)
+    new = perturbed(tiny_model_dir, seed=1)
+    s = SamplingConfig(temperature=1.0, max_new_tokens=200, seed=21)
+    prompts = [[1, 20, 21, 14]]
+    mixed, switched = [], None
+    for attempt in range(4):                            # the push must land while tokens are being sampled
+        old_v, new_v = 30 + 2 * attempt, 31 + 2 * attempt
+        engine.load_weights(hf_model.state_dict().items(), version=old_v)     # nothing runs: a plain update
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(groups=engine.generate(prompts, 16, s, call_seed=attempt)))
+        thread.start()
+        time.sleep(0.5 + 0.5 * attempt)
+        t0 = time.perf_counter()
+        engine.load_weights(new.state_dict().items(), version=new_v)
+        switched = time.perf_counter() - t0
+        thread.join(300)
+        group = out["groups"][0]
+        models = {old_v: hf_model, new_v: new}
+        for c in group:
+            assert c.token_versions == sorted(c.token_versions) and set(c.token_versions) <= {old_v, new_v}
+            assert c.version == min(c.token_versions)
+            gap = (own_version_logprobs(models, prompts[0], c, s) - torch.tensor(c.logprobs)).abs().max().item()
+            assert gap < 1e-4, (gap, c.token_versions)
+        mixed = [c for c in group if len(set(c.token_versions)) == 2]
+        if mixed:
+            break
+    print(f"in-flight update {switched:.2f} s; {len(mixed)} of 16 completions sampled by two versions, switching "
+          f"after {[c.token_versions.index(new_v) for c in mixed]} tokens")
+    assert mixed, "no completion was running when the weights changed"
+    assert engine.version == new_v and weight_label(server.urls[0]) == str(new_v)
+    engine.close()
+
+
+@pytest.mark.e2e
+def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(server, tiny_model_dir, tmp_path):
+    """`lit-ess fit`, async (S = 2) on the module's server with weight_update: in_flight: weights pushed
+    after each step reach the phase being sampled, so some rows are sampled by two versions
+    (rollout/multi_version_frac > 0); the lag of a row is its oldest token's and never exceeds S, nor
+    does any token's (the histogram rollout/token_lag, read back from TensorBoard)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    S = 2
+    # S = 2: two phases in flight, so the worker samples all the time and the push after each step lands
+    # in a phase being sampled (with S = 1 it does only when sampling a phase outlasts a step)
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, prompts=2, samples=4, extra_data={
+        "mode": "async", "max_staleness": S, "sampling": {"temperature": 1.0, "max_new_tokens": 200, "seed": 0},
+        "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                   "init_args": {"urls": server.urls, "weight_update": "in_flight"}}})
+    t0 = time.perf_counter()
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    mixed = [v for _, v in s["rollout/multi_version_frac"]]
+    row_lag, row_lag_max = dict(s["train/policy_lag"]), [v for _, v in s["train/policy_lag_max"]]
+    token_lag = dict(s["train/token_lag"])
+    print(f"fit {time.perf_counter() - t0:.0f} s; multi_version_frac per step {mixed}; row lag {list(row_lag.values())}; "
+          f"token lag {list(token_lag.values())}")
+    assert len(mixed) == 8 and max(mixed) > 0, mixed
+    assert max(row_lag_max) <= S, row_lag_max                          # the bound, on each row's oldest token
+    assert [v for _, v in s["rollout/stale_dropped"]][-1] == 0
+    acc = EventAccumulator(str(tmp_path / "tb" / "run"), size_guidance={"histograms": 0})
+    acc.Reload()
+    lags = {e.step: (e.histogram_value.min, e.histogram_value.max) for e in acc.Histograms("rollout/token_lag")}
+    print(f"token lag (min, max) per step: {lags}")
+    assert len(lags) == 8 and all(0 <= lo <= hi <= S for lo, hi in lags.values()), lags   # every token within S
+    assert "rollout/policy_lag" in acc.Tags()["histograms"]

@@ -51,7 +51,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]          # behaviour logprob of each sampled token
     finish_reason: str             # "stop" (eos or stop string) or "length"
-    version: int                   # policy version that produced it
+    version: int                   # policy version that produced it: its oldest token's
+    token_versions: list[int] | None = None   # the version that sampled each token (None: all `version`);
+                                              # several when the weights changed in flight
 
 
 def derive_seed(*parts: int) -> int:
@@ -113,10 +115,22 @@ class EngineConfig:
         max_position_embeddings."""
         return position_limit(model_path)
 
+    def updates_in_flight(self) -> bool:
+        """Whether the engine takes new weights while it generates (requests running go on with them,
+        each token labelled with its version in `Completion.token_versions`), so the async worker
+        loads a push at once instead of before its next request. Default: no, weights change between
+        requests."""
+        return False
+
     def worker_env(self) -> dict[str, str]:
         """Environment variables for the async worker process only (e.g. CUDA_VISIBLE_DEVICES for an
         engine on its own GPUs). Default: none, the worker sees the trainer's devices (colocated)."""
         return {}
+
+
+class EngineFault(RuntimeError):
+    """An engine that failed mid-run for a reason outside the trainer (a server that died or stopped
+    answering), said in one line that names where: the run stops with that line, not a traceback."""
 
 
 class RolloutEngine(ABC):

@@ -4,22 +4,35 @@ Token ids in, token ids out: each sample is one `POST /inference/v1/generate` wi
 seed (a batched call with one seed returns copies for repeated prompts), sent concurrently from a
 background event loop and spread over the servers by least outstanding requests. A response carries
 the sampled ids, vLLM's *processed* logprob of each (what it sampled from: pi_b) and the weight-version
-spans of its tokens; a completion's version is the oldest span's label.
+spans of its tokens: each token's behaviour version (`Completion.token_versions`); a completion's
+version is the oldest span's label.
 
 Weights (CPU path, and wherever NCCL is not there): the trainer's tensors are written as safetensors
 into a folder the servers can read (written under a temporary name, then renamed), and every server
 
-    POST /pause?mode=wait        finish what runs, hold new requests
+    POST /pause?mode=wait        finish what runs, hold new requests         (weight_update: drain)
+         /pause?mode=keep        freeze what runs where it is                 (weight_update: in_flight)
     POST /collective_rpc         {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
     POST /update_weight_version  {"new_version": "<optimizer step>"}
     POST /reset_prefix_cache     body {"success": true} checked: no KV entry of the old weights is reused
+                                 (in_flight: ?reset_running_requests=true, the frozen requests are
+                                 preempted and their prefix recomputed with the new weights on resume)
     POST /resume                 always (finally)
     GET  /weight_info            the label must now be the pushed version
+
+In flight, a request frozen after t tokens goes on with the new weights: its spans say which tokens
+each version sampled, and the logprob of every token is the one it was sampled with (its own pi_b).
 
 The dev routes need `VLLM_SERVER_DEV_MODE=1`, the token route `--enable-scale-out`; both are checked at
 start, with the vLLM version, processed logprobs, the dtype and the model (`model_fingerprint`), and a
 server that fails a check is refused with the flag to add. The dev routes are not guarded by
 `--api-key`: bind servers to a private interface (a launched server listens on 127.0.0.1).
+
+Faults: a server that refuses connections, resets them, gives no answer within request_timeout
+(generation) or control_timeout (the rest), or answers HTTP 5xx is out of the run (ServerGone): the
+request goes again, with its seed, to the server with the fewest outstanding requests among the
+others, and weight pushes skip it. When none is left the call fails with one line naming the URL, the
+request and, for a launched server, its exit code and log (an EngineFault: the CLI prints that line).
 
 A server for other machines: `python -m lit_ess.engines.serve --model DIR --port P` (lit_ess/engines/serve.py).
 """
@@ -47,7 +60,7 @@ from torch import Tensor
 
 from ..knobs import check
 from ..lora import is_adapter_payload
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, capped_limit, derive_seed
+from .base import Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, capped_limit, derive_seed
 from .vllm_engine import adapter_root, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
@@ -85,6 +98,13 @@ class VLLMServerConfig(EngineConfig):
         weights_dir: where pushed weights are written as safetensors; every server must read it at the
             same path (a shared filesystem for servers on other machines). None = a folder of this
             process in /dev/shm (memory), enough for servers on this machine.
+        weight_update: how a server takes new weights. "drain": requests running finish with the old
+            weights first (`/pause?mode=wait`), so every token of a completion has one version.
+            "in_flight": running requests are frozen (`/pause?mode=keep`), the weights loaded, and they
+            go on with the new ones: a completion may be sampled by several versions, each token's
+            read from the server's spans (`rollout/multi_version_frac`, the `rollout/token_lag`
+            histogram), its staleness its oldest token's. Needs data.mode: async (the trainer pushes
+            while the worker generates; sync generates between steps).
     """
 
     urls: list[str] | None = None
@@ -102,6 +122,7 @@ class VLLMServerConfig(EngineConfig):
     control_timeout: float = 120.0
     max_concurrency: int = 512
     weights_dir: str | None = None
+    weight_update: Literal["drain", "in_flight"] = "drain"
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -121,6 +142,8 @@ class VLLMServerConfig(EngineConfig):
         for knob in ("startup_timeout", "request_timeout", "control_timeout"):
             check(f"VLLMServerConfig.{knob}", getattr(self, knob), gt=0, hint=" (seconds)")
         check("VLLMServerConfig.max_concurrency", self.max_concurrency, ge=1, integer=True)
+        if self.weight_update not in ("drain", "in_flight"):
+            raise ValueError(f"VLLMServerConfig.weight_update={self.weight_update!r} is not one of ('drain', 'in_flight')")
         if self.urls and (self.port is not None or self.server_args or self.log_file):
             raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
                              "elsewhere: start them with `python -m lit_ess.engines.serve`")
@@ -133,6 +156,9 @@ class VLLMServerConfig(EngineConfig):
 
     def model_len(self, model_path: str) -> tuple[int, str] | None:
         return capped_limit(self.max_model_len, model_path)
+
+    def updates_in_flight(self) -> bool:
+        return self.weight_update == "in_flight"
 
     def build(self, model_path: str) -> "VLLMServerEngine":
         return VLLMServerEngine(model_path, self)
@@ -255,7 +281,11 @@ class LaunchedServer:
 
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the server's process group (the API server and its engine core), SIGKILL it after `grace` s."""
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None:          # killed alone (kill -9): its engine core may outlive it
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             try:
@@ -273,8 +303,32 @@ class LaunchedServer:
             pass
 
 
-class ServerError(RuntimeError):
+class ServerError(EngineFault):
     """A failed HTTP call to a server: one line with the URL, the call and what came back."""
+
+
+def span_versions(spans: list[dict] | None, n: int) -> list[int]:
+    """The behaviour version of each of a completion's `n` tokens, from the server's spans
+    `[{"version": "3", "start": 0, "end": 111}, {"version": "4", "start": 111, "end": 240}]` (labels are
+    optimizer steps, `end` exclusive); ValueError when they are not optimizer steps or do not tile 0..n."""
+    out: list[int | None] = [None] * n
+    try:
+        for sp in spans or []:
+            v, a, b = int(sp["version"]), int(sp["start"]), int(sp["end"])
+            if not 0 <= a <= b <= n or any(x is not None for x in out[a:b]):
+                raise ValueError
+            out[a:b] = [v] * (b - a)
+    except (TypeError, ValueError, KeyError):
+        raise ValueError(f"weight_versions {spans!r} are not optimizer steps over {n} tokens: another client "
+                         f"relabelled the server (POST /update_weight_version)") from None
+    if None in out:
+        raise ValueError(f"weight_versions {spans!r} leave token {out.index(None)} of {n} without a version")
+    return out
+
+
+class ServerGone(ServerError):
+    """A server that did not answer (connection refused or reset, no answer within the timeout) or failed
+    inside (HTTP 5xx): it is out of the run, and its requests go to the other servers."""
 
 
 class VLLMServerEngine(RolloutEngine):
@@ -309,6 +363,7 @@ class VLLMServerEngine(RolloutEngine):
                 self.urls = [url]
                 self.server.wait_ready(c.startup_timeout)
             self.outstanding = {u: 0 for u in self.urls}
+            self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
             self.close()
@@ -319,23 +374,49 @@ class VLLMServerEngine(RolloutEngine):
         import aiohttp
 
         self.slots = asyncio.Semaphore(self.config.max_concurrency)
-        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.config.max_concurrency, keepalive_timeout=2.0))
+        # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request.
+        # No connection limit: `slots` bounds the generate requests, and a control call must never queue behind
+        # them (an in-flight update's /pause would wait for the very requests it should freeze)
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
 
     def _run(self, coro):
         """Run `coro` on the client's event loop (its own thread) and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def _run_all(self, coros) -> list:
-        """Run the coroutines concurrently on the client's event loop; their results in order."""
+    def _run_all(self, coros, return_exceptions: bool = False) -> list:
+        """Run the coroutines concurrently on the client's event loop; their results in order. The first
+        error cancels the others (unless `return_exceptions`: the errors in place of results)."""
         async def gather():
-            return await asyncio.gather(*coros)
+            tasks = [asyncio.ensure_future(c) for c in coros]
+            try:
+                return await asyncio.gather(*tasks, return_exceptions=return_exceptions)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
 
         return self._run(gather())
 
     def _where(self, url: str) -> str:
-        log = f"; server log: {self.server.log_file}" if self.server is not None and self.server.url == url else ""
-        return f"vLLM server {url}{log}"
+        if self.server is None or self.server.url != url:
+            return f"vLLM server {url}"
+        rc = self.server.proc.poll()
+        exited = "" if rc is None else f" (exited with code {rc})"
+        return f"vLLM server {url}{exited}; server log: {self.server.log_file}"
+
+    def _live(self) -> list[str]:
+        return [u for u in self.urls if u not in self.gone]
+
+    def _put_out(self, url: str, error: ServerGone) -> None:
+        """Take `url` out of the run for `error`; when no server is left, raise `error` saying so."""
+        if url not in self.gone:
+            self.gone[url] = str(error)
+            if live := self._live():
+                print(f"lit-ess: warning: {error}; its requests go to the other {len(live)} server(s) from now on",
+                      file=sys.stderr, flush=True)
+        if not self._live():
+            raise ServerGone(f"{error}; no other server is left ({len(self.urls)} in engine.urls)" if len(self.urls) > 1
+                             else str(error)) from None
 
     async def _request(self, url: str, method: str, route: str, body: dict | None, timeout: float,
                        call: str) -> tuple[int, str]:
@@ -355,9 +436,10 @@ class VLLMServerEngine(RolloutEngine):
                 # (every call here may run twice: a seeded sample comes back the same, a reload loads the same)
                 return await once()
         except asyncio.TimeoutError:
-            raise ServerError(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s") from None
+            raise ServerGone(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s "
+                             f"(engine.{'request' if call.startswith('POST /inference') else 'control'}_timeout)") from None
         except aiohttp.ClientError as e:
-            raise ServerError(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
+            raise ServerGone(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
 
     async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
                     what: str | None = None, ok: tuple[int, ...] = (200,)) -> tuple[int, dict]:
@@ -365,7 +447,8 @@ class VLLMServerEngine(RolloutEngine):
         call = what or f"{method} {route}"
         status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
         if status not in ok:
-            raise ServerError(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
+            error = ServerGone if status >= 500 else ServerError
+            raise error(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
         try:
             return status, json.loads(text) if text else {}
         except json.JSONDecodeError:
@@ -429,30 +512,33 @@ class VLLMServerEngine(RolloutEngine):
                   "max_tokens": s.max_new_tokens, "stop": list(s.stop) or None, "include_stop_str_in_output": True,
                   "detokenize": bool(s.stop), "seed": seed, "logprobs": 0}
         async with self.slots:
-            url = min(self.urls, key=self.outstanding.__getitem__)        # least outstanding requests
-            self.outstanding[url] += 1
-            try:
-                _, out = await self._call(url, "POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
-                                       timeout=self.config.request_timeout,
-                                       what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
-            finally:
-                self.outstanding[url] -= 1
+            while True:                     # a server that is gone: the same request (same seed) to another
+                if not (live := self._live()):
+                    raise ServerGone(f"no vLLM server is left: {' | '.join(self.gone.values())}")
+                url = min(live, key=self.outstanding.__getitem__)               # least outstanding requests
+                self.outstanding[url] += 1
+                try:
+                    _, out = await self._call(url, "POST", "/inference/v1/generate",
+                                              {"token_ids": prompt, "sampling_params": params},
+                                              timeout=self.config.request_timeout,
+                                              what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
+                    break
+                except ServerGone as e:
+                    self._put_out(url, e)
+                finally:
+                    self.outstanding[url] -= 1
         choice = out["choices"][0]
         ids = list(choice["token_ids"])
         lps = [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
         if len(lps) != len(ids):
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
                               f"with {len(lps)} logprobs")
-        return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
-                          self._span_version(url, choice.get("weight_versions")))
-
-    def _span_version(self, url: str, spans: list[dict] | None) -> int:
-        """The oldest weight version among a response's spans (its tokens' behaviour versions)."""
         try:
-            return min(int(sp["version"]) for sp in spans)
-        except (TypeError, ValueError, KeyError):
-            raise ServerError(f"{self._where(url)}: a response's weight_versions {spans!r} are not optimizer steps: "
-                              f"another client relabelled the server (POST /update_weight_version)") from None
+            versions = span_versions(choice.get("weight_versions"), len(ids))
+        except ValueError as e:
+            raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}): {e}") from None
+        return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
+                          min(versions, default=self.version), token_versions=versions)
 
     # ---- weights ----
 
@@ -467,7 +553,13 @@ class VLLMServerEngine(RolloutEngine):
                              "take yet: use model.lora.sync: merged")
         folder = self._write_weights(([first] if first is not None else []) + list(it), version)
         try:
-            self._run_all([self._reload(u, folder, version) for u in self.urls])
+            live = self._live()
+            errors = self._run_all([self._reload(u, folder, version) for u in live], return_exceptions=True)
+            for url, e in zip(live, errors):
+                if isinstance(e, ServerGone):
+                    self._put_out(url, e)   # it may hold any weights now: it serves no more of this run
+            if e := next((e for e in errors if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
+                raise e
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -495,13 +587,15 @@ class VLLMServerEngine(RolloutEngine):
         return final
 
     async def _reload(self, url: str, folder: str, version: int) -> None:
-        await self._call(url, "POST", "/pause?mode=wait")
+        keep = self.config.updates_in_flight()
+        await self._call(url, "POST", "/pause?mode=keep" if keep else "/pause?mode=wait")
         try:
             await self._call(url, "POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": folder}},
                              what=f"POST /collective_rpc reload_weights from {folder}")
             await self._call(url, "POST", "/update_weight_version", {"new_version": str(version)})
-            _, reset = await self._call(url, "POST", "/reset_prefix_cache")
+            _, reset = await self._call(url, "POST", "/reset_prefix_cache?reset_running_requests=true" if keep
+                                        else "/reset_prefix_cache")
             if reset.get("success") is not True:
                 raise ServerError(f"{self._where(url)}: POST /reset_prefix_cache answered {reset}: the prefix cache of "
                                   f"the old weights would be reused")

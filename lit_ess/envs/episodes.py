@@ -387,7 +387,7 @@ def to_row(episode: Episode, advantage: float, prompt_id: int, prompt_text: str)
     e = episode
     return Row(prompt=e.prompt_ids, completion=e.completion_ids, logprobs=e.logprobs, advantage=advantage,
                reward=e.reward, version=e.version, prompt_id=prompt_id, prompt_text=prompt_text, completion_text=e.text(),
-               mask=[bool(m) for m in e.mask])
+               mask=[bool(m) for m in e.mask], token_versions=e.token_versions())
 
 
 def collate_episodes(episodes: list[Episode], advantages: list[float], prompt_ids: list[int],

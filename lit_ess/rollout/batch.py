@@ -7,9 +7,12 @@ Tensors are `[B, T]` over prompt + completion tokens, left-aligned and right-pad
     completion_mask    [B, T] bool    True on completion tokens that are trained on (the policy's; not a
                                       multi-turn episode's environment tokens, Row.mask)
     behavior_logprobs  [B, T] float   log pi_b of each completion token (0 elsewhere)
+    token_versions     [B, T] long    policy version that sampled each completion token (0 elsewhere;
+                                      several in a row when the weights changed in flight)
     advantages         [B]    float   group advantage of each row
     rewards            [B]    float   reward of each row
-    versions           [B]    long    policy version (optimizer step of the weights) that sampled each row
+    versions           [B]    long    policy version (optimizer step of the weights) that sampled each row:
+                                      its oldest token's, so the staleness bound holds for every token
     prompt_ids         [B]    long    index of each row's prompt in its source (for audits)
     prox_logprobs      [B, T] float   log pi_prox, scored by the trainer (`proximal`), or None
     proximal           Proximal       where pi_prox comes from; None: no step has scored the batch's phase
@@ -118,6 +121,11 @@ class RolloutBatch:
     max_staleness: int = plain(default=0)
     prox_logprobs: Tensor | None = token(torch.float32, default=None)
     proximal: Proximal | None = config(Proximal, default=None)
+    token_versions: Tensor | None = token(torch.long, row="token_versions", default=None)
+
+    def __post_init__(self):
+        if self.token_versions is None:          # built without them (a checkpoint, a benchmark): the row's
+            self.token_versions = self.versions[:, None] * self.completion_mask.long()
 
     def to_state(self) -> dict:
         """Plain containers and tensors, for checkpoints (torch.load's weights_only accepts them)."""
@@ -133,6 +141,11 @@ class RolloutBatch:
     @property
     def rows(self) -> int:
         return self.input_ids.shape[0]
+
+    def token_lags(self, step: int) -> Tensor:
+        """[N] the policy lag of each trained token at optimizer `step` (row by row, in order): `step` minus
+        the version that sampled it. A row's lag (`step - versions`) is its largest."""
+        return (step - self.token_versions[self.completion_mask]).float()
 
     def micro_batches(self, size: int | None) -> list["RolloutBatch"]:
         """Consecutive slices of `size` rows (None = one slice), each trimmed to its longest row."""
@@ -217,6 +230,21 @@ class Row:
     completion_text: str
     mask: list[bool] | None = None     # per completion token: trained on (None = every token). A multi-turn
                                        # episode's environment tokens are False: context, not the policy's
+    token_versions: list[int] | None = None   # per completion token: the version that sampled it (None: all
+                                              # `version`); no trained token's is older than `version`
+
+    def __post_init__(self):
+        if self.token_versions is None:
+            self.token_versions = [self.version] * len(self.completion)
+        if len(self.token_versions) != len(self.completion):
+            raise ValueError(f"Row: {len(self.token_versions)} token versions for {len(self.completion)} tokens")
+        if (own := self.versions_trained()) and min(own) < self.version:
+            raise ValueError(f"Row: a token sampled by version {min(own)} in a row of version {self.version}: the "
+                             f"staleness bound, checked on the row's version, would not hold for it")
+
+    def versions_trained(self) -> list[int]:
+        """The versions of the tokens trained on (the policy's)."""
+        return [v for v, m in zip(self.token_versions, self.mask or [True] * len(self.completion)) if m]
 
 
 def collate(rows: list[Row], pad_id: int, **values) -> RolloutBatch:

@@ -17,6 +17,8 @@
     executor.restore(reward_counters)              a resumed run's failure counters (RolloutWorker.counters:
                                                    the reward scorer's and the environment's)
     executor.version                               the newest weights loaded (-1: none yet)
+    executor.updates_in_flight                     the engine takes pushes while it generates (the
+                                                   trainer then pushes while phases are in flight)
     executor.idle_seconds, executor.busy_seconds   the engine's clock
     executor.close()
 
@@ -46,6 +48,7 @@ class WorkerError(RuntimeError):
 class RolloutExecutor(Protocol):
     plans: bool
     version: int
+    updates_in_flight: bool
     idle_seconds: float
     busy_seconds: float
 
@@ -71,6 +74,7 @@ class OwnShare:
     share; nothing is read on another rank's behalf, so there is nothing to drain."""
     plans = True
     rank = 0
+    updates_in_flight = False
 
     def phase_request(self, phase: int, shares: list[RolloutRequest]) -> RolloutRequest:
         return shares[self.rank]

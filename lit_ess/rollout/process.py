@@ -12,6 +12,13 @@ Weights travel by the engine config's transport (lit_ess/rollout/transport.py): 
 default (the trainer copies into a slot no queued request names; the worker's engine reads it with
 `reload_weights`, then resets and checks its prefix cache), or vLLM's NCCL weight transfer on GPUs.
 Transport messages share the request queue, so the worker applies them in order with the requests.
+
+In-flight updates (an engine whose `updates_in_flight()` is true, e.g. VLLMServerConfig with
+`weight_update: in_flight`): every push also goes, as its ticket, on a second queue that a thread of
+the worker reads while the main thread samples, so the engine takes the weights while the phase's
+requests run (and they go on with them). One such load is outstanding at a time: the worker answers
+each with ("loaded", version), and the next push first waits for that answer (a load takes a fraction
+of a second; the slots in use are then those of the queued requests only).
 The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for dedicated
 GPUs). It exits when told to, and the kernel stops it when the trainer process ends (lit_ess.lifetime).
 
@@ -36,6 +43,7 @@ from multiprocessing.connection import Client, Connection
 
 import torch
 
+from lit_ess.engines.base import EngineFault
 from lit_ess.rewards import RewardError
 
 from .executor import OwnShare, WorkerError
@@ -72,14 +80,16 @@ class WorkerProcess(OwnShare):
         self.requested: dict[int, str] = {}                    # request id -> what it asks, in words
         self.next_id = 0
         self.version = -1
+        self.updates_in_flight = config.engine.updates_in_flight()
+        self.update_sent: Ticket | None = None                 # in flight: the load the worker has not answered
         self.idle_seconds = self.busy_seconds = self.weight_load_seconds = 0.0
 
     def start(self) -> None:
         """Spawn the worker process; it builds its engine while the trainer sets up."""
         ctx = torch.multiprocessing.get_context("spawn")
-        self.requests, self.results, self.stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+        self.requests, self.results, self.updates, self.stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
         self.proc = ctx.Process(target=_child_main, args=(self.config, self.requests, self.results, self.stop, os.getpid(),
-                                                          self.deliver_to), name="lit-ess-rollout-worker")
+                                                          self.deliver_to, self.updates), name="lit-ess-rollout-worker")
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)              # read by the child's OpenMP and vLLM when they load
         try:
@@ -104,9 +114,21 @@ class WorkerProcess(OwnShare):
             for _ in named_tensors:
                 pass
             return
+        read, self._pending, t0 = self._pending, [], time.monotonic()
+        while self.update_sent is not None:                    # in flight: one load outstanding at a time
+            read.extend(self.poll(timeout=0.05))
+            if self.update_sent is not None and time.monotonic() - t0 > self.progress_timeout:
+                self.proc.kill()
+                raise WorkerError(f"the rollout worker (pid {self.proc.pid}) did not load the weights of step "
+                                  f"{self.update_sent.version} in flight within {self.progress_timeout:g} s "
+                                  f"(worker_timeout) while {self.stage}; it was stopped")
+        self._pending = read + self._pending                   # results read meanwhile, for the next poll
         in_use = [t for t in self.in_flight.values() if t is not None]
-        self.current = self.transport.push(named_tensors, version, self._send, in_use)
+        first, self.current = self.current is None, self.transport.push(named_tensors, version, self._send, in_use)
         self.version = version
+        if self.updates_in_flight and not first:    # (the first: nothing runs yet, and the transport's set-up
+            self.update_sent = self.current         # messages go first, on the request queue, with the request)
+            self.updates.put(self.current)
 
     def _send(self, msg) -> None:
         self.requests.put(("transport", -1, msg, None))
@@ -142,8 +164,8 @@ class WorkerProcess(OwnShare):
                 self._check_progress()
                 return out
             if kind == "error":
-                if isinstance(payload, RewardError):
-                    raise payload                # bad input, not a worker fault: the same one line as sync
+                if isinstance(payload, (RewardError, EngineFault)):
+                    raise payload                # bad input, or a server that is gone: the same one line as sync
                 raise WorkerError(f"the rollout worker failed:\n{payload}")
             self.last_heard = max(self.last_heard, info[-1])       # when it was sent
             if kind == "ready":
@@ -151,6 +173,9 @@ class WorkerProcess(OwnShare):
                 continue
             if kind == "stage":
                 self.stage = payload
+                continue
+            if kind == "loaded":                                   # an in-flight load is done
+                self.update_sent = None
                 continue
             self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info[:3]
             self.in_flight.pop(rid, None)
@@ -209,10 +234,13 @@ def _parent_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, deliver_to: list | None = None) -> None:
+def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, deliver_to: list | None = None,
+                updates=None) -> None:
     """The worker process: the main thread samples (engine), a second thread scores (rewards,
     batching) and sends results, so phase p is scored while phase p + 1 is sampled. Results leave in
-    request order (one scoring thread, FIFO)."""
+    request order (one scoring thread, FIFO). In-flight engines: a third thread loads the weights
+    named on `updates` while the main thread samples, and weights only move forward: a request that
+    names weights older than those the thread loaded since it was queued samples with the newer ones."""
     import threading
 
     from lit_ess.console import quiet_console
@@ -222,6 +250,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
         worker = RolloutWorker(config, in_process=False)
+    except EngineFault as e:             # e.g. a server refused at start: its one line
+        results.put(("error", -1, e, None))
+        return
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
         return
@@ -259,7 +290,33 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
 
     scorer = threading.Thread(target=score_loop, name="lit-ess-scorer", daemon=True)
     scorer.start()
-    loaded = None
+    held = {"ticket": None}                  # the weights the engine holds (a Ticket), under `weights_lock`
+    weights_lock = threading.Lock()
+    in_flight = config.engine.updates_in_flight()
+
+    def load(ticket, stage: str) -> None:
+        with weights_lock:
+            have = held["ticket"]
+            if ticket != have and not (in_flight and have is not None and ticket.version < have.version):
+                t0 = time.perf_counter()
+                report(f"{stage} {ticket.version}")
+                worker.load(ticket)
+                held["ticket"] = ticket
+                clock["weights"] += time.perf_counter() - t0
+
+    def update_loop():
+        while (ticket := updates.get()) is not None and not stop.is_set():
+            try:
+                load(ticket, "loading in flight the weights of step")
+            except BaseException:
+                results.put(("error", -1, traceback.format_exc(), None))
+                return
+            results.put(("loaded", -1, ticket.version, (time.monotonic(),)))
+
+    updater = None
+    if in_flight:
+        updater = threading.Thread(target=update_loop, name="lit-ess-weights-in-flight", daemon=True)
+        updater.start()
     try:
         while True:
             t0 = time.perf_counter()
@@ -282,11 +339,8 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 worker.receive(payload)
                 clock["weights"] += time.perf_counter() - t1
                 continue
-            if weights is not None and weights != loaded:
-                report(f"loading the weights of step {weights.version}")
-                worker.load(weights)
-                loaded = weights
-                clock["weights"] += time.perf_counter() - t1
+            if weights is not None:
+                load(weights, "loading the weights of step")
             report(f"sampling {_what(kind, payload)}")
             whole = payload.merged() if isinstance(payload, (PhaseShares, EvalShares)) else payload
             try:
@@ -296,11 +350,16 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 return
             clock["busy"] += time.perf_counter() - t1
             to_score.put((kind, rid, payload, sampled))
+    except EngineFault as e:
+        results.put(("error", -1, e, None))
     except BaseException:
         results.put(("error", -1, traceback.format_exc(), None))
     finally:
         to_score.put(None)
         scorer.join(timeout=60)
+        if updater is not None:
+            updates.put(None)
+            updater.join(timeout=60)
         worker.close()
         if deliveries is not None:
             deliveries.close()

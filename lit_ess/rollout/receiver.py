@@ -9,6 +9,7 @@ rank its own share directly, so rows never pass through rank 0's trainer.
 
 `dedicated_executor` (every rank, in setup) exchanges the addresses: rank 0 learns every rank's and
 hands them to its worker process; then rank 0 tells the others its worker's pid (for their errors).
+On CPU cores the worker gets every rank's threads (`dedicated_threads`): it generates for all of them.
 * Phases: rank 0 plans and submits every phase with every rank's share (`PhaseShares`, sampled in one
   engine call, scored share by share). A rank > 0 has no engine: it loads no weights (it still consumes
   the policy's weight iterator, so FSDP2's gathers run on every rank), plans nothing and reads.
@@ -30,6 +31,8 @@ import time
 from collections import deque
 from multiprocessing.connection import Listener
 
+import torch
+
 from .executor import WorkerError
 from .process import Address, WorkerProcess
 from .ranks import Ranks, TorchRanks, in_step
@@ -47,7 +50,18 @@ def dedicated_executor(config: WorkerConfig, ranks: Ranks, worker_timeout: float
         receiver = ShareReceiver(bind="127.0.0.1" if one_node else "0.0.0.0", host="127.0.0.1" if one_node
                                  else nodes[ranks.rank], silence_timeout=worker_timeout, ranks=ranks)
     addresses = ranks.all_gather(receiver.address if receiver is not None else None)
-    return receiver or DedicatedWorker(config, ranks, addresses, progress_timeout=worker_timeout)
+    return receiver or DedicatedWorker(config, ranks, addresses, progress_timeout=worker_timeout,
+                                       env=dedicated_threads(ranks.world, config.engine.worker_env()))
+
+
+def dedicated_threads(world: int, engine_env: dict[str, str]) -> dict[str, str]:
+    """On CPU cores the one worker generates what `world` ranks' engines would: it gets their threads,
+    OMP_NUM_THREADS = world x this process's torch threads (with 1 thread per rank and 2 ranks, 2, not
+    1 thread for twice the work). None on GPUs (the worker's devices are its own), nor where the engine
+    config sets OMP_NUM_THREADS for its worker."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in engine_env:
+        return {}
+    return {"OMP_NUM_THREADS": str(world * torch.get_num_threads())}
 
 
 def node_address() -> str:
@@ -108,6 +122,7 @@ class DedicatedWorker(WorkerProcess):
 
 
 class ShareReceiver:
+    updates_in_flight = False                # no engine here: rank 0's worker takes them
     """The executor of a rank > 0 under the dedicated placement (see the module docstring)."""
     plans = False
 

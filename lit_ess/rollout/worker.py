@@ -15,8 +15,10 @@ A phase has two stages: `sample` (the engine) and `score` (rewards and batching,
 trainer's process they run one after the other; the worker process scores a phase in a thread while
 its engine samples the next one, so a reward that waits (a remote verifier) overlaps generation.
 
-Weights change only between requests, so every token of a phase was sampled by one policy version and
-each row carries it (`RolloutBatch.versions`).
+Weights change between requests, so every token of a phase is sampled by one policy version, unless
+the engine takes them in flight (`EngineConfig.updates_in_flight`): then a row's tokens may have several
+(`RolloutBatch.token_versions`, `rollout/multi_version_frac`: the share of rows with two or more), and
+the row's version (`RolloutBatch.versions`, the one the staleness bound checks) is its oldest token's.
 
 Counters that survive a resume (`counters`, `load_counters`): the reward scorer's failures, and the
 environment's (`"env"`), each cumulative and logged as rollout/reward_* and rollout/env_*. A phase's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -144,8 +147,8 @@ class RolloutWorker:
         self.transport = build_transport(c.engine.weight_transfer(in_process))   # before the engine: fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
-                                   in_worker=c.reward_in_worker)
+        self.scorer = self._new_scorer()
+        self.share_scorers: list[RewardScorer] = []     # dedicated placement: one more per rank > 0 (score_shares)
         self.runner = None
         if c.env is not None:
             env, limit = c.env, c.engine.model_len(c.model_path)
@@ -154,6 +157,10 @@ class RolloutWorker:
             self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
+
+    def _new_scorer(self) -> RewardScorer:
+        c = self.config
+        return RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate, in_worker=c.reward_in_worker)
 
     @property
     def version(self) -> int:
@@ -172,13 +179,17 @@ class RolloutWorker:
         self.transport.load(self.engine, ticket)
 
     def counters(self) -> dict:
-        """The cumulative failure counters, for checkpoints: the scorer's, and the environment's under "env"."""
-        return {**self.scorer.state_dict(), **({"env": self.runner.state_dict()} if self.runner is not None else {})}
+        """The cumulative failure counters, for checkpoints: the scorers' (summed), and the environment's under "env"."""
+        scorers = [s.state_dict() for s in (self.scorer, *self.share_scorers)]
+        return {**{k: sum(d[k] for d in scorers) for k in scorers[0]},
+                **({"env": self.runner.state_dict()} if self.runner is not None else {})}
 
     def load_counters(self, state: dict) -> None:
         """A resumed run's counters (`counters`); {} leaves them at 0."""
         if state:
             self.scorer.load_state_dict(state)
+            for s in self.share_scorers:             # the total is restored in the first scorer
+                s.load_state_dict({})
             if self.runner is not None:
                 self.runner.load_state_dict(state.get("env", {}))
 
@@ -204,19 +215,28 @@ class RolloutWorker:
         groups = [eps[i * n:(i + 1) * n] for i in range(len(req.prompts))]
         return groups, [e.text() for e in eps], time.perf_counter() - t0, self.runner.state_dict()
 
-    def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]], texts: list[str],
-              t_gen: float, env_counters: dict[str, int] | None) -> PhaseResult:
-        """Stage 2, no engine: rewards (an episode's are its environment's), group advantages, rows, the
-        phase's batches and statistics. (The worker process runs it in a thread, beside the next phase's
-        sampling: the environment's counters are those `sample` left, `env_counters`, not the runner's now.)"""
-        c, n = self.config, self.config.samples_per_prompt
-        answers = [a for a in req.answers for _ in range(n)]
+    def rewards(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]],
+                texts: list[str], scorer: RewardScorer | None = None) -> tuple[torch.Tensor, float]:
+        """The rewards `[P, n]` of a phase's samples, by `scorer` (default: the worker's; an episode's are its
+        environment's), and the seconds they took."""
+        n = self.config.samples_per_prompt
         t0 = time.perf_counter()
         if self.runner is None:
-            rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+            answers = [a for a in req.answers for _ in range(n)]
+            rewards = torch.tensor((scorer or self.scorer)(texts, answers), dtype=torch.float32).view(len(groups), n)
         else:
             rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
-        t_reward = time.perf_counter() - t0
+        return rewards, time.perf_counter() - t0
+
+    def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]], texts: list[str],
+              t_gen: float, env_counters: dict[str, int] | None, rewards: tuple[torch.Tensor, float] | None = None
+              ) -> PhaseResult:
+        """Stage 2, no engine: rewards (`rewards`, the `(rewards [P, n], seconds)` of `self.rewards`, when
+        already scored), group advantages, rows, the phase's batches and statistics. (The worker process
+        runs it in a thread, beside the next phase's sampling: the environment's counters are those `sample`
+        left, `env_counters`, not the runner's now.)"""
+        c, n = self.config, self.config.samples_per_prompt
+        rewards, t_reward = rewards if rewards is not None else self.rewards(req, groups, texts)
         adv, degenerate = group_advantages(rewards, c.advantage)
 
         keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
@@ -227,7 +247,8 @@ class RolloutWorker:
         if self.runner is None:
             rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
                         advantage=float(adv[g, j]), reward=float(rewards[g, j]), version=groups[g][j].version,
-                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j])
+                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j],
+                        token_versions=groups[g][j].token_versions)
                     for g in keep for j in range(n)]
             lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
             cut = sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel()
@@ -239,6 +260,8 @@ class RolloutWorker:
             reasons = [r for g in groups for e in g for r in e.finish_reasons]
             cut = sum(r == "length" for r in reasons) / max(len(reasons), 1)
         random.Random(derive_seed(c.seed, req.phase)).shuffle(rows)     # per phase: same order in sync and async
+        # the environment's counters as this phase's sampling left them (the runner may be a phase ahead)
+        counts = {**self.counters(), **({"env": dict(env_counters)} if env_counters is not None else {})}
 
         stats = {
             "rollout/reward_mean": float(rewards.mean()),
@@ -252,9 +275,10 @@ class RolloutWorker:
             "rollout/gen_seconds": t_gen,
             "rollout/reward_seconds": t_reward,
             "rollout/gen_tokens_per_s": float(lengths.sum()) / max(t_gen, 1e-9),
-            "rollout/reward_errors": float(self.scorer.errors),
-            "rollout/reward_timeouts": float(self.scorer.timeouts),
+            "rollout/reward_errors": float(counts["errors"]),
+            "rollout/reward_timeouts": float(counts["timeouts"]),
             "rollout/phase": float(req.phase),
+            "rollout/multi_version_frac": sum(len(set(r.versions_trained())) > 1 for r in rows) / max(len(rows), 1),
         }
         if env_counters is not None:
             stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
@@ -264,24 +288,35 @@ class RolloutWorker:
         chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
         batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
                            phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
-        counters = {**self.scorer.state_dict(), **({"env": dict(env_counters)} if env_counters is not None else {})}
-        return PhaseResult(req.phase, batches, counters, t_gen)
+        return PhaseResult(req.phase, batches, counts, t_gen)
 
     def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],
                      t_gen: float, env_counters: dict[str, int] | None) -> list[PhaseResult]:
         """Dedicated placement: a phase sampled whole (`PhaseShares.merged`), scored share by share as each
-        rank would score its own. The scorer and the environments' runner are one, so their counters
-        travel once: with share 0 (rank 0's), scored last so that they include every share (the
-        environment's already do: its episodes ran in `sample`); the others report none, so the sum over
-        ranks (rollout/*_errors add up over ranks, lit_ess.metrics.RULES) is the worker's count."""
+        rank would score its own. The shares' rewards are scored at the same time, each by its own scorer
+        (a thread each, as every rank scores its own share at the same time in the other placements): a
+        reward that waits (a remote verifier) costs one share's wait per phase, not the sum of all. The
+        counters (the scorers' summed; the environment's as `sample` left them, its episodes having run
+        there) travel once: with share 0 (rank 0's), built last so that they include every share; the others
+        report none, so the sum over ranks (rollout/*_errors add up over ranks, lit_ess.metrics.RULES) is the
+        worker's count."""
         shares = req.shares
         n, starts = self.config.samples_per_prompt, [0]
         for s in shares:
             starts.append(starts[-1] + len(s.prompts))
+        while len(self.share_scorers) < len(shares) - 1:
+            self.share_scorers.append(self._new_scorer())
+        scorers = [self.scorer, *self.share_scorers]
+
+        def share_rewards(r: int) -> tuple[torch.Tensor, float]:
+            a, b = starts[r], starts[r + 1]
+            return self.rewards(shares[r], groups[a:b], texts[a * n:b * n], scorers[r])
+        with ThreadPoolExecutor(len(shares), thread_name_prefix="lit-ess-share-scorer") as pool:
+            scored = list(pool.map(share_rewards, range(len(shares))))
         out = [None] * len(shares)
         for r in reversed(range(len(shares))):
             a, b = starts[r], starts[r + 1]
-            out[r] = self.score(shares[r], groups[a:b], texts[a * n:b * n], t_gen, env_counters)
+            out[r] = self.score(shares[r], groups[a:b], texts[a * n:b * n], t_gen, env_counters, rewards=scored[r])
             if r > 0:
                 out[r].reward_counters = {}
                 for batch in out[r].batches:
@@ -310,7 +345,8 @@ class RolloutWorker:
     def close(self) -> None:
         """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
         executor ends here: InlineExecutor.close (sync), the worker process's exit (async)."""
-        self.scorer.close()
+        for s in (self.scorer, *self.share_scorers):
+            s.close()
         if self.runner is not None:
             self.runner.close()
         self.engine.close()
