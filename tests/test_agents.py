@@ -309,6 +309,7 @@ def test_the_demo_agent_trains_what_retry_arithmetic_trains(byte_tok):
 class Seeded(RolloutEngine):
     """A sample is 3 tokens chosen by (call seed, prompt key): the same alone or in a batch. 20 ms per call;
     records the calls' sizes and whether two calls ever overlapped."""
+    delay = 0.02
 
     def __init__(self, concurrent: bool):
         self.concurrent, self.version, self.sizes, self.inside, self.overlap = concurrent, 0, [], 0, False
@@ -318,7 +319,7 @@ class Seeded(RolloutEngine):
         with self.lock:
             self.inside += 1
             self.overlap |= self.inside > 1
-        time.sleep(0.02)
+        time.sleep(self.delay)
         out = [[Completion([40 + derive_seed(call_seed, k) % 10, 41], [-0.5, -0.5], "length", 0)] for k in prompt_keys]
         with self.lock:
             self.inside -= 1
@@ -391,3 +392,38 @@ def test_episodes_whose_agent_failed_before_any_call_train_without_harm(tiny_mod
     s = scalars(tmp_path)
     assert min(v for _, v in s["rollout/env_errors"]) > 0 and s["rollout/turns"][0][1] < 2
     assert all(math.isfinite(v) for _, v in s["train/loss"]) and min(v for _, v in s["train/ess"]) >= 0.9999
+
+
+class Slow(Seeded):
+    """Seeded, 2.5 s per call."""
+    delay = 2.5
+
+
+@pytest.mark.filterwarnings("ignore:agent .* failed in an episode")
+def test_an_engine_of_one_call_at_a_time_is_free_when_a_run_of_timed_out_agents_returns(byte_tok):
+    """Agents that time out while their call is in the engine: the run returns once the engine is free, so
+    the next phase's calls (or a weight push) never overlap the old call."""
+    engine = Slow(concurrent=False)
+    runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:two_completions"},
+                                   max_turns=4, step_timeout=1.5), byte_tok, max_error_rate=1.0)
+    try:
+        for phase in range(2):                        # two phases, back to back, as the worker runs them
+            eps = runner.run(engine, [Example("1+1=", "2")], 2, S, call_seed=phase)
+            assert engine.inside == 0
+            assert all(e.env_timeouts == 1 and e.reward == 0.0 for e in eps)
+    finally:
+        runner.close()
+    assert not engine.overlap
+
+
+@pytest.mark.parametrize("knob, value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
+                                         ("min_p", 0.1), ("logit_bias", {"50": 100}), ("min_tokens", 4)])
+def test_a_request_that_asks_for_another_distribution_is_refused(knob, value):
+    """Penalties, biases and floors change what is sampled: the engine samples with the run's settings, so a
+    request asking for them is refused in one line naming the knob (their neutral values are served)."""
+    from lit_ess.envs.proxy import request_sampling
+
+    with pytest.raises(RequestError, match=f"^{knob}="):
+        request_sampling({knob: value}, S)
+    neutral = {"logit_bias": {}, "repetition_penalty": 1.0}.get(knob, 0)
+    assert request_sampling({knob: neutral}, S) == S and request_sampling({knob: None}, S) == S

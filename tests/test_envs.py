@@ -273,6 +273,59 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
         EpisodeRunner(EnvConfig(env="retry_arithmetic", max_turns=2), tok).run(engine, [Example("1+1=", "2")], 1, S)
 
 
+class Hints(Environment):
+    """Answers with a system message."""
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action):
+        return Step(observation=[{"role": "system", "content": "hint"}])
+
+
+def test_a_template_that_raises_on_the_messages_stops_in_one_line():
+    """A chat template that refuses the environment's messages (raise_exception, as many templates do for
+    roles out of order) stops the run with one line naming the environment and the template's words."""
+    tok = build_chat_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                         "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = ScriptedEngine({0: [ids(tok, "1") + [tok.eos_token_id]] * 2}, tok.eos_token_id)
+    with pytest.raises(TemplateError, match=rf"^environment '{__name__}:Hints': the chat template .*"
+                                            r"System message must be at the beginning") as e:
+        EpisodeRunner(EnvConfig(env=f"{__name__}:Hints", max_turns=2), tok).run(engine, [Example("1+1=", "2")], 1, S)
+    assert "\n" not in str(e.value)
+
+
+class ToolRole(Environment):
+    """Text observations in the 'tool' role; the prompt (text) is a user message as every prompt is."""
+    observation_role = "tool"
+
+    def reset(self, example):
+        return example.prompt
+
+    def step(self, action):
+        return Step(observation="42", done=len(action.token_ids) > 2)
+
+
+def test_a_text_prompt_is_the_user_message_in_the_history_whatever_the_observation_role():
+    """The first observation, text, is encoded as a user turn (encode_prompt); the history the template
+    renders the deltas from says so too, also for an environment whose observations are 'tool' messages
+    (a template that needs a user query, as Qwen3's does, would refuse a history without one)."""
+    tok = build_chat_tokenizer()
+    tok.chat_template = ("{% if not messages | selectattr('role', 'equalto', 'user') | list %}"
+                         "{{ raise_exception('No user query found in messages.') }}{% endif %}"
+                         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    eos = tok.eos_token_id
+    engine = ScriptedEngine({0: [ids(tok, "1") + [eos], ids(tok, "12") + [eos]]}, eos)
+    (e,) = EpisodeRunner(EnvConfig(env=f"{__name__}:ToolRole", max_turns=2), tok).run(engine, [Example("1+1=", "2")], 1, S)
+    assert e.prompt_ids == ids(tok, "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n")
+    delta = ids(tok, "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    assert e.completion_ids == ids(tok, "1") + [eos] + delta + ids(tok, "12") + [eos] and e.turns == 2
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Failures and limits
 
@@ -378,6 +431,40 @@ def test_an_environment_that_cannot_start_or_answer_in_the_tokenizers_format_sto
         assert "\n" not in str(e.value)
     with pytest.raises(EnvError, match=f"^environment '{__name__}:Flaky' cannot start an episode from .*KeyError"):
         EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky"), byte_tok).run(engine, [Example("q", "reset raises")], 1, S)
+
+
+class Stuck(Environment):
+    """reset or close hangs (for 30 s) when the example's answer says so."""
+
+    def reset(self, example):
+        self.how = example.answer
+        if self.how == "reset hangs":
+            time.sleep(30)
+        return example.prompt
+
+    def step(self, action):
+        return Step(reward=1.0, done=True)
+
+    def close(self):
+        if self.how == "close hangs":
+            time.sleep(30)
+
+
+def test_a_reset_or_close_that_hangs_does_not_hang_the_rollout(byte_tok):
+    """env.step_timeout bounds an environment's reset and close as it bounds its steps: a reset that hangs
+    stops the run in one line (as one that raises), a close that hangs is counted, its episode kept."""
+    engine = ScriptedEngine({0: [[50]], 1: [[50]]}, byte_tok.eos_token_id)
+    runner = EpisodeRunner(EnvConfig(env=f"{__name__}:Stuck", step_timeout=0.5), byte_tok, max_error_rate=1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(EnvError, match=rf"^environment '{__name__}:Stuck' did not start an episode .* within "
+                                       r"env.step_timeout=0.5 s"):
+        runner.run(engine, [Example("q", "ok"), Example("q", "reset hangs")], 1, S)
+    assert time.perf_counter() - t0 < 5
+    t0 = time.perf_counter()
+    a, b = runner.run(engine, [Example("q", "ok"), Example("q", "close hangs")], 1, S)
+    assert time.perf_counter() - t0 < 5
+    assert (a.reward, a.failed, b.reward, b.env_timeouts) == (1.0, False, 1.0, 1)
+    assert runner.state_dict() == {"errors": 0, "timeouts": 1}
 
 
 def test_an_error_after_a_rewarded_step_zeroes_the_episode(byte_tok):

@@ -24,7 +24,7 @@ that does not continue (a dropped or edited message or reply, other tools, a con
 cannot be one token sequence: it is refused with HTTP 400 naming the function, and the episode fails.
 
 Sampling is the run's (data.sampling): a request's temperature, top_p and top_k must be the run's or absent
-(the trainer scores with the run's), its max_tokens is capped by sampling.max_new_tokens (the default),
+(the trainer scores with the run's), penalties, logit_bias, min_p and min_tokens absent or neutral, its max_tokens is capped by sampling.max_new_tokens (the default),
 its stop strings apply (a reply keeps the stop string that ended it), its seed is ignored: seeds derive
 from the run's as every rollout's (phase, episode, call). Calls of one episode are sequential. Limits:
 env.max_turns calls (one more is refused: truncated "turns"), env.max_episode_tokens tokens (a prompt that
@@ -49,6 +49,9 @@ from .config import EnvConfig, resolve_env
 from .episodes import Episode, EpisodeRunner, _Live, _run_timed
 from .proxy import Proxy, RequestError
 from .tokens import TemplateError, encode_prompt, encode_text, render_chat
+
+
+OVER = "this episode is over (its agent timed out or returned)"
 
 
 class Agent(Environment):
@@ -133,15 +136,18 @@ class EngineQueue:
     """Calls of many episodes to an engine that takes one call at a time (not `RolloutEngine.concurrent`):
     the calls that arrive while one runs go together in the next, one `generate` per (sampling, call seed),
     each prompt with its own key, so each sample has the seed it would have alone. The thread that finds
-    the engine free runs it for everyone waiting."""
+    the engine free runs it for everyone waiting. `close` ends the run's use of the engine."""
 
     def __init__(self, engine: RolloutEngine):
         self.engine, self.lock, self.running = engine, threading.Lock(), threading.Lock()
         self.pending: list[tuple[list[int], SamplingConfig, int, int, Future]] = []
+        self.closed = False
 
     def sample(self, ids: list[int], sampling: SamplingConfig, call_seed: int, key: int) -> Completion:
         fut: Future = Future()
         with self.lock:
+            if self.closed:
+                raise RequestError(OVER)
             self.pending.append((ids, sampling, call_seed, key, fut))
         while self.running.acquire(blocking=False):
             try:
@@ -172,6 +178,16 @@ class EngineQueue:
                     continue
                 for j, group in zip(jobs, out):
                     j[4].set_result(group[0])
+
+    def close(self) -> None:
+        """Refuse calls from now on and the waiting ones (their episodes are over: timed out agents'), and
+        return once a call in progress has ended: the engine is free for the next phase or a weight push."""
+        with self.lock:
+            self.closed, waiting, self.pending = True, self.pending, []
+        for job in waiting:
+            job[4].set_exception(RequestError(OVER))
+        with self.running:
+            pass
 
 
 def same_message(a: Message, b: Message) -> bool:
@@ -260,7 +276,7 @@ class Session:
         """Build the prompt (`prompt()` -> ids, added text), check the limits, sample, record."""
         with self.lock:
             if self.over or self.refused:
-                raise RequestError(self.refused or "this episode is over (its agent timed out or returned)")
+                raise RequestError(self.refused or OVER)
             if self.busy:
                 raise RequestError("the calls of one episode are sequential: this one came while another ran")
             self.busy = True
@@ -283,6 +299,8 @@ class Session:
                     sample = self.engine.sample(ids, s, seed, self.key)
                 else:
                     sample = self.engine.generate([ids], 1, s, call_seed=seed, prompt_keys=[self.key])[0][0]
+            except RequestError:                # the queue closed: the run is over, the engine is fine
+                raise
             except Exception as e:
                 self.engine_error = e           # the engine's failure stops the run, not only this episode
                 raise
@@ -292,7 +310,7 @@ class Session:
             call = Call(list(ids), sample, text, added)
             with self.lock:
                 if self.over:                       # sampled while its function timed out: not in the episode
-                    raise RequestError("this episode is over (its agent timed out or returned)")
+                    raise RequestError(OVER)
                 self.calls.append(call)
             return call
         finally:
@@ -336,6 +354,8 @@ class AgentRunner(EpisodeRunner):
         for (_, s, _), url in zip(jobs, urls):
             calls.append(s.end())
             self.proxy.close_session(url)
+        if isinstance(calls_to, EngineQueue):
+            calls_to.close()                    # a timed-out agent's call may still hold the engine
         broken = next((s.engine_error for _, s, _ in jobs if s.engine_error is not None), None)
         if broken is not None:
             raise broken                        # the engine's failure stops the run, as in every other rollout

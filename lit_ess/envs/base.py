@@ -4,7 +4,8 @@ An `Environment` plays one episode: `reset(example)` returns the first observati
 `step(action)` takes the policy's turn (its text and its sampled token ids) and returns a `Step`: the
 next observation, a reward, and whether the episode is done. An observation is text, or a list of chat
 messages (`{"role": ..., "content": ...}`) for models with a chat template; text observations become
-one message of role `observation_role` there. Episode rewards add up the steps' rewards.
+one message of role `observation_role` there (the first, the prompt, a user message as every prompt
+is). Episode rewards add up the steps' rewards.
 
 An environment only answers: the episode runner (lit_ess/envs/episodes.py) owns the tokens, calls the
 engine, times every step and enforces the limits. One environment object plays one episode (a fresh one

@@ -44,7 +44,8 @@ class EnvConfig:
             that would pass it ends, truncated at the budget, and is counted (rollout/truncated_tokens).
             None: the engine's model length (the rollout worker sets it; a budget above it is refused).
         step_timeout: seconds an environment step may take; one that takes longer ends its episode with
-            reward 0 and is counted (rollout/env_timeouts). Python cannot stop a thread: a step that
+            reward 0 and is counted (rollout/env_timeouts). Starting an episode (constructor and reset)
+            that takes longer stops the run; a close that takes longer is counted. Python cannot stop a thread: a step that
             can hang in C code for ever should do its work in a process of its own. Failures count as
             failing rewards do: data.max_reward_error_rate stops a run that has too many.
     """

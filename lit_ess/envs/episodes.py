@@ -22,7 +22,8 @@ tool calls, an observation of text or messages unless done) ends its episode wit
 (env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes fail raises EnvError
 (the worker passes data.max_reward_error_rate: environment failures count as failing rewards do). What
 every episode would do alike stops the run at once, an EnvError naming the environment: a constructor or
-`reset` that raises or returns no observation, chat messages for a tokenizer without a chat template.
+`reset` that raises, returns no observation or takes longer than `step_timeout` (they run in threads too),
+chat messages for a tokenizer without a chat template. A `close` that raises or takes longer is counted.
 Limits: `max_turns` policy turns and `max_episode_tokens` tokens (prompt included); an episode stopped
 by one is truncated and counted (truncated = "turns" or "tokens"): a turn that would pass the token
 budget is cut at it (a prefix of a sample is a sample: its logprobs stay exact) and not stepped, an
@@ -152,7 +153,9 @@ class EpisodeRunner:
         RolloutEngine.generate."""
         c = self.config
         keys = list(range(len(examples))) if prompt_keys is None else list(prompt_keys)
-        live = [self._start(ex, key * n + j, engine.version) for ex, key in zip(examples, keys) for j in range(n)]
+        starts = [(ex, key * n + j) for ex, key in zip(examples, keys) for j in range(n)]
+        opened = _run_timed([lambda ex=ex: self._open(ex) for ex, _ in starts], c.step_timeout)
+        live = [self._start(ex, key, engine.version, *o) for (ex, key), o in zip(starts, opened)]
         if any(x.episode.prompt_ids != live[i - i % n].episode.prompt_ids for i, x in enumerate(live)):
             raise ValueError(f"environment {c.env!r}: the {n} episodes of an example start from different prompts "
                              f"(reset must give one first observation per example: a group shares its prompt)")
@@ -173,8 +176,7 @@ class EpisodeRunner:
                 x.episode.env_seconds += seconds
                 if self._answer(x, s, status, value, last_turn=turn == c.max_turns - 1):
                     active.append(x)
-        for x in live:
-            self._finish(x)
+        self._finish(live)
         episodes = [x.episode for x in live]
         self._check_failures(episodes)
         return episodes
@@ -186,22 +188,37 @@ class EpisodeRunner:
             raise EnvError(f"{self.what} failed in {len(failed)} of {len(episodes)} episodes, more than "
                            f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
 
-    def _start(self, example: Example, key: int, version: int) -> _Live:
+    def _open(self, example: Example) -> tuple[Environment, object]:
+        """A fresh environment and its first observation (run in a thread of its own, timed)."""
         try:
             env = self.config.make()
         except Exception as e:
             raise EnvError(f"{self.what} cannot be built from env.kwargs {self.config.kwargs}: "
                            f"{type(e).__name__}: {_one_line(e)}") from None
         try:
-            obs = env.reset(example)
+            return env, env.reset(example)
         except Exception as e:
             raise EnvError(f"{self.what} cannot start an episode from {example!r}: "
                            f"{type(e).__name__}: {_one_line(e)}") from None
+
+    def _start(self, example: Example, key: int, version: int, status: str, opened, seconds: float) -> _Live:
+        """The episode of `_open`'s result: what it raised, or its timeout, stops the run (every episode
+        would do alike)."""
+        if status == "timeout":
+            raise EnvError(f"{self.what} did not start an episode from {example!r} (constructor and reset) within "
+                           f"env.step_timeout={self.config.step_timeout} s")
+        if status == "error":
+            if isinstance(opened, EnvError):
+                raise opened
+            raise EnvError(f"{self.what} cannot start an episode from {example!r}: "
+                           f"{type(opened).__name__}: {_one_line(opened)}")
+        env, obs = opened
         if not is_observation(obs):
             raise EnvError(f"{self.what} reset returned {_short(obs)}, not text or a list of "
                            f"{{'role', 'content'}} messages (at least one)")
         role = env.observation_role
-        history = self.tokens.messages(obs, role) if self.tokens.chat else []
+        # a text prompt is a user turn (EpisodeTokens.prompt), whatever the role of later observations
+        history = self.tokens.messages(obs, "user") if self.tokens.chat else []
         try:
             prompt = self.tokens.prompt(obs, role)
         except TemplateError as e:
@@ -313,15 +330,20 @@ class EpisodeRunner:
             warnings.warn(f"{self.what} failed in an episode ({e.error}); the episode ends with "
                           f"reward 0 and is counted in rollout/env_errors, rollout/env_timeouts", stacklevel=3)
 
-    def _finish(self, x: _Live) -> None:
-        if x.env is None:
-            return
-        try:
-            x.env.close()
-        except Exception as err:
-            x.episode.env_errors += 1
-            self.errors += 1
-            x.episode.error = x.episode.error or f"close: {type(err).__name__}: {err}"
+    def _finish(self, live: list[_Live]) -> None:
+        """Close the episodes' environments, each in its own thread with step_timeout; a close that raises or
+        times out is counted (its episode keeps its reward)."""
+        closing = [x for x in live if x.env is not None]
+        results = _run_timed([x.env.close for x in closing], self.config.step_timeout)
+        for x, (status, err, _) in zip(closing, results):
+            if status == "error":
+                x.episode.env_errors += 1
+                self.errors += 1
+                x.episode.error = x.episode.error or f"close: {type(err).__name__}: {err}"
+            elif status == "timeout":
+                x.episode.env_timeouts += 1
+                self.timeouts += 1
+                x.episode.error = x.episode.error or f"close: timed out after {self.config.step_timeout} s"
 
     def close(self) -> None:
         """Free what the runner holds (nothing here: environments close with their episodes)."""

@@ -28,18 +28,29 @@ from lit_ess.engines import SamplingConfig
 MODEL_NAME = "policy"
 
 
+# sampling knobs of OpenAI's and vLLM's APIs that the run's sampling does not have: served at these values only
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "min_p": 0, "logit_bias": {},
+           "min_tokens": 0}
+
+
 class RequestError(ValueError):
     """A request that cannot be served exactly: HTTP 400, one line."""
 
 
 def request_sampling(body: dict, run: SamplingConfig) -> SamplingConfig:
     """The run's sampling with a request's max_tokens (capped by the run's) and stop strings; a request
-    that asks for other temperature, top_p or top_k, several samples or streaming is refused."""
+    that asks for other temperature, top_p or top_k, penalties, biases or floors (NEUTRAL), several samples
+    or streaming is refused."""
     for knob, off in (("temperature", None), ("top_p", None), ("top_k", (0, -1))):
         v, want = body.get(knob), getattr(run, knob)
         if v is not None and v != want and not (off and v in off and want in off):
             raise RequestError(f"{knob}={v}: lit-ess samples with the run's data.sampling.{knob}={want} (the trainer "
                                f"scores the tokens with it): leave {knob} out of the request or set data.sampling.{knob}")
+    for knob, neutral in NEUTRAL.items():
+        v = body.get(knob)
+        if v is not None and v != neutral:
+            raise RequestError(f"{knob}={v!r}: lit-ess samples with the run's data.sampling, which has no {knob} (the "
+                               f"trainer scores the tokens as sampled): leave {knob} out of the request")
     if body.get("n", 1) not in (1, None):
         raise RequestError(f"n={body['n']}: one sample per call (data.samples_per_prompt plays each example that "
                            f"many times)")

@@ -41,8 +41,14 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 def render_chat(tokenizer, messages: list[Message], generation: bool, tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` in the tokenizer's chat template (+ the generation prompt); `tools` the
-    OpenAI tool schemas the template renders, if any."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, tools=tools)
+    OpenAI tool schemas the template renders, if any. A template that refuses them (its raise_exception, e.g.
+    roles out of order) is a TemplateError of one line."""
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, tools=tools)
+    except Exception as e:
+        roles = ", ".join(str(m.get("role")) for m in messages)
+        raise TemplateError(f"the chat template refuses the messages of roles [{roles}]: {type(e).__name__}: "
+                            f"{' '.join(str(e).split())}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
