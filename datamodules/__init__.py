@@ -1,6 +1,6 @@
 """Data layer: prompt sources, the rollout DataModule (RL) and the SFT DataModule (warm start)."""
-from .prompts import Arithmetic, Example, HFPrompts, PromptOrder, PromptSource, encode_prompt
+from .prompts import Arithmetic, CalculatorTranscripts, Example, HFPrompts, PromptOrder, PromptSource, encode_prompt
 from .rollout import RolloutDataModule
 from .sft import SFTDataModule
 
-__all__ = ["Arithmetic", "Example", "HFPrompts", "PromptOrder", "PromptSource", "encode_prompt", "RolloutDataModule", "SFTDataModule"]
+__all__ = ["Arithmetic", "CalculatorTranscripts", "Example", "HFPrompts", "PromptOrder", "PromptSource", "encode_prompt", "RolloutDataModule", "SFTDataModule"]

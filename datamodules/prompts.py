@@ -1,6 +1,7 @@
 """Prompt sources: a list of (prompt, answer) examples for the rollout DataModule.
 
     Arithmetic         built-in verifiable task for CPU runs ("37+85=" -> "122")
+    CalculatorTranscripts  the Calculator environment's two policy turns per problem, for its warm start
     HFPrompts          a Hugging Face `datasets` name, or local json / jsonl / parquet / csv files
 
 Malformed rows (missing field, non-text value, empty prompt or answer) are skipped and counted in
@@ -17,6 +18,7 @@ import random
 from pathlib import Path
 from typing import Literal
 
+from lit_ess.envs.arithmetic import Calculator, calculate
 from lit_ess.envs.base import Example     # its home: what an environment starts an episode from
 from lit_ess.envs.tokens import encode_prompt  # noqa: F401  (its home: the episodes' tokens)
 from lit_ess.knobs import check
@@ -120,6 +122,37 @@ class Arithmetic(PromptSource):
             a, op, b = problem(code)
             self.examples.append(Example(f"{a}{op}{b}=", str(eval_op(a, op, b))))
         self.skipped = 0
+
+
+class CalculatorTranscripts(PromptSource):
+    """Tool-use transcripts for the Calculator environment (lit_ess.envs), as (prompt, answer) pairs for
+    SFT: each problem of `source` becomes the policy's two turns of an episode that calls the tool,
+
+        prompt                            answer (trained)
+        37*85=                            calc(37*85)
+        37*85=calc(37*85)3145\n37*85=     3145
+
+    The second prompt is the episode so far, the environment's inserted '3145\n37*85=' included, so
+    the inserted tokens are context (not trained) exactly as in RL. With a byte-level tokenizer its
+    ids are the episode's ids (prompt, turn, observation) token for token. SFT ends each answer with
+    eos; RL stops the call turn at ')' (sampling.stop), so the eos after a call is never sampled.
+
+    Args:
+        source: problems whose prompts end in '=' before an expression the calculator evaluates to the
+            answer (e.g. lit_ess.datamodules.Arithmetic with ops "*").
+    """
+
+    def __init__(self, source: PromptSource):
+        self.examples, self.skipped = [], source.skipped
+        for ex in source.examples:
+            expr = ex.prompt[:-1] if ex.prompt.endswith("=") else None
+            value = calculate(expr) if expr is not None else None
+            if value is None or str(value) != ex.answer.strip():
+                raise ValueError(f"CalculatorTranscripts.source: {ex.prompt!r} -> {ex.answer!r} is not "
+                                 f"'<expression>=' with the calculator's value as its answer")
+            call = f"calc({expr})"
+            after = ex.prompt + call + Calculator.observation(str(value), ex.prompt)
+            self.examples += [Example(ex.prompt, call), Example(after, ex.answer)]
 
 
 def _in_test(a: int, op: str, b: int, test_frac: float) -> bool:

@@ -8,7 +8,8 @@ data_parallel_size 1) for the GPUs, and a small local jsonl with the same fields
 Everything else is the config's own, so a typo'd key, a value out of range or a field the prompt source
 cannot read fails here. The hardware settings themselves are checked for consistency (W = devices x
 nodes everywhere it must appear). vLLM is not started: its GPU settings (fp8, external_launcher,
-gpu_memory_utilization) are checked on paper only.
+gpu_memory_utilization) are checked on paper only. The CPU configs (the demos) are built the same way,
+as written, with only the tiny model and the output folders swapped in.
 """
 import json
 import sys
@@ -176,3 +177,29 @@ def test_a_broken_config_fails_the_dry_run(dotted, value, says, tiny_model_dir, 
     # the line `lit-ess fit` prints: the parser's own (exit 2), or lit_ess.cli.main's for a constructor's ValueError
     line = capsys.readouterr().err if err.type is SystemExit else _explain(err.value)
     assert says in line, line
+
+
+CPU_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p not in GPU_CONFIGS)
+
+
+def test_cpu_configs_include_the_demos():
+    assert {"demo_sft.yaml", "demo.yaml", "demo_multiturn.yaml", "demo_calculator_sft.yaml",
+            "demo_calculator.yaml"} <= {p.name for p in CPU_CONFIGS}
+
+
+@pytest.mark.parametrize("path", CPU_CONFIGS, ids=lambda p: p.stem)
+def test_cpu_config_builds_with_the_tiny_model(path, tiny_model_dir, tmp_path):
+    """The demo configs as written (the tiny model and temporary output folders swapped in) parse, and
+    every class they name is built: a typo'd key or a value out of range fails here, without a run."""
+    cfg = yaml.safe_load(path.read_text())
+    cfg["model"]["init_args"]["model_path"] = tiny_model_dir
+    t = cfg["trainer"]
+    if t.get("logger"):
+        t["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
+    for c in t.get("callbacks", []):
+        if "dirpath" in c.get("init_args", {}):
+            c["init_args"]["dirpath"] = str(tmp_path / Path(c["init_args"]["dirpath"]).name)
+    cli = _build(cfg, tmp_path)
+    assert type(cli.model).__name__ == cfg["model"]["class_path"].split(".")[-1]
+    assert type(cli.datamodule).__name__ == cfg["data"]["class_path"].split(".")[-1]
+    assert cli.trainer.max_steps == t["max_steps"]

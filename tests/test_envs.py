@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_ess.datamodules.prompts import Arithmetic, Example, encode_prompt
+from lit_ess.datamodules import SFTDataModule
+from lit_ess.datamodules.prompts import Arithmetic, CalculatorTranscripts, Example, PromptSource, encode_prompt
 from lit_ess.engines import Completion, RolloutEngine, SamplingConfig
 from lit_ess.envs import (Action, Calculator, EnvConfig, EnvError, Environment, EpisodeRunner, RetryArithmetic, Step,
                           TemplateError, collate_episodes, episode_stats)
@@ -112,8 +113,19 @@ def test_calculator_inserts_the_result_and_counts_calls():
     env.reset(Example("37*85=", "3145"))
     assert env.step(Action("calc(3 7)", [], "stop")).observation == "error\n37*85="
     assert env.step(Action("calc(1+1)", [], "stop")) == Step(reward=0.0, done=True, tool_calls=1)   # over max_calls
-    assert [calculate(e) for e in ["37*85", "1+2*3", "10-2-3", "3--5", "-2*-3+1", " 4 * 5 "]] == [3145, 7, 5, 8, 7, 20]
+    assert [calculate(e) for e in ["37*85", "1+2*3", "10-2-3", "3--5", "-2*-3+1", " 4 * 5 ", "9\x1c"]] == [3145, 7, 5, 8, 7, 20, 9]
     assert [calculate(e) for e in ["1+", "", "1**2", "2^3", "9" * 13, "1+" * 40 + "1"]] == [None] * 6
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("0123456789+-*() \t\n\x1c\x85\u3000\u0663x"), max_size=20) | st.text(max_size=20))
+def test_calculate_answers_any_text_with_a_value_or_none(expr):
+    """What a policy writes in calc(...) never raises (a sampled '9\\x1c' once did): whitespace is any
+    Unicode space, as the pattern's \\s allows."""
+    value = calculate(expr)
+    assert value is None or isinstance(value, int)
+    if value is not None:
+        assert value == calculate("".join(expr.split()))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,6 +209,34 @@ def test_calculator_episode(byte_tok):
     assert e.completion_ids == call + ids(tok, "3145\n37*85=") + answer
     assert (e.reward, e.turns, e.tool_calls) == (1.0, 2, 1)
     assert episode_stats([e])["rollout/tool_calls"] == 1.0
+
+
+class OneProblem(PromptSource):
+    def __init__(self, prompt: str, answer: str):
+        self.examples = [Example(prompt, answer)]
+
+
+def test_calculator_warm_start_trains_the_episodes_own_tokens(tiny_model_dir, byte_tok):
+    """configs/demo_calculator_sft.yaml's pairs are the ids of the episode RL samples (the call turn cut
+    at the stop string ')'), token for token: the policy's turns are the targets, the inserted result
+    and question are context."""
+    tok, eos = byte_tok, byte_tok.eos_token_id
+    call, answer = ids(tok, "calc(37*85)"), ids(tok, "3145") + [eos]
+    engine = ScriptedEngine({0: [call, answer]}, eos)
+    (e,) = EpisodeRunner(EnvConfig(env="calculator", max_turns=2), tok).run(engine, [Example("37*85=", "3145")], 1, S)
+    assert e.reward == 1.0
+    dm = SFTDataModule(model_path=tiny_model_dir, source=CalculatorTranscripts(OneProblem("37*85=", "3145")))
+    dm.setup("fit")
+    (p1, a1), (p2, a2) = dm.items
+    observed = len(e.completion_ids) - len(answer)
+    assert p1 == e.prompt_ids and a1 == call + [eos]                      # eos after ')' is never sampled
+    assert p2 == e.prompt_ids + e.completion_ids[:observed] and a2 == e.completion_ids[observed:]
+
+
+@pytest.mark.parametrize("prompt,answer", [("37+85=", "121"), ("37*85", "3145"), ("what is 37*85?", "3145")])
+def test_calculator_warm_start_refuses_a_problem_the_calculator_does_not_answer(prompt, answer):
+    with pytest.raises(ValueError, match="CalculatorTranscripts.source"):
+        CalculatorTranscripts(OneProblem(prompt, answer))
 
 
 # ---------------------------------------------------------------------------------------------------------

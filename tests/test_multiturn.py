@@ -163,21 +163,21 @@ def warm_start(tmp_path_factory):
 
 
 def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None = None, devices: int = 1,
-                     **data) -> Path:
-    """configs/demo_multiturn.yaml, smaller (16 prompts x 4 episodes unless `data` says), no validation or
-    export, every step's prompts and row versions recorded (rank r > 0: prompts.jsonl.rank{r}); several
-    `devices`: DDP."""
-    cfg = yaml.safe_load((CONFIGS / "demo_multiturn.yaml").read_text())
+                     config: str = "demo_multiturn.yaml", **data) -> Path:
+    """configs/demo_multiturn.yaml (or `config`), smaller (16 prompts x 4 episodes unless `data` says), no
+    validation or export, every step's prompts and row versions recorded (rank r > 0: prompts.jsonl.rank{r});
+    several `devices`: DDP."""
+    cfg = yaml.safe_load((CONFIGS / config).read_text())
     cfg["model"]["init_args"]["model_path"] = str(model)
     d = cfg["data"]["init_args"]
     d.update({"prompts_per_rollout": 16, "samples_per_prompt": 4, **data})
     for k in ("val_source", "val_prompts", "val_samples"):
-        d.pop(k)
+        d.pop(k, None)
     t = cfg["trainer"]
     t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=ckpt_every is not None)
     if devices > 1:
         t.update(devices=devices, strategy="ddp")
-    t.pop("check_val_every_n_epoch")
+    t.pop("check_val_every_n_epoch", None)
     t["logger"]["init_args"] = {"save_dir": str(out), "name": "tb", "version": "run"}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "LogCompletions")]
     if ckpt_every is not None:
@@ -206,6 +206,25 @@ def test_demo_multiturn_is_on_policy_over_several_turns(warm_start, tmp_path):
     for tag in ("rollout/env_seconds", "rollout/tool_calls", "rollout/truncated_turns", "rollout/truncated_tokens",
                 "rollout/env_errors", "rollout/env_timeouts"):
         assert tag in s, tag
+
+
+@pytest.mark.e2e
+def test_demo_calculator_calls_the_tool_on_policy(tmp_path):
+    """configs/demo_calculator_sft.yaml cut to 100 steps, then configs/demo_calculator.yaml for 6 steps on
+    vLLM: the policy calls the calculator, the call turns stop at ')', and every step is on-policy."""
+    from lit_ess.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "runs/demo/init")
+    cfg = yaml.safe_load((CONFIGS / "demo_calculator_sft.yaml").read_text())
+    cfg["trainer"].update(max_steps=100, enable_progress_bar=False, logger=False)
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "sft.yaml"))], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = fit(multiturn_config(tmp_path / "runs/demo/calculator_sft", tmp_path / "rl", steps=6,
+                             config="demo_calculator.yaml"))
+    ess, calls = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/tool_calls"]]
+    assert len(ess) == 6 and min(ess) >= 0.9999, ess
+    assert min(calls) > 0 and max(calls) <= 2, calls          # max_calls 1: a second call ends the episode, counted
+    assert min(v for _, v in s["rollout/env_tokens"]) > 0     # the results the calculator inserted
 
 
 @pytest.mark.e2e

@@ -60,7 +60,7 @@ def calculate(expr: str) -> int | None:
     if len(expr) > 64 or not _EXPR.fullmatch(expr):
         return None
     total, sign = 0, 1
-    for part in re.split(r"(?<=\d)([-+])", expr.replace(" ", "")):    # terms, split at binary + and -
+    for part in re.split(r"(?<=\d)([-+])", "".join(expr.split())):   # terms, split at binary + and -
         if part in ("+", "-"):
             sign = 1 if part == "+" else -1
             continue
@@ -94,4 +94,10 @@ class Calculator(Environment):
         if self.calls > self.max_calls:
             return Step(reward=0.0, done=True, tool_calls=1)
         value = calculate(call.group(1))
-        return Step(observation=f"{'error' if value is None else value}\n{self.example.prompt}", tool_calls=1)
+        return Step(observation=self.observation("error" if value is None else str(value), self.example.prompt),
+                    tool_calls=1)
+
+    @staticmethod
+    def observation(result: str, prompt: str) -> str:
+        """What a call inserts: the result, then the question again."""
+        return f"{result}\n{prompt}"
