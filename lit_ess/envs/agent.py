@@ -46,7 +46,7 @@ from lit_ess.rewards import as_score, import_named
 
 from .base import Action, Environment, Example, Message, Step
 from .config import EnvConfig, resolve_env
-from .episodes import Episode, EpisodeRunner, _Live, _run_timed
+from .episodes import Episode, EpisodeRunner, LiveEpisode, run_timed
 from .proxy import Proxy, RequestError
 from .tokens import TemplateError, encode_prompt, encode_text, render_chat
 
@@ -348,7 +348,7 @@ class AgentRunner(EpisodeRunner):
         jobs = [(ex, Session(self, calls_to, sampling, call_seed, key * n + j), engine.version)
                 for ex, key in zip(examples, keys) for j in range(n)]
         urls = [self.proxy.open(s) for _, s, _ in jobs]
-        results = _run_timed([lambda ex=ex, url=url: self.agent.play(url, ex) for (ex, _, _), url in zip(jobs, urls)],
+        results = run_timed([lambda ex=ex, url=url: self.agent.play(url, ex) for (ex, _, _), url in zip(jobs, urls)],
                              self.config.step_timeout)
         calls = []
         for (_, s, _), url in zip(jobs, urls):
@@ -381,7 +381,7 @@ class AgentRunner(EpisodeRunner):
             else:
                 e.reward = reward
         if status != "ok":
-            self._fail(_Live(self.agent, e, [], s.key), status, value)
+            self._fail(LiveEpisode(self.agent, e, [], s.key), status, value)
         return e
 
     def close(self) -> None:

@@ -102,7 +102,7 @@ class Episode:
 
 
 @dataclass
-class _Live:
+class LiveEpisode:
     """An episode being played: its environment and chat history beside the record."""
     env: Environment
     episode: Episode
@@ -110,7 +110,7 @@ class _Live:
     key: int
 
 
-def _run_timed(calls: list, timeout: float) -> list[tuple[str, object, float]]:
+def run_timed(calls: list, timeout: float) -> list[tuple[str, object, float]]:
     """Run every call in its own daemon thread, all at once; wait at most `timeout` seconds from the
     start. Returns (status, value, seconds) per call: ("ok", result), ("error", exception) or
     ("timeout", None). A timed-out thread is left to finish on its own (daemon: it never blocks exit)."""
@@ -154,7 +154,7 @@ class EpisodeRunner:
         c = self.config
         keys = list(range(len(examples))) if prompt_keys is None else list(prompt_keys)
         starts = [(ex, key * n + j) for ex, key in zip(examples, keys) for j in range(n)]
-        opened = _run_timed([lambda ex=ex: self._open(ex) for ex, _ in starts], c.step_timeout)
+        opened = run_timed([lambda ex=ex: self._open(ex) for ex, _ in starts], c.step_timeout)
         live = [self._start(ex, key, engine.version, *o) for (ex, key), o in zip(starts, opened)]
         if any(x.episode.prompt_ids != live[i - i % n].episode.prompt_ids for i, x in enumerate(live)):
             raise ValueError(f"environment {c.env!r}: the {n} episodes of an example start from different prompts "
@@ -169,7 +169,7 @@ class EpisodeRunner:
                 if self._append_turn(x, s):
                     stepping.append((x, s))
             actions = [Action(x.episode.parts[-1][1], list(s.token_ids), s.finish_reason) for x, s in stepping]
-            results = _run_timed([lambda env=x.env, a=a: env.step(a) for (x, _), a in zip(stepping, actions)],
+            results = run_timed([lambda env=x.env, a=a: env.step(a) for (x, _), a in zip(stepping, actions)],
                                  c.step_timeout)
             active = []
             for (x, s), (status, value, seconds) in zip(stepping, results):
@@ -201,7 +201,7 @@ class EpisodeRunner:
             raise EnvError(f"{self.what} cannot start an episode from {example!r}: "
                            f"{type(e).__name__}: {_one_line(e)}") from None
 
-    def _start(self, example: Example, key: int, version: int, status: str, opened, seconds: float) -> _Live:
+    def _start(self, example: Example, key: int, version: int, status: str, opened, seconds: float) -> LiveEpisode:
         """The episode of `_open`'s result: what it raised, or its timeout, stops the run (every episode
         would do alike)."""
         if status == "timeout":
@@ -223,16 +223,16 @@ class EpisodeRunner:
             prompt = self.tokens.prompt(obs, role)
         except TemplateError as e:
             raise TemplateError(f"{self.what}: {e}") from None
-        return _Live(env, Episode(prompt, start_version=version), history, key)
+        return LiveEpisode(env, Episode(prompt, start_version=version), history, key)
 
-    def _over_budget(self, x: _Live) -> bool:
+    def _over_budget(self, x: LiveEpisode) -> bool:
         b = self.config.max_episode_tokens
         if b is not None and len(x.episode.prompt_ids) >= b:
             x.episode.truncated = "tokens"
             return True
         return False
 
-    def _sample(self, engine, active: list[_Live], n: int, sampling: SamplingConfig,
+    def _sample(self, engine, active: list[LiveEpisode], n: int, sampling: SamplingConfig,
                 call_seed: int, turn: int) -> list[Completion]:
         """One engine call. Turn 0 samples n of each prompt, as the single-turn rollout does; later turns
         one sample of each running episode, seeded by its own key and the turn."""
@@ -246,7 +246,7 @@ class EpisodeRunner:
                               prompt_keys=[x.key for x in active])
         return [g[0] for g in out]
 
-    def _append_turn(self, x: _Live, s: Completion) -> bool:
+    def _append_turn(self, x: LiveEpisode, s: Completion) -> bool:
         """Append the sampled turn; False when the token budget cut it (the episode ends, truncated)."""
         e, b = x.episode, self.config.max_episode_tokens
         ids, lps = list(s.token_ids), list(s.logprobs)
@@ -269,7 +269,7 @@ class EpisodeRunner:
             e.truncated = "tokens"
         return not cut
 
-    def _answer(self, x: _Live, s: Completion, status: str, value, last_turn: bool) -> bool:
+    def _answer(self, x: LiveEpisode, s: Completion, status: str, value, last_turn: bool) -> bool:
         """Take an environment's answer to a turn; True when the episode goes on."""
         e = x.episode
         if status == "ok" and not isinstance(value, Step):
@@ -314,7 +314,7 @@ class EpisodeRunner:
             x.history += self.tokens.messages(value.observation, x.env.observation_role)
         return True
 
-    def _fail(self, x: _Live, status: str, error) -> None:
+    def _fail(self, x: LiveEpisode, status: str, error) -> None:
         e = x.episode
         e.reward = 0.0
         if status == "timeout":
@@ -330,11 +330,11 @@ class EpisodeRunner:
             warnings.warn(f"{self.what} failed in an episode ({e.error}); the episode ends with "
                           f"reward 0 and is counted in rollout/env_errors, rollout/env_timeouts", stacklevel=3)
 
-    def _finish(self, live: list[_Live]) -> None:
+    def _finish(self, live: list[LiveEpisode]) -> None:
         """Close the episodes' environments, each in its own thread with step_timeout; a close that raises or
         times out is counted (its episode keeps its reward)."""
         closing = [x for x in live if x.env is not None]
-        results = _run_timed([x.env.close for x in closing], self.config.step_timeout)
+        results = run_timed([x.env.close for x in closing], self.config.step_timeout)
         for x, (status, err, _) in zip(closing, results):
             if status == "error":
                 x.episode.env_errors += 1
