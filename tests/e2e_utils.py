@@ -298,7 +298,9 @@ def session_processes(sid: int) -> list[int]:
     return out
 
 
-from lit_ess.envs import RetryArithmetic, Step  # noqa: E402
+import time  # noqa: E402
+
+from lit_ess.envs import Environment, RetryArithmetic, Step  # noqa: E402
 
 
 class FlakyRetry(RetryArithmetic):
@@ -332,3 +334,35 @@ def spawn_ranks(target, *args, world: int = 2, timeout: float = 240, what: str =
         p.kill()
     assert not alive, f"{what} hung (mismatched collectives)"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+class WaitsForNewWeights(Environment):
+    """Two turns; between them the environment waits (up to `wait` s) until the server at `url` holds
+    weights other than those it held at reset, so an in-flight update lands inside every episode that
+    starts after the first push: its turns are sampled by two versions. An episode that starts on the
+    first weights (`first` label) does not wait: nothing pushes until a phase is trained."""
+
+    def __init__(self, url: str, wait: float = 20.0, first: str = "0"):
+        self.url, self.wait, self.first = url, wait, first
+
+    def reset(self, example) -> str:
+        self.label, self.turn = server_weight_label(self.url), 0
+        return example.prompt
+
+    def step(self, action) -> Step:
+        self.turn += 1
+        if self.turn > 1:
+            return Step(reward=float(len(action.text) % 3 == 0), done=True)
+        deadline = time.monotonic() + self.wait
+        while self.label != self.first and server_weight_label(self.url) == self.label and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return Step(observation="\nagain: ")
+
+
+def server_weight_label(url: str) -> str:
+    """The weight version a vLLM server says it holds (GET /weight_info)."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
+        return json.load(r)["weight_version"]

@@ -153,9 +153,42 @@ def test_retry_episodes_are_sampled_ids_plus_observation_tokens(byte_tok):
     # one engine call per turn, for the episodes still running; turn 0 is the single-turn call (n per prompt)
     assert [(len(p), n, k) for p, n, _, k in engine.calls] == [(1, 3, [0]), (2, 1, [1, 2]), (1, 1, [2])]
     assert engine.calls[1][0][0] == prompt + wrong + obs and engine.calls[2][0][0] == prompt + c.completion_ids[:-4]
+
     assert engine.calls[0][2] == 5 and len({call[2] for call in engine.calls}) == 3   # each turn its own seeds
     stats = episode_stats([a, b, c])
     assert stats["rollout/turns"] == 2.0 and stats["rollout/env_tokens"] == 3 * len(obs) / 3
+
+class InFlightEngine(ScriptedEngine):
+    """ScriptedEngine whose turns switch weights in flight: turn t's tokens after the second are sampled
+    by version 4 + t, those before by 3 + t."""
+
+    def generate(self, prompts, n, sampling, call_seed=0, prompt_keys=None):
+        turn = len(self.calls)
+        out = super().generate(prompts, n, sampling, call_seed, prompt_keys)
+        for group in out:
+            for c in group:
+                c.token_versions = [3 + turn if i < 2 else 4 + turn for i in range(len(c.token_ids))]
+                c.version = 3 + turn
+        return out
+
+
+@pytest.mark.parametrize("budget", [None, 9])
+def test_a_turn_sampled_by_two_versions_keeps_each_tokens_version(budget, byte_tok):
+    """In-flight updates: a turn's tokens carry the version that sampled each (not the turn's oldest), the
+    environment's carry -1; the episode's version is its oldest token's; a budget cut keeps the labels
+    of the tokens it keeps."""
+    tok, eos = byte_tok, byte_tok.eos_token_id
+    wrong, right = ids(tok, "121") + [eos], ids(tok, "122") + [eos]
+    engine = InFlightEngine({0: [wrong, right]}, eos)
+    prompt = encode_prompt(tok, "37+85=")
+    obs = ids(tok, "wrong\n37+85=")
+    cfg = EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3,
+                    max_episode_tokens=None if budget is None else len(prompt) + 4 + len(obs) + 3)
+    (e,) = EpisodeRunner(cfg, tok).run(engine, [Example("37+85=", "122")], n=1, sampling=S, call_seed=5)
+    second = [4, 4, 5, 5] if budget is None else [4, 4, 5]
+    assert e.token_versions() == [3, 3, 4, 4] + [-1] * len(obs) + second
+    assert e.turn_versions == [3, 4] and e.version == 3
+    assert e.truncated == (None if budget is None else "tokens")
 
 
 def test_single_turn_episodes_batch_as_the_single_turn_rollout(byte_tok, tiny_model_dir):

@@ -114,20 +114,11 @@ def assemble(calls: list[Call], episode: Episode) -> Episode:
             raise RequestError(f"call {k + 1}'s prompt does not continue call {k}'s prompt and reply")
         added = c.prompt_ids[len(seq):]
         if added:
-            e.completion_ids += added
-            e.mask += [0] * len(added)
-            e.logprobs += [0.0] * len(added)
-            e.env_tokens += len(added)
+            e.add_env(added)
             e.parts.append(("env", c.added))
         s = c.sample
-        e.turn_starts.append(len(e.completion_ids))
-        e.completion_ids += s.token_ids
-        e.mask += [1] * len(s.token_ids)
-        e.logprobs += list(s.logprobs)
-        e.turn_versions.append(s.version)
-        e.finish_reasons.append(s.finish_reason)
+        e.add_policy(s)
         e.parts.append(("policy", c.text))
-        e.turns += 1
         seq = list(c.prompt_ids) + list(s.token_ids)
     return e
 

@@ -62,7 +62,8 @@ class Episode:
     completion_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)            # 1: sampled by the policy, 0: the environment's
     logprobs: list[float] = field(default_factory=list)      # log pi_b on policy tokens, 0.0 elsewhere
-    turn_versions: list[int] = field(default_factory=list)   # weight version of each policy turn
+    versions: list[int] = field(default_factory=list)        # weight version that sampled each token, -1: env's
+    turn_versions: list[int] = field(default_factory=list)   # each policy turn's oldest version
     turn_starts: list[int] = field(default_factory=list)     # where each policy turn starts in the completion
     finish_reasons: list[str] = field(default_factory=list)  # each policy turn's: "stop" or "length"
     parts: list[tuple[str, str]] = field(default_factory=list)   # ("policy" | "env", text), in order
@@ -87,14 +88,30 @@ class Episode:
         return self.env_errors + self.env_timeouts > 0
 
     def token_versions(self) -> list[int]:
-        """The weight version of every completion token's turn; -1 on the environment's tokens."""
-        out = [-1] * len(self.completion_ids)
-        ends = self.turn_starts[1:] + [len(self.completion_ids)]
-        for s, e, v in zip(self.turn_starts, ends, self.turn_versions):
-            for t in range(s, e):
-                if self.mask[t]:
-                    out[t] = v
-        return out
+        """The weight version that sampled every completion token (in-flight updates: a turn may have
+        several); -1 on the environment's tokens."""
+        return list(self.versions)
+
+    def add_policy(self, s: Completion, n: int | None = None) -> None:
+        """Append a sampled turn (its first `n` tokens: a budget cut) with its pi_b and versions."""
+        n = len(s.token_ids) if n is None else n
+        versions = list(s.token_versions) if s.token_versions is not None else [s.version] * len(s.token_ids)
+        self.turn_starts.append(len(self.completion_ids))
+        self.completion_ids += list(s.token_ids[:n])
+        self.mask += [1] * n
+        self.logprobs += list(s.logprobs[:n])
+        self.versions += versions[:n]
+        self.turn_versions.append(min(versions[:n], default=s.version))
+        self.finish_reasons.append(s.finish_reason)
+        self.turns += 1
+
+    def add_env(self, ids: list[int]) -> None:
+        """Append the environment's tokens: context, never trained on (mask 0, logprob 0, version -1)."""
+        self.completion_ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.env_tokens += len(ids)
 
     def text(self) -> str:
         """The conversation after the prompt, the environment's parts marked: 'turn [env: obs] turn'."""
@@ -249,18 +266,12 @@ class EpisodeRunner:
     def _append_turn(self, x: LiveEpisode, s: Completion) -> bool:
         """Append the sampled turn; False when the token budget cut it (the episode ends, truncated)."""
         e, b = x.episode, self.config.max_episode_tokens
-        ids, lps = list(s.token_ids), list(s.logprobs)
-        cut = b is not None and len(e.prompt_ids) + len(e.completion_ids) + len(ids) > b
+        n = len(s.token_ids)
+        cut = b is not None and len(e.prompt_ids) + len(e.completion_ids) + n > b
         if cut:
-            room = b - len(e.prompt_ids) - len(e.completion_ids)
-            ids, lps = ids[:room], lps[:room]
-        e.turn_starts.append(len(e.completion_ids))
-        e.completion_ids += ids
-        e.mask += [1] * len(ids)
-        e.logprobs += lps
-        e.turn_versions.append(s.version)
-        e.finish_reasons.append(s.finish_reason)
-        e.turns += 1
+            n = b - len(e.prompt_ids) - len(e.completion_ids)
+        e.add_policy(s, n)
+        ids = list(s.token_ids[:n])
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         e.parts.append(("policy", text))
         if self.tokens.chat:
@@ -305,10 +316,7 @@ class EpisodeRunner:
         if b is not None and len(e.prompt_ids) + len(e.completion_ids) + len(obs_ids) >= b:
             e.truncated = "tokens"              # no room for the next turn: the observation is not appended
             return False
-        e.completion_ids += obs_ids
-        e.mask += [0] * len(obs_ids)
-        e.logprobs += [0.0] * len(obs_ids)
-        e.env_tokens += len(obs_ids)
+        e.add_env(obs_ids)
         e.parts.append(("env", self.tokens.text(value.observation)))
         if self.tokens.chat:
             x.history += self.tokens.messages(value.observation, x.env.observation_role)
