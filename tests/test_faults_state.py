@@ -44,20 +44,25 @@ def test_first_nonfinite_names_the_first_bad_tensor():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("which", ["policy", "reference"])
-def test_a_nan_weight_is_named_at_start(tiny_model_dir, tmp_path, which):
+def test_a_nan_weight_is_named_at_start(tiny_model_dir, tmp_path):
     """One NaN in one weight of the model folder (the policy's, or the reference model's): one line naming
     the tensor, exit 1, before any rollout (main: a bare torch.multinomial traceback with the hf engine;
-    a run that never ends with vLLM, every step skipped)."""
+    a run that never ends with vLLM, every step skipped). Both runs stop before their first step, so they
+    share one Python process (e2e_utils.cli_each)."""
+    from e2e_utils import cli_each
+
     bad = str(nan_model_copy(tiny_model_dir, tmp_path / "nan_model"))
-    model = {"ref_model_path": bad, "objective": {"class_path": "lit_ess.objectives.P3O",
-                                                  "init_args": {"ref_kl_coef": 0.1}}} if which == "reference" else {}
-    cfg = rl_config(bad if which == "policy" else tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3,
-                    extra_model=model)
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
-    line = fault_line(res)
-    assert f"weight {NAN_TENSOR} (NaN) is not finite in" in line and bad in line, line
-    assert ("reference model" in line) == (which == "reference"), line
+    cases = {}
+    for which in ("policy", "reference"):
+        model = {"ref_model_path": bad, "objective": {"class_path": "lit_ess.objectives.P3O",
+                                                      "init_args": {"ref_kl_coef": 0.1}}} if which == "reference" else {}
+        cfg = rl_config(bad if which == "policy" else tiny_model_dir, tmp_path / which, engine="HFConfig", max_steps=3,
+                        extra_model=model)
+        cases[which] = (["fit", "--config", str(write_config(cfg, tmp_path / which / "c.yaml"))], tmp_path / which)
+    for which, res in cli_each(cases, timeout=300).items():
+        line = fault_line(res)
+        assert f"weight {NAN_TENSOR} (NaN) is not finite in" in line and bad in line, (which, line)
+        assert ("reference model" in line) == (which == "reference"), (which, line)
 
 
 @pytest.mark.e2e
