@@ -150,16 +150,13 @@ def test_an_episode_budget_above_the_models_length_is_refused(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def warm_start(tmp_path_factory):
-    """configs/demo_sft.yaml cut to 150 steps, at lr 3e-3 (warm-up 20) on clean targets: a policy that answers in
-    the arithmetic format, mostly wrong (measured: 1.2% of 512 samples at T = 1 right, the demo's 300 steps 0.2%)."""
+    """configs/demo_sft.yaml cut to 300 steps: a policy that answers in the arithmetic format, often wrong."""
     from lit_ess.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("warm")
     build_tiny_model(root / "runs/demo/init")
     cfg = yaml.safe_load((CONFIGS / "demo_sft.yaml").read_text())
-    cfg["trainer"].update(max_steps=150, enable_progress_bar=False, logger=False)
-    cfg["model"]["init_args"].update(lr=3e-3, warmup_steps=20)
-    cfg["data"]["init_args"]["label_noise"] = 0.0
+    cfg["trainer"].update(max_steps=300, enable_progress_bar=False, logger=False)
     res = cli(["fit", "--config", str(write_config(cfg, root / "sft.yaml"))], cwd=root)
     assert res.returncode == 0, res.stderr[-4000:]
     return root / "runs/demo/sft"
