@@ -298,6 +298,7 @@ def session_processes(sid: int) -> list[int]:
     return out
 
 
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from lit_ess.envs import Environment, RetryArithmetic, Step  # noqa: E402
@@ -338,14 +339,20 @@ def spawn_ranks(target, *args, world: int = 2, timeout: float = 240, what: str =
 
 class WaitsForNewWeights(Environment):
     """Two turns; between them the environment waits (up to `wait` s) until the server at `url` holds
-    weights other than those it held at reset, so an in-flight update lands inside every episode that
-    starts after the first push: its turns are sampled by two versions. An episode that starts on the
-    first weights (`first` label) does not wait: nothing pushes until a phase is trained."""
+    weights other than those it held at reset, so an in-flight update lands inside the episode: its turns
+    are sampled by two versions. The first `unmixed` episodes of the process (the first phase) do not wait:
+    nothing pushes until a phase is trained. Every later one does, so every later phase is mixed."""
 
-    def __init__(self, url: str, wait: float = 20.0, first: str = "0"):
-        self.url, self.wait, self.first = url, wait, first
+    started = 0                                   # episodes begun in this (the rollout worker's) process
+    lock = threading.Lock()
+
+    def __init__(self, url: str, unmixed: int, wait: float = 20.0):
+        self.url, self.unmixed, self.wait = url, unmixed, wait
 
     def reset(self, example) -> str:
+        with WaitsForNewWeights.lock:
+            self.waits = WaitsForNewWeights.started >= self.unmixed
+            WaitsForNewWeights.started += 1
         self.label, self.turn = server_weight_label(self.url), 0
         return example.prompt
 
@@ -354,7 +361,7 @@ class WaitsForNewWeights(Environment):
         if self.turn > 1:
             return Step(reward=float(len(action.text) % 3 == 0), done=True)
         deadline = time.monotonic() + self.wait
-        while self.label != self.first and server_weight_label(self.url) == self.label and time.monotonic() < deadline:
+        while self.waits and server_weight_label(self.url) == self.label and time.monotonic() < deadline:
             time.sleep(0.05)
         return Step(observation="\nagain: ")
 
