@@ -194,7 +194,7 @@ EXPERIMENTS = {e.name: e for e in [
 @dataclass
 class Scale:
     """How big every run is. `full` is the evidence; `quick` only proves the pipeline (CI): every
-    experiment, its first `cells` cells, from a warm start too short to be good (the pipeline's not the model's)."""
+    experiment, its first `cells` cells, from a warm start too short to be good (a model, not a good one)."""
     seeds: int
     steps: int
     val_every: int
