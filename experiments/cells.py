@@ -194,7 +194,7 @@ EXPERIMENTS = {e.name: e for e in [
 @dataclass
 class Scale:
     """How big every run is. `full` is the evidence; `quick` only proves the pipeline (CI): every
-    experiment, its first `cells` cells."""
+    experiment, its first `cells` cells, from a warm start too short to be good (a model, not a good one)."""
     seeds: int
     steps: int
     val_every: int
@@ -206,7 +206,7 @@ class Scale:
 
 
 FULL = Scale(seeds=3, steps=48, val_every=12, prompts=16, samples=8, sft_steps=3000, val_prompts=128)
-QUICK = Scale(seeds=1, steps=4, val_every=4, prompts=8, samples=4, sft_steps=200, val_prompts=16, cells=1)
+QUICK = Scale(seeds=1, steps=4, val_every=4, prompts=8, samples=4, sft_steps=50, val_prompts=16, cells=1)
 
 
 def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:

@@ -73,6 +73,63 @@ def cli(args: list[str], cwd: Path | None = None, timeout: int = 600, env: dict 
                           capture_output=True, text=True, **popen)
 
 
+def cli_each(cases: dict, timeout: int = 600) -> dict:
+    """`lit-ess ARGS` for each case ({key: (args, cwd)} -> {key: CompletedProcess}), one after another in one Python process, through
+    lit_ess.cli.main (the entry point of the command) with the case's folder as `python -m lit_ess.cli`
+    has it (current, and first on sys.path) and its own fds 1 and 2: a config refused while it is read
+    costs its check, not another start of Python, Lightning and lit-ess (10-25 s each on a loaded machine).
+    For runs that end while the config is read (refusals, --print_config): nothing here stops a run."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "cases.json").write_text(json.dumps([[a, str(Path(c or os.getcwd()).resolve())]
+                                                      for a, c in cases.values()]))
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=pythonpath())
+        res = subprocess.run([sys.executable, "-c", "import sys, e2e_utils; e2e_utils._cli_each(sys.argv[1])", tmp],
+                             env=env, timeout=timeout, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got = json.loads(Path(tmp, "results.json").read_text())
+    return {k: subprocess.CompletedProcess(["lit-ess", *a], *r) for (k, (a, _)), r in zip(cases.items(), got, strict=True)}
+
+
+def _cli_each(folder: str) -> None:
+    """cli_each's process: each [args, cwd] of FOLDER/cases.json, as [exit status, stdout, stderr] in FOLDER/results.json."""
+    import importlib
+    import json
+    import tempfile
+    import traceback
+
+    import lit_ess.cli
+
+    results = []
+    for args, cwd in json.loads(Path(folder, "cases.json").read_text()):
+        os.chdir(cwd)
+        sys.path[0], sys.argv = cwd, [lit_ess.cli.__file__, *args]
+        importlib.invalidate_caches()
+        with tempfile.TemporaryFile("w+b") as out, tempfile.TemporaryFile("w+b") as err:
+            sys.stdout.flush(), sys.stderr.flush()
+            saved = os.dup(1), os.dup(2)
+            os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+            try:
+                lit_ess.cli.main(args)
+                code = 0
+            except SystemExit as e:                   # as the interpreter ends on it
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except BaseException:                     # as the interpreter ends on an uncaught exception
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+                os.close(saved[0]), os.close(saved[1])
+            out.seek(0), err.seek(0)
+            results.append([code, out.read().decode(errors="replace"), err.read().decode(errors="replace")])
+    Path(folder, "results.json").write_text(json.dumps(results))
+
+
 # what a quiet console never shows: a warning or deprecation, or a Python warning whatever its wording
 # (warnings print as "path/file.py:LINE: message")
 NOISE = re.compile(r"warning|deprecat|\.py:\d+: ", re.I)
@@ -298,6 +355,7 @@ def session_processes(sid: int) -> list[int]:
     return out
 
 
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from lit_ess.envs import Environment, RetryArithmetic, Step  # noqa: E402
@@ -338,14 +396,20 @@ def spawn_ranks(target, *args, world: int = 2, timeout: float = 240, what: str =
 
 class WaitsForNewWeights(Environment):
     """Two turns; between them the environment waits (up to `wait` s) until the server at `url` holds
-    weights other than those it held at reset, so an in-flight update lands inside every episode that
-    starts after the first push: its turns are sampled by two versions. An episode that starts on the
-    first weights (`first` label) does not wait: nothing pushes until a phase is trained."""
+    weights other than those it held at reset, so an in-flight update lands inside the episode: its turns
+    are sampled by two versions. The first `unmixed` episodes of the process (the first phase) do not wait:
+    nothing pushes until a phase is trained. Every later one does, so every later phase is mixed."""
 
-    def __init__(self, url: str, wait: float = 20.0, first: str = "0"):
-        self.url, self.wait, self.first = url, wait, first
+    started = 0                                   # episodes begun in this (the rollout worker's) process
+    lock = threading.Lock()
+
+    def __init__(self, url: str, unmixed: int, wait: float = 20.0):
+        self.url, self.unmixed, self.wait = url, unmixed, wait
 
     def reset(self, example) -> str:
+        with WaitsForNewWeights.lock:
+            self.waits = WaitsForNewWeights.started >= self.unmixed
+            WaitsForNewWeights.started += 1
         self.label, self.turn = server_weight_label(self.url), 0
         return example.prompt
 
@@ -354,7 +418,7 @@ class WaitsForNewWeights(Environment):
         if self.turn > 1:
             return Step(reward=float(len(action.text) % 3 == 0), done=True)
         deadline = time.monotonic() + self.wait
-        while self.label != self.first and server_weight_label(self.url) == self.label and time.monotonic() < deadline:
+        while self.waits and server_weight_label(self.url) == self.label and time.monotonic() < deadline:
             time.sleep(0.05)
         return Step(observation="\nagain: ")
 

@@ -116,6 +116,7 @@ def test_chat_replies_are_never_re_encoded(chat_tok):
 
 
 GOT: dict = {}          # what the agents below saw
+OVER = threading.Event()  # set by a test once the run that timed an agent out has returned
 
 
 def answers(url, ex):
@@ -161,8 +162,9 @@ def raises(url, ex):
 
 
 def sleeps(url, ex):
+    """One call, then it waits until the test says its episode is over, then calls again (a late call)."""
     post(url + "/completions", {"prompt": ex.prompt})
-    time.sleep(1.0)
+    OVER.wait(60)
     try:
         post(url + "/completions", {"prompt": ex.prompt})
     except HTTPFailure as e:
@@ -219,15 +221,18 @@ def test_a_slow_agent_times_out_and_its_late_calls_are_refused(byte_tok):
     tok, eos = byte_tok, byte_tok.eos_token_id
     engine = PerEpisodeEngine({0: [ids(tok, "1") + [eos]] * 2}, eos)
     GOT.pop("late", None)
+    OVER.clear()
     runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "test_agents:sleeps"},
-                                   step_timeout=0.3), tok, max_error_rate=1.0)
-    with pytest.warns(UserWarning, match="timed out after 0.3 s"):
-        (e,) = runner.run(engine, [Example("q=", "1")], 1, S)
+                                   step_timeout=1.0), tok, max_error_rate=1.0)
+    try:
+        with pytest.warns(UserWarning, match="timed out after 1.0 s"):
+            (e,) = runner.run(engine, [Example("q=", "1")], 1, S)
+    finally:
+        OVER.set()                                    # the run returned: its thread posts again, into an episode that is over
     assert (e.reward, e.env_timeouts, runner.timeouts, e.turns) == (0.0, 1, 1, 1)
-    for _ in range(50):                               # its thread posts again after 1 s, into an episode that is over
-        if "late" in GOT:
-            break
-        time.sleep(0.1)
+    deadline = time.monotonic() + 60
+    while "late" not in GOT and time.monotonic() < deadline:
+        time.sleep(0.02)
     runner.close()
     assert "HTTP 404" in GOT["late"] and len(engine.seen) == 1
 

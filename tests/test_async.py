@@ -139,8 +139,9 @@ def test_a_batch_dropped_whole_admits_the_next_phase(tiny_model_dir, mode):
     dm = make_dm(tiny_model_dir, mode=mode, S=3, k=1)
     try:
         drive(dm, 2)                               # phases generated ahead with old weights (S = 3)
-        time.sleep(1.0)
-        dm._collect(0.5)
+        deadline = time.monotonic() + 120          # a phase generated ahead reaches the buffer, however slow
+        while not dm.buffer.rows() and time.monotonic() < deadline:          # the worker is on a loaded machine
+            dm._collect(0.5)
         state = dm.state_dict()
     finally:
         dm.teardown("fit")

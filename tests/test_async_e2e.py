@@ -25,37 +25,47 @@ def run_ok(cfg, out, *extra):
     return scalars(out)
 
 
-def test_async_run_stays_within_the_bound_and_logs_it(tiny_model_dir, tmp_path):
-    s = run_ok(config(tiny_model_dir, tmp_path, S=2, steps=6), tmp_path)
+S, STEPS = 2, 7
+
+
+@pytest.fixture(scope="module")
+def async_run(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted async run (S = 2, 7 steps, a checkpoint every 3) that both tests below read: the
+    bound test reads its logs, the kill -9 test compares the killed and resumed run with it."""
+    out = tmp_path_factory.mktemp("async_run")
+    return run_ok(config(tiny_model_dir, out, S=S, steps=STEPS, ckpt_every=3), out), out
+
+
+def test_async_run_stays_within_the_bound_and_logs_it(async_run):
+    s, out = async_run
     lag_max = [v for _, v in s["train/policy_lag_max"]]
-    assert max(lag_max) <= 2 and max(lag_max) >= 1, lag_max       # the worker really ran ahead
+    assert max(lag_max) <= S and max(lag_max) >= 1, lag_max       # the worker really ran ahead
     ess = dict(s["train/ess"])
     assert all(ess[step] < 0.9999 for step, lag in s["train/policy_lag"] if lag > 0)   # stale data is off-policy
     for tag in ("rollout/stale_dropped", "rollout/buffer_size", "perf/worker_idle_frac", "perf/trainer_wait_frac",
                 "perf/weight_sync_seconds", "rollout/phases_in_flight"):
         assert tag in s, tag
     assert [v for _, v in s["rollout/stale_dropped"]][-1] == 0
-    assert "rollout/policy_lag" in read_histogram_tags(tmp_path / "tb" / "run")
-    steps = trained_prompts(tmp_path / "prompts.jsonl")
-    assert sorted(steps) == list(range(6))
+    assert "rollout/policy_lag" in read_histogram_tags(out / "tb" / "run")
+    steps = trained_prompts(out / "prompts.jsonl")
+    assert sorted(steps) == list(range(STEPS))
 
 
-def test_async_kill_and_resume_loses_and_duplicates_no_prompt(tiny_model_dir, tmp_path):
+def test_async_kill_and_resume_loses_and_duplicates_no_prompt(async_run, tiny_model_dir, tmp_path):
     """kill -9 after the step-3 checkpoint, with phases generated ahead (S = 2) and in flight; then
     --ckpt_path last: every step trains the same prompts as the uninterrupted run, none twice, none lost,
     and no row is older than S."""
-    S, steps = 2, 7
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
-    run_ok(config(tiny_model_dir, ref_dir, S=S, steps=steps, ckpt_every=3), ref_dir)
-    cfg = write_config(config(tiny_model_dir, run_dir, S=S, steps=steps, ckpt_every=3), run_dir / "config.yaml")
+    _, ref_dir = async_run
+    run_dir = tmp_path / "killed"
+    cfg = write_config(config(tiny_model_dir, run_dir, S=S, steps=STEPS, ckpt_every=3), run_dir / "config.yaml")
     kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
     res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
     assert res.returncode == 0, res.stderr[-4000:]
     lines = (run_dir / "prompts.jsonl").read_text().splitlines()
     assert sum('"step": 0,' in ln for ln in lines) == 1            # really resumed, not started again
     ref, got = trained_prompts(ref_dir / "prompts.jsonl"), trained_prompts(run_dir / "prompts.jsonl")
-    assert sorted(got) == list(range(steps))
-    for step in range(steps):
+    assert sorted(got) == list(range(STEPS))
+    for step in range(STEPS):
         assert sorted(got[step]["prompt_ids"]) == sorted(ref[step]["prompt_ids"]), step
         assert max(step - v for v in got[step]["versions"]) <= S
     # the whole run: the same multiset of (prompt, sample) rows, so no prompt lost and none trained twice

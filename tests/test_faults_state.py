@@ -43,21 +43,39 @@ def test_first_nonfinite_names_the_first_bad_tensor():
     assert first_nonfinite([("c", inf)]) == "c (inf)"
 
 
+@pytest.fixture(scope="module")
+def refused_at_start(tiny_model_dir, tmp_path_factory):
+    """`lit-ess fit` runs that stop before their first rollout, in one Python process (e2e_utils.cli_each):
+    a NaN weight in the policy's or the reference model's folder (its path is `bad`), and a prompt budget
+    above vLLM's max_model_len (the 303-token prompt file)."""
+    from e2e_utils import cli_each
+
+    tmp = tmp_path_factory.mktemp("refused")
+    bad = str(nan_model_copy(tiny_model_dir, tmp / "nan_model"))
+    cfgs = {}
+    for which in ("policy", "reference"):
+        model = {"ref_model_path": bad, "objective": {"class_path": "lit_ess.objectives.P3O",
+                                                      "init_args": {"ref_kl_coef": 0.1}}} if which == "reference" else {}
+        cfgs[which] = rl_config(bad if which == "policy" else tiny_model_dir, tmp / which, engine="HFConfig", max_steps=3,
+                                extra_model=model)
+    source = {"class_path": "lit_ess.datamodules.HFPrompts", "init_args": {"path": _long_prompt_file(tmp)}}
+    cfgs["vllm"] = rl_config(tiny_model_dir, tmp / "vllm", engine="VLLMConfig", max_steps=2, prompts=8, samples=2,
+                             extra_data={"source": source, "max_prompt_tokens": 512})
+    cfgs["vllm"]["data"]["init_args"]["engine"]["init_args"] = {"max_model_len": 64}
+    cases = {k: (["fit", "--config", str(write_config(cfg, tmp / k / "c.yaml"))], tmp / k) for k, cfg in cfgs.items()}
+    return cli_each(cases, timeout=300), bad
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("which", ["policy", "reference"])
-def test_a_nan_weight_is_named_at_start(tiny_model_dir, tmp_path, which):
+def test_a_nan_weight_is_named_at_start(refused_at_start):
     """One NaN in one weight of the model folder (the policy's, or the reference model's): one line naming
     the tensor, exit 1, before any rollout (main: a bare torch.multinomial traceback with the hf engine;
     a run that never ends with vLLM, every step skipped)."""
-    bad = str(nan_model_copy(tiny_model_dir, tmp_path / "nan_model"))
-    model = {"ref_model_path": bad, "objective": {"class_path": "lit_ess.objectives.P3O",
-                                                  "init_args": {"ref_kl_coef": 0.1}}} if which == "reference" else {}
-    cfg = rl_config(bad if which == "policy" else tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3,
-                    extra_model=model)
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
-    line = fault_line(res)
-    assert f"weight {NAN_TENSOR} (NaN) is not finite in" in line and bad in line, line
-    assert ("reference model" in line) == (which == "reference"), line
+    runs, bad = refused_at_start
+    for which in ("policy", "reference"):
+        line = fault_line(runs[which])
+        assert f"weight {NAN_TENSOR} (NaN) is not finite in" in line and bad in line, (which, line)
+        assert ("reference model" in line) == (which == "reference"), (which, line)
 
 
 @pytest.mark.e2e
@@ -147,16 +165,11 @@ def _long_prompt_file(tmp_path) -> str:
 
 
 @pytest.mark.e2e
-def test_a_prompt_longer_than_max_model_len_is_refused_at_start_with_vllm(tiny_model_dir, tmp_path):
+def test_a_prompt_longer_than_max_model_len_is_refused_at_start_with_vllm(refused_at_start):
     """max_prompt_tokens (512) + max_new_tokens above the engine's max_model_len (64): one line naming both
     knobs before the engine starts (main: the 303-token prompt, under max_prompt_tokens, kills the run
     with a bare vLLM traceback)."""
-    source = {"class_path": "lit_ess.datamodules.HFPrompts", "init_args": {"path": _long_prompt_file(tmp_path)}}
-    cfg = rl_config(tiny_model_dir, tmp_path, engine="VLLMConfig", max_steps=2, prompts=8, samples=2,
-                    extra_data={"source": source, "max_prompt_tokens": 512})
-    cfg["data"]["init_args"]["engine"]["init_args"] = {"max_model_len": 64}
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
-    line = fault_line(res, code=2)
+    line = fault_line(refused_at_start[0]["vllm"], code=2)
     assert "max_prompt_tokens=512 + sampling.max_new_tokens=6 = 518 exceeds engine.max_model_len = 64" in line, line
 
 

@@ -101,21 +101,25 @@ def test_a_lock_left_by_a_run_killed_on_another_host_is_taken_over_once_it_is_st
     assert notice is not None and "taking over the lock of pid 4242 on another-host" in notice, notice
     assert lock.read_text() == f"{os.getpid()} {socket.gethostname()}\n"
     os.utime(lock, (old, old))                                     # the holder keeps its lock fresh
-    time.sleep(ck.LOCK_REFRESH_S + 1.5)
+    deadline = time.monotonic() + 60                               # (its thread, every 0.05 s: however loaded
+    while time.time() - lock.stat().st_mtime > 5 and time.monotonic() < deadline:   # the machine, it comes round)
+        time.sleep(0.05)
     assert time.time() - lock.stat().st_mtime < 5
 
 @pytest.mark.e2e
 def test_a_second_run_into_one_checkpoint_folder_refuses_to_start(tiny_model_dir, tmp_path):
-    """Run A writes checkpoints into runs/ckpt; run B, started into the same folder, stops at start with
-    one line naming the folder and A's pid (main: B starts, and both write the same temp file)."""
+    """Run A writes checkpoints into runs/ckpt; run B, started into the same folder once A holds it (its
+    lock names A's pid: A is past the start of fit), stops at start with one line naming the folder and
+    A's pid (main: B starts, and both write the same temp file)."""
     cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=200, ckpt_every=1)
     path = write_config(cfg, tmp_path / "c.yaml")
     env = dict(os.environ, PYTHONPATH=pythonpath())
     first = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(path)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.time() + 120
-        while not list((tmp_path / "ckpt").glob("*.ckpt")) and time.time() < deadline and first.poll() is None:
+        lock, deadline = tmp_path / ".ckpt.lit-ess.lock", time.time() + 120
+        while not (lock.exists() and lock.read_text().split()[:1] == [str(first.pid)]) and time.time() < deadline \
+                and first.poll() is None:
             time.sleep(0.2)
         assert first.poll() is None, "run A ended early"
         res = cli(["fit", "--config", str(path)], timeout=300)

@@ -65,12 +65,16 @@ def test_bad_lora_settings_name_the_field(bad, says):
         LoRA(**bad)
 
 
-LORA_RUN = {"rank": 4, "alpha": 16.0}
+LORA_RUN = {"rank": 4, "alpha": 32.0}
 
 
 def lora_config(model_dir, out):
-    """The LoRA run of this file: 4 steps, checkpoints at steps 2 and 4 (and last.ckpt)."""
-    return rl_config(model_dir, out, max_steps=4, ckpt_every=2, lr=1e-2, extra_model={"lora": LORA_RUN})
+    """The LoRA run of this file: 4 steps, checkpoints at steps 2 and 4 (and last.ckpt); at the end both
+    sync payloads (out/payloads.pt) and an ExportHF folder (out/hf)."""
+    cfg = rl_config(model_dir, out, max_steps=4, ckpt_every=2, lr=1e-2, extra_model={"lora": LORA_RUN})
+    cfg["trainer"]["callbacks"] += [{"class_path": "e2e_utils.SaveSyncPayloads", "init_args": {"path": str(out / "payloads.pt")}},
+                                    {"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(out / "hf")}}]
+    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -196,23 +200,22 @@ def test_export_cli_writes_the_adapter_and_on_request_the_merged_model(lora_run,
 
 @pytest.mark.e2e
 @pytest.mark.dist
-def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path):
-    """The same global batch on 1 rank, on 2 DDP ranks (adapters replicated) and on 2 FSDP2 ranks (the
-    peft model sharded per decoder layer: frozen base and adapters alike; gradients averaged and
+def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(lora_run, tiny_model_dir, tmp_path):
+    """The same global batch on 1 rank (the file's LoRA run), on 2 DDP ranks (adapters replicated) and on 2
+    FSDP2 ranks (the peft model sharded per decoder layer: frozen base and adapters alike; gradients averaged and
     rescaled; activation checkpointing on): losses, ESS, gradient norms and rewards agree. Under FSDP2 the engines sample from merged
     weights gathered from the shards (ESS 1); both sync payloads (merged, adapter), gathered on every
     rank, equal 1 rank's in value and order; the checkpoint is a folder of adapter shards only (and
     their optimizer state), and ExportHF and `lit-ess-export --merged` of it give 1 rank's model."""
     from transformers import AutoModelForCausalLM
 
-    runs = {}
-    for name, world in (("one", 1), ("ddp", 2), ("fsdp2", 2)):
+    from lit_ess.export import export_hf
+
+    runs = {"one": lora_run[1]}
+    for name in ("ddp", "fsdp2"):
         out = tmp_path / name
-        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=1e-2, ckpt_every=3, extra_model={"lora": {"rank": 4}})
-        cfg["trainer"]["devices"] = world
-        cfg["trainer"]["callbacks"] += [{"class_path": "e2e_utils.SaveSyncPayloads",
-                                         "init_args": {"path": str(out / "payloads.pt")}},
-                                        {"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(out / "hf")}}]
+        cfg = lora_config(tiny_model_dir, out)
+        cfg["trainer"]["devices"] = 2
         if name == "ddp":
             cfg["trainer"]["strategy"] = "ddp"
         if name == "fsdp2":
@@ -226,10 +229,10 @@ def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path
     for name in ("ddp", "fsdp2"):
         for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
             a, b = [v for _, v in runs["one"][key]], [v for _, v in runs[name][key]]
-            assert len(a) == len(b) == 3 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, key, a, b)
+            assert len(a) == len(b) == 4 and a == pytest.approx(b, rel=1e-5, abs=1e-5), (name, key, a, b)
     assert min(v for _, v in runs["fsdp2"]["train/ess"]) >= 0.9999
 
-    one, two = (torch.load(tmp_path / n / "payloads.pt") for n in ("one", "fsdp2"))
+    one, two = (torch.load(d / "payloads.pt") for d in (lora_run[0], tmp_path / "fsdp2"))
     for mode, atol in (("merged", 1e-5), ("adapter", 8e-5)):      # the adapter payload is s B, s = alpha / r = 8
         assert [k for k, _ in two[mode]] == [k for k, _ in one[mode]], mode
         for (k, a), (_, b) in zip(one[mode], two[mode]):
@@ -241,11 +244,11 @@ def test_lora_on_two_ddp_or_fsdp2_ranks_equals_one_rank(tiny_model_dir, tmp_path
     assert stored and all(".lora_" in k for k in stored), stored[:3]
     fsdp2_cfg = yaml.safe_load((tmp_path / "fsdp2" / "config.yaml").read_text())     # resumed with other settings:
     fsdp2_cfg["model"]["init_args"]["lora"]["rank"] = 8           # one line, before the shards are read
+    fsdp2_cfg["data"]["init_args"]["engine"] = {"class_path": "lit_ess.engines.HFConfig"}     # (no vLLM start-up)
     res = cli(["fit", "--config", str(write_config(fsdp2_cfg, tmp_path / "resume.yaml")), "--ckpt_path", str(shards)])
     assert res.returncode == 2 and "trained with model.lora rank=4 (now rank=8)" in res.stderr, res.stderr[-3000:]
     assert "CheckpointException" not in res.stderr, res.stderr[-3000:]
-    res = _export(shards, tmp_path / "exported", "--merged")
-    assert res.returncode == 0, res.stderr[-3000:]
+    export_hf(shards, tmp_path / "exported", merged=True)         # the console script: the export test above
     want = dict(one["merged"])
     for folder in (tmp_path / "exported", tmp_path / "fsdp2" / "hf"):
         got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
