@@ -355,6 +355,7 @@ def session_processes(sid: int) -> list[int]:
     return out
 
 
+import json  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
@@ -396,19 +397,22 @@ def spawn_ranks(target, *args, world: int = 2, timeout: float = 240, what: str =
 
 class WaitsForNewWeights(Environment):
     """Two turns; between them the environment waits (up to `wait` s) until the server at `url` holds
-    weights other than those it held at reset, so an in-flight update lands inside the episode: its turns
-    are sampled by two versions. The first `unmixed` episodes of the process (the first phase) do not wait:
-    nothing pushes until a phase is trained. Every later one does, so every later phase is mixed."""
+    weights other than those it held when the first turn ended, so an in-flight update lands inside the
+    episode: its turns are sampled by two versions. The first `unmixed` episodes of the process (the first
+    phase) do not wait: nothing pushes until a phase is trained. An episode whose weights changed between
+    its reset and its first step (a push landed before or during its first turn: which, the environment
+    cannot see) does not wait either, since the next push may need this very episode trained; it is
+    logged as raced. `log`: one JSON line per episode, {"episode": k, "raced": bool}, k in reset order."""
 
     started = 0                                   # episodes begun in this (the rollout worker's) process
     lock = threading.Lock()
 
-    def __init__(self, url: str, unmixed: int, wait: float = 20.0):
-        self.url, self.unmixed, self.wait = url, unmixed, wait
+    def __init__(self, url: str, unmixed: int, log: str, wait: float = 20.0):
+        self.url, self.unmixed, self.log, self.wait = url, unmixed, log, wait
 
     def reset(self, example) -> str:
         with WaitsForNewWeights.lock:
-            self.waits = WaitsForNewWeights.started >= self.unmixed
+            self.index = WaitsForNewWeights.started
             WaitsForNewWeights.started += 1
         self.label, self.turn = server_weight_label(self.url), 0
         return example.prompt
@@ -417,8 +421,13 @@ class WaitsForNewWeights(Environment):
         self.turn += 1
         if self.turn > 1:
             return Step(reward=float(len(action.text) % 3 == 0), done=True)
+        now = server_weight_label(self.url)
+        raced = now != self.label
+        with WaitsForNewWeights.lock, open(self.log, "a") as f:
+            f.write(json.dumps({"episode": self.index, "raced": raced}) + "\n")
         deadline = time.monotonic() + self.wait
-        while self.waits and server_weight_label(self.url) == self.label and time.monotonic() < deadline:
+        while self.index >= self.unmixed and not raced and server_weight_label(self.url) == now \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         return Step(observation="\nagain: ")
 
