@@ -26,9 +26,11 @@ collective fails because another rank died says which rank died, not the backend
 launcher died says so and exits.
 
 Exit (`run`). The command exits as the interpreter does (its threads waited for, every atexit handler
-run, open files flushed), less the teardown of the imported torch, transformers, Lightning and vLLM,
-which no run needs and which took 5-7 s of every `lit-ess fit` of a tiny model on this 2-core machine
-under load. `main` is the command without it, for callers that keep their process.
+run, the ranks it launched ended, open files flushed or closed), less the teardown of the imported
+torch, transformers, Lightning and vLLM, which took 5-7 s of every `lit-ess fit` of a tiny model on this
+2-core machine under load. Cleanup that only `__del__` does (an unclosed zip archive, a temporary file,
+a profiler's output under `python -m cProfile`) does not run: LIT_ESS_FULL_EXIT=1 keeps the whole exit.
+`main` is the command without it, for callers that keep their process.
 
 Note (upstream LightningCLI behaviour): with `--ckpt_path FILE`, hyper-parameters saved in the
 checkpoint override those given on the command line for the model.
@@ -40,6 +42,7 @@ import gc
 import io
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -288,7 +291,8 @@ def main(args: list[str] | None = None) -> None:
 
 
 def run() -> None:
-    """The `lit-ess` command: `main`, then the interpreter's exit less its teardown (`_exit`)."""
+    """The `lit-ess` command: `main`, then the interpreter's exit less its teardown (`_exit`);
+    LIT_ESS_FULL_EXIT=1 keeps the interpreter's whole exit (profilers, cleanup left to `__del__`)."""
     try:
         main()
         code = 0
@@ -296,24 +300,57 @@ def run() -> None:
         if e.code is not None and not isinstance(e.code, int):
             raise                         # a message to print: the interpreter's own exit
         code = e.code or 0
-    _exit(code)
+    if not os.environ.get("LIT_ESS_FULL_EXIT"):
+        _exit(code)
+    sys.exit(code)
 
 
 def _exit(code: int) -> None:
-    """End the process as the interpreter would (wait for its threads, run every atexit handler), flush
-    every file still open (one only garbage collection would close holds buffered writes), then skip the
-    teardown of the imported libraries."""
-    threading._shutdown()                 # the interpreter's first exit step: non-daemon threads, executors
+    """End the process as the interpreter would (wait for its threads, run every atexit handler), let the
+    trainer ranks it launched on this host end first (their launcher's exit would stop them: PDEATHSIG),
+    close or flush every file still open (a file only garbage collection would close holds buffered
+    writes; a gzip/bz2/lzma file writes its trailer on close), then skip the teardown of the imported
+    libraries. Cleanup left to `__del__` (an unclosed zip archive, a temporary file) does not run."""
+    try:
+        threading._shutdown()             # the interpreter's first exit step: non-daemon threads, executors
+    except KeyboardInterrupt:             # (Ctrl-C while waiting: the interpreter ignores it and goes on)
+        pass
     atexit._run_exitfuncs()               # its second, in the same (reverse) order; the registry is cleared
-    files = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-    for obj in gc.get_objects():          # ~0.3 s for 800k objects; isinstance took 4.7 s (it asks proxies
-        if type(obj) in files:            # for __class__)
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except (OSError, ValueError):
-                pass
+    _wait_for_launched_ranks(timeout=120.0)
+    plain = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    files = [obj for obj in gc.get_objects()    # ~0.3 s for 800k objects; isinstance took 4.7 s (it asks
+             if type(obj) in plain              # proxies for __class__)
+             or (type(obj).__module__ in ("gzip", "bz2", "lzma") and issubclass(type(obj), io.IOBase))]
+    for closing in (False, True):               # text wrappers flush into a compressor before it closes
+        for f in files:
+            if (type(f) not in plain) == closing:
+                try:
+                    if not f.closed and f.writable():
+                        f.close() if closing else f.flush()
+                except (OSError, ValueError, RuntimeError):
+                    pass
+    sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)
+
+
+def _wait_for_launched_ranks(timeout: float) -> None:
+    """Rank 0 of a launcher: wait (up to `timeout` s) for the other ranks on this host it started."""
+    import time
+
+    children = [pid for r, (pid, host) in enumerate(Peers.ranks)
+                if r > 0 and host == socket.gethostname() and _is_child(pid)]
+    deadline = time.monotonic() + timeout
+    while children and time.monotonic() < deadline:
+        children = [pid for pid in children if alive(pid)]
+        time.sleep(0.05)
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, IndexError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

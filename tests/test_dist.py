@@ -162,6 +162,7 @@ def _config(model_dir, out: Path, world: int, strategy: str = "fsdp2", fsdp: dic
 def _fit(cfg, out: Path, *extra):
     res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml")), *extra], timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
+    assert "lit-ess: error" not in res.stderr, res.stderr[-4000:]    # no rank stopped by its launcher's exit
     return scalars(out)
 
 

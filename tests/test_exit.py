@@ -1,5 +1,6 @@
 """`lit-ess` ends its process as the interpreter would, less the teardown of the imported libraries
 (lit_ess.cli.run): the exit status, threads, atexit handlers and buffered files are those of a normal exit."""
+import gzip
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ import pytest
 from e2e_utils import pythonpath
 
 SCRIPT = r"""
-import atexit, sys, threading, time
+import atexit, gzip, sys, threading, time
 import lit_ess.cli
 
 OPEN = []
@@ -16,6 +17,8 @@ OPEN = []
 def main():
     OPEN.append(open(sys.argv[1], "w"))          # kept open, never closed: only its buffer holds the line
     OPEN[0].write("written by the run\n")
+    OPEN.append(gzip.open(sys.argv[1] + ".gz", "wt"))  # its trailer is written on close
+    OPEN[1].write("compressed\n")
     atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").write("ran"))
     def late():
         time.sleep(0.5)
@@ -40,6 +43,7 @@ def test_the_command_exits_with_its_status_threads_atexit_handlers_and_files(end
                          env={"PYTHONPATH": pythonpath(), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert res.returncode == code, res.stderr[-2000:]
     assert log.read_text() == "written by the run\n"
+    assert gzip.decompress((tmp_path / "log.txt.gz").read_bytes()) == b"compressed\n"
     assert (tmp_path / "log.txt.atexit").read_text() == "ran"
     assert (tmp_path / "log.txt.thread").read_text() == "done"
     if end == "exit a message":
