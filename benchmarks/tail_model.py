@@ -45,20 +45,24 @@ def tail_targets(answer: str, p: float, max_new: int, rng: random.Random) -> tup
 
 
 @torch.no_grad()
-def _sampled_lengths(model, prompts: list[list[int]], eos: int, max_new: int, seed: int) -> list[int]:
-    """Completion lengths sampled at temperature 1 by transformers generate (a check of the warm start)."""
-    torch.manual_seed(seed)
-    x = torch.tensor(prompts)                                       # [P, Tp], prompts of equal length
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                         max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos)[:, x.shape[1]:]
-    hit = (out == eos).int()
-    return [int(h.argmax()) + 1 if h.any() else max_new for h in hit]
+def stop_hazard(model, tok, examples, max_new: int) -> float:
+    """The model's mean probability of <|endoftext|> at the positions of an answer (the sum repeated to
+    max_new tokens, teacher-forced): the per-token stopping probability it learned (the designed one is p)."""
+    from lit_ess.datamodules.prompts import encode_prompt
+
+    prompt = [encode_prompt(tok, e.prompt) for e in examples]
+    rows = [q + tok((e.answer * max_new)[:max_new], add_special_tokens=False)["input_ids"] for q, e in zip(prompt, examples)]
+    T = min(map(len, rows))
+    x = torch.tensor([r[:T] for r in rows])                                     # [B, T]
+    p_stop = model(input_ids=x).logits.softmax(-1)[..., tok.eos_token_id]       # [B, T]
+    return float(p_stop[:, max(map(len, prompt)):].mean())
 
 
 def build_tail_model(out: Path, max_new: int = 128, mean_len: float | None = None, seed: int = 0,
-                     steps: int = 150, batch: int = 16, lr: float = 1e-3) -> dict:
+                     steps: int = 250, batch: int = 32, lr: float = 2e-3) -> dict:
     """Build and warm-start the model in `out` (mean_len: the wanted mean completion length, default
-    max_new / 3); returns its description, with the SFT loss and the lengths it samples afterwards."""
+    max_new / 3); returns its description, with the SFT loss and the stopping probability it learned (also
+    written to `out`/tail_model.json, which vs_trl reads when given the folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lit_ess.datamodules import Arithmetic
@@ -102,19 +106,17 @@ def build_tail_model(out: Path, max_new: int = 128, mean_len: float | None = Non
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss))
     model.eval()
-    prompts = [encode_prompt(tok, e.prompt) for e in examples[:64]]
-    n = min(map(len, prompts))
-    lengths = _sampled_lengths(model, [q for q in prompts if len(q) == n][:32], eos, max_new, seed)
+    h = stop_hazard(model, tok, examples[:32], max_new)
     model.save_pretrained(out)
     params = sum(t.numel() for t in model.parameters())
-    t = torch.tensor(lengths, dtype=torch.float32)
-    return {"built_by": "benchmarks.tail_model.build_tail_model", **LONG_MODEL, "tie_word_embeddings": False,
+    info = {"built_by": "benchmarks.tail_model.build_tail_model", **LONG_MODEL, "tie_word_embeddings": False,
             "seed": seed, "parameters": params, "stop_probability": p, "designed_mean_len": mean_len,
             "max_new_tokens": max_new, "sft": {"steps": steps, "batch": batch, "lr": lr,
                                                "seconds": time.perf_counter() - t0,
                                                "loss_first_10": sum(losses[:10]) / 10, "loss_last_10": sum(losses[-10:]) / 10},
-            "sampled_after_sft": {"completions": len(lengths), "mean": float(t.mean()),
-                                  "at_limit_frac": float((t >= max_new).float().mean())}}
+            "stop_probability_learned": h, "implied_mean_len": (1 - (1 - h) ** max_new) / h}
+    (Path(out) / "tail_model.json").write_text(json.dumps(info, indent=1))
+    return info
 
 
 def length_histogram(lengths: list[int], max_new: int, path: Path, title: str) -> dict:

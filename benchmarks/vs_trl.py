@@ -57,6 +57,8 @@ would take.
 
     .venv/bin/python benchmarks/vs_trl.py [--shape demo --model runs/demo/sft] [--steps 30 --rounds 2]
     .venv/bin/python benchmarks/vs_trl.py --shape long --steps 12 --rounds 2
+    PYTHONPATH=. .venv/bin/python -m benchmarks.tail_model runs/tail_policy      # the tail shape's warm start (8 min)
+    .venv/bin/python benchmarks/vs_trl.py --shape tail --model runs/tail_policy --steps 8 --rounds 1
 
 Needs TRL: `pip install -e ".[trl]"`. Without it the script says so, writes a JSON saying so, and exits 0.
 """
@@ -327,6 +329,8 @@ def main(argv=None):
         if not Path(given).is_dir():
             sys.exit(f"vs_trl: no model folder {given}: run `bash scripts/demo.sh` first, or pass --model")
         model = str(Path(given).resolve())
+        if (Path(model) / "tail_model.json").is_file():   # built by `python -m benchmarks.tail_model DIR`
+            model_info = {"folder": given, **json.loads((Path(model) / "tail_model.json").read_text())}
     print(f"vs_trl: {TRL_NOTE if have_trl else msg + ' (the lit-ess runs go on without it)'}", flush=True)
     load = [os.getloadavg()]
     raw = {name: [] for name in [*([TRL_RUN] if have_trl else []), *shape["runs"]]}
@@ -391,7 +395,7 @@ def main(argv=None):
               f"per step {', '.join(f'{x:.0f}' for x in lengths['mean_per_step'])}")
     result = {"available": have_trl, **({} if have_trl else {"reason": msg}), "command": command, "shape": a.shape,
               "batch": {k: shape[k] for k in ("prompts", "samples", "new_tokens", "reward")},
-              "model": a.model or model_info, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
+              "model": model_info or a.model, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
               "goal_vs_trl": shape["goal_vs_trl"], "goal_vs_floor": shape.get("goal_vs_floor"),
               **({"goal_train_vs_padded": shape["goal_train_vs_padded"], "micro_batch_tokens": TAIL_BUDGET,
                   "completion_lengths": lengths} if lengths is not None else {}),
