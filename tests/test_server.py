@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
+from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command,
+                                         server_env)
 from lit_ess.logprobs import sequence_logprobs
 
 
@@ -37,7 +38,8 @@ from lit_ess.logprobs import sequence_logprobs
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"kv_cache_gib": 0}, "kv_cache_gib"),
     ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
-    ({"weight_update": "wait"}, "weight_update"),
+    ({"weight_update": "wait"}, "weight_update"), ({"max_lora_rank": 0}, "max_lora_rank"),
+    ({"max_lora_rank": 1024}, "max_lora_rank"),
 ])
 def test_bad_knobs_are_one_line(kwargs, says):
     with pytest.raises(ValueError, match=says) as e:
@@ -61,6 +63,20 @@ def test_launch_command_has_the_flags_of_the_design(tiny_model_dir):
                  "--block-size 32", "--logprobs-mode processed_logprobs", "--enable-scale-out", "--port 8123",
                  "--host 127.0.0.1", f"--served-model-name {served_model_name(tiny_model_dir)}"):
         assert flag in line, flag
+
+
+def test_lora_on_the_server_flags_and_refusals(tiny_model_dir):
+    """max_lora_rank: the launched server takes adapters at run time (vLLM's smallest rank choice that holds
+    it); model.lora.sync: adapter is refused, naming the knob, without it, above it, or in flight."""
+    c = VLLMServerConfig(max_lora_rank=4)
+    assert "--enable-lora --max-lora-rank 8 --max-loras 2" in " ".join(server_command(tiny_model_dir, c, "127.0.0.1", 1))
+    assert server_env(c)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--enable-lora" not in server_command(tiny_model_dir, VLLMServerConfig(), "127.0.0.1", 1)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(VLLMServerConfig())
+    assert c.adapter_error(4) is None
+    assert "max_lora_rank to model.lora.rank" in VLLMServerConfig().adapter_error(4)
+    assert "above data.engine.init_args.max_lora_rank=4" in c.adapter_error(8)
+    assert "weight_update: drain" in VLLMServerConfig(max_lora_rank=4, weight_update="in_flight").adapter_error(4)
 
 
 def test_demo_server_config_is_the_demo_with_a_launched_server(tiny_model_dir):
@@ -276,6 +292,27 @@ def test_server_settings_are_checked(key, value, says, fake_server, tiny_model_d
         VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_model_len=256).build(tiny_model_dir)
 
 
+@pytest.mark.parametrize("lora_config, unload, says", [
+    (None, None, "--enable-lora --max-lora-rank 8"),
+    ({"max_lora_rank": 1}, None, "--enable-lora --max-lora-rank 8"),
+    ({"max_lora_rank": 8}, (404, {"detail": "Not Found"}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
+])
+def test_a_server_without_runtime_lora_is_refused_with_the_flag_to_add(lora_config, unload, says, fake_server,
+                                                                         tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = lora_config
+    FakeVLLM.answers = {"/v1/unload_lora_adapter": unload or (404, {"error": {"message": "not found", "code": 404}})}
+    with pytest.raises(ServerError, match=says) as e:
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    assert "\n" not in str(e.value) and fake_server in str(e.value)
+
+
+def test_a_server_with_runtime_lora_is_accepted(fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=8).build(tiny_model_dir).close()
+    assert "/v1/unload_lora_adapter" in FakeVLLM.hits
+
+
 def test_a_server_by_hand_on_the_same_folder_is_accepted(fake_server, tiny_model_dir):
     """`vllm ... --model DIR` without lit-ess's name: the folder is readable here and fingerprints alike."""
     FakeVLLM.answers = {"/v1/models": (200, {"data": [{"id": tiny_model_dir}]})}
@@ -336,11 +373,13 @@ def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir,
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256`: its URL once it prints
-    that it is ready; SIGTERM stops it (and its vLLM) at the end of the module."""
+    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256 --max-lora-rank 8`: its URL
+    once it prints that it is ready; SIGTERM stops it (and its vLLM) at the end of the module. (With LoRA on:
+    requests that name no adapter sample from the base weights, which every other test checks to 1e-5.)"""
     port, log = free_port(), tmp_path_factory.mktemp("served") / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port", str(port),
-                             "--max-model-len", "256", "--startup-timeout", "300", "--log-file", str(log)],
+                             "--max-model-len", "256", "--max-lora-rank", "8", "--startup-timeout", "300",
+                             "--log-file", str(log)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.perf_counter()
     while "ready in" not in (line := proc.stdout.readline()):
@@ -450,6 +489,27 @@ def test_sync_fit_through_the_server_is_on_policy(served, tiny_model_dir, tmp_pa
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
     assert weight_label(served) == "2"                                    # pushed before step 2
+
+
+@pytest.mark.e2e
+def test_adapter_sync_through_the_server_is_on_policy(served, tiny_model_dir, tmp_path):
+    """model.lora.sync: adapter with the server engine: every push is loaded through /v1/load_lora_adapter and
+    the next requests name it. At lr 2e-2 the adapter moves the policy a lot each step, so a server that
+    sampled from anything but the newest adapter would show in the ESS; the base weights' label never moves."""
+    label = weight_label(served)
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+                    extra_data={"engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                                           "init_args": {"urls": [served], "max_lora_rank": 4}}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    ess = [v for _, v in s["train/ess"]]
+    assert len(ess) == 3 and min(ess) >= 0.9999, ess
+    assert min(v for _, v in s["train/grad_norm"]) > 0 and "ess_alarm" not in res.stderr
+    with urllib.request.urlopen(served + "/v1/models", timeout=10) as r:
+        names = [m["id"] for m in json.load(r)["data"]]
+    assert not any(n.startswith("lit-ess-") for n in names), names            # the run's adapters, unloaded at its end
+    assert weight_label(served) == label
 
 
 class DyingProxy:
