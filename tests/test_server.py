@@ -104,6 +104,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
     """A vLLM 0.32 server's answers to the start-up checks; `answers` (a class attribute) overrides them."""
     answers: dict = {}
     hits: list = []
+    bodies: list = []            # (route, JSON body) of every request
     hang: float = 0.0            # seconds a generate request waits before its answer (a server that stopped)
 
     def log_message(self, *args):
@@ -112,15 +113,19 @@ class FakeVLLM(BaseHTTPRequestHandler):
     def _answer(self):
         route = self.path.split("?")[0]
         self.hits.append(self.path)
+        sent = self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.bodies.append((route, json.loads(sent) if sent else None))
         if route == "/inference/v1/generate" and self.hang:
             time.sleep(self.hang)
         if route in self.answers:
             code, body = self.answers[route]
         else:
             code, body = 200, self.defaults.get(route, {})
-        data = json.dumps(body).encode()
+        if route == "/inference/v1/generate" and (self.bodies[-1][1] or {}).get("model"):
+            body = {**body, "model": self.bodies[-1][1]["model"]}      # vLLM names the adapter that sampled
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()     # str: vLLM's plain text
         self.send_response(code)
-        self.send_header("content-type", "application/json")
+        self.send_header("content-type", "text/plain" if isinstance(body, str) else "application/json")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -157,7 +162,7 @@ def fake_server(tiny_model_dir):
         "/v1/models": {"data": [{"id": served_model_name(tiny_model_dir)}]},
         "/inference/v1/generate": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]},
                                                 "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}}
-    FakeVLLM.hits = []
+    FakeVLLM.hits, FakeVLLM.bodies = [], []
     url, httpd = start_fake(FakeVLLM)
     yield url
     stop_fake(httpd)
@@ -311,6 +316,63 @@ def test_a_server_with_runtime_lora_is_accepted(fake_server, tiny_model_dir):
     FakeVLLM.answers = {"/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
     VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=8).build(tiny_model_dir).close()
     assert "/v1/unload_lora_adapter" in FakeVLLM.hits
+
+
+def fake_adapter(scale: float) -> list[tuple[str, torch.Tensor]]:
+    """An adapter payload as lit_ess.lora.adapter_weights names it (rank 4 on one q_proj)."""
+    owner = "base_model.model.model.layers.0.self_attn.q_proj"
+    return [(f"{owner}.lora_A.weight", torch.full((4, 8), scale)), (f"{owner}.lora_B.weight", torch.full((8, 4), scale))]
+
+
+def test_each_adapter_push_is_loaded_named_by_the_next_requests_and_unloaded_in_turn(fake_server, tiny_model_dir):
+    """Adapters through a server by URL whose load and unload routes answer plain text, as vLLM's do: each push
+    is loaded from its own folder, the next requests name it and their tokens carry its version, the third
+    push unloads the first, and close unloads the rest (the server goes on)."""
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/load_lora_adapter": (200, "Success: LoRA adapter added successfully."),
+                        "/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    FakeVLLM.answers["/v1/unload_lora_adapter"] = (200, "Success: LoRA adapter removed successfully.")
+    names = []
+    for version in (1, 2, 3):
+        engine.load_weights(iter(fake_adapter(float(version))), version)
+        body = [b for r, b in FakeVLLM.bodies if r == "/v1/load_lora_adapter"][-1]
+        assert os.path.isfile(Path(body["lora_path"]) / "adapter_config.json")
+        names.append(body["lora_name"])
+        [[c]] = engine.generate([[1, 2, 3]], 1, SamplingConfig(max_new_tokens=1, seed=0))
+        assert FakeVLLM.bodies[-1][1]["model"] == body["lora_name"] and c.token_versions == [version] and c.version == version
+    unloads = [b["lora_name"] for r, b in FakeVLLM.bodies if r == "/v1/unload_lora_adapter"]
+    assert unloads[-1:] == names[:1] and len(set(names)) == 3
+    folders = [b["lora_path"] for r, b in FakeVLLM.bodies if r == "/v1/load_lora_adapter"]
+    assert not os.path.exists(folders[0]) and all(os.path.isdir(f) for f in folders[1:])
+    engine.close()
+    unloads = [b["lora_name"] for r, b in FakeVLLM.bodies if r == "/v1/unload_lora_adapter"]
+    assert unloads[-2:] == names[1:] and not any(os.path.exists(f) for f in folders)
+
+
+def test_an_adapter_the_server_cannot_load_fails_the_push_not_the_server(fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/load_lora_adapter": (500, {"error": {"message": "unsupported module", "code": 500}}),
+                        "/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    with pytest.raises(ServerError, match="unsupported module") as e:
+        engine.load_weights(iter(fake_adapter(1.0)), 1)
+    assert "ServerGone" not in type(e.value).__name__ and engine._live() == [fake_server]
+    engine.close()
+
+
+def test_an_adapter_answer_from_other_weights_is_refused(fake_server, tiny_model_dir):
+    """A request that came back sampled by the base weights of another version (a client pushing full weights
+    to the same server) is refused, not recorded as the adapter's."""
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/load_lora_adapter": (200, "Success"),
+                        "/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    engine.load_weights(iter(fake_adapter(1.0)), 1)
+    FakeVLLM.defaults["/inference/v1/generate"]["choices"][0]["weight_versions"] = [{"version": "7", "start": 0, "end": 1}]
+    with pytest.raises(ServerError, match="another client changes this server"):
+        engine.generate([[1, 2, 3]], 1, SamplingConfig(max_new_tokens=1, seed=0))
+    engine.close()
 
 
 def test_a_server_by_hand_on_the_same_folder_is_accepted(fake_server, tiny_model_dir):

@@ -24,9 +24,9 @@ In flight, a request frozen after t tokens goes on with the new weights: its spa
 each version sampled, and the logprob of every token is the one it was sampled with (its own pi_b).
 
 LoRA adapters pushed alone (model.lora.sync: adapter, `max_lora_rank` set): the base weights never
-change; each push is written as a peft folder and loaded as a new adapter (`lit-ess-<pid>-a<n>`),
+change; each push is written as a peft folder and loaded as a new adapter (`lit-ess-<run>-a<n>`),
 
-    POST /v1/load_lora_adapter   {"lora_name": "lit-ess-<pid>-a<n>", "lora_path": DIR}   (vLLM loads it)
+    POST /v1/load_lora_adapter   {"lora_name": "lit-ess-<run>-a<n>", "lora_path": DIR}   (vLLM loads it)
 
 and from then on every request names it (`"model": ...`). A request samples with one adapter from its
 start to its end, so its tokens' version is the adapter's it named (the spans label base weights); the
@@ -60,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
@@ -70,7 +71,7 @@ from torch import Tensor
 from ..knobs import check
 from ..lora import is_adapter_payload
 from .base import Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, capped_limit, derive_seed
-from .vllm_engine import LORA_RANKS, adapter_root, remove_orphan_adapter_dirs
+from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
 WEIGHTS_PREFIX = "lit-ess-weights-"
@@ -160,6 +161,8 @@ class VLLMServerConfig(EngineConfig):
         if self.weight_update not in ("drain", "in_flight"):
             raise ValueError(f"VLLMServerConfig.weight_update={self.weight_update!r} is not one of ('drain', 'in_flight')")
         check("VLLMServerConfig.max_lora_rank", self.max_lora_rank, ge=1, le=LORA_RANKS[-1], integer=True, null=True)
+        if not self.urls and (error := lora_dtype_error(torch.cuda.is_available(), self.max_lora_rank, self.dtype)):
+            raise ValueError(error)
         if self.urls and (self.port is not None or self.server_args or self.log_file):
             raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
                              "elsewhere: start them with `python -m lit_ess.engines.serve`")
@@ -381,6 +384,7 @@ class VLLMServerEngine(RolloutEngine):
         self.weights_path: str | None = None       # the folder the servers loaded last
         self.adapter: tuple[str, int] | None = None          # (name, version) of the adapter requests name
         self.adapters: list[tuple[str, str]] = []            # (name, folder) of the adapters loaded, oldest first
+        self.run_id = uuid.uuid4().hex[:8]                   # in adapter names: runs sharing a server never collide
         if c.weights_dir is None:
             remove_orphan_adapter_dirs(adapter_root(), WEIGHTS_PREFIX)     # left by runs killed with kill -9
         self.weights_root = c.weights_dir or tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}-", dir=adapter_root())
@@ -482,13 +486,18 @@ class VLLMServerEngine(RolloutEngine):
             raise ServerGone(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
 
     async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
-                    what: str | None = None, ok: tuple[int, ...] = (200,)) -> tuple[int, dict]:
-        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty)."""
+                    what: str | None = None, ok: tuple[int, ...] = (200,), text_ok: bool = False,
+                    gone_on_5xx: bool = True) -> tuple[int, dict]:
+        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty; {"text": ...}
+        for a plain-text answer where `text_ok`). HTTP 5xx puts the server out (`gone_on_5xx`), or is an error
+        of the call (a load that failed inside: the server is fine)."""
         call = what or f"{method} {route}"
         status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
         if status not in ok:
-            error = ServerGone if status >= 500 else ServerError
+            error = ServerGone if status >= 500 and gone_on_5xx else ServerError
             raise error(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
+        if text_ok and text and not text.lstrip().startswith(("{", "[")):
+            return status, {"text": text}
         try:
             return status, json.loads(text) if text else {}
         except json.JSONDecodeError:
@@ -543,8 +552,13 @@ class VLLMServerEngine(RolloutEngine):
         if status == 403:
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
-        if (await self._call(url, "GET", "/weight_info"))[1].get("weight_version") == "default":
+        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        if label == "default":
             await self._call(url, "POST", "/update_weight_version", {"new_version": "0"})   # the weights it started with
+        elif self.config.max_lora_rank is not None and label != "0":
+            raise ServerError(f"{self._where(url)} holds weights pushed by another run (version {label!r}), not the "
+                              f"model's: adapters (model.lora.sync: adapter) apply to the base weights as the model "
+                              f"folder has them: restart it")
 
     # ---- generation ----
 
@@ -591,10 +605,15 @@ class VLLMServerEngine(RolloutEngine):
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
                               f"with {len(lps)} logprobs")
         try:
-            versions = ([adapter[1]] * len(ids) if adapter is not None       # the spans label the base weights
-                        else span_versions(choice.get("weight_versions"), len(ids)))
+            versions = span_versions(choice.get("weight_versions"), len(ids))
         except ValueError as e:
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}): {e}") from None
+        if adapter is not None:              # sampled by the adapter it named, on the base weights it started with
+            if out.get("model") != adapter[0] or any(v != 0 for v in versions):
+                raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) was sampled by model "
+                                  f"{out.get('model')!r} on base weights {sorted(set(versions))}, not adapter {adapter[0]!r} "
+                                  f"on the model's (version 0): another client changes this server")
+            versions = [adapter[1]] * len(ids)
         return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
                           min(versions, default=self.version), token_versions=versions)
 
@@ -626,7 +645,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
         """LoRA adapters (lit_ess.lora.adapter_weights): a peft folder in weights_dir, loaded by every server as
-        adapter `lit-ess-<pid>-a<n>`, which the next requests name. The adapter before stays loaded (a generate call
+        adapter `lit-ess-<run>-a<n>`, which the next requests name. The adapter before stays loaded (a generate call
         that began before this push names it to its end) and goes at the next push, with its folder."""
         from ..lora import write_adapter
 
@@ -634,33 +653,41 @@ class VLLMServerEngine(RolloutEngine):
         if (error := self.config.adapter_error(rank)) is not None:
             raise ValueError(error)
         self.pushes += 1
-        name = f"lit-ess-{os.getpid()}-a{self.pushes}"             # this run's: servers by URL outlive it
+        name = f"lit-ess-{self.run_id}-a{self.pushes}"             # this run's: servers by URL outlive it
         tmp = os.path.join(self.weights_root, f".{name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_adapter(tmp, tensors)
+        try:
+            write_adapter(tmp, tensors)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         folder = os.path.join(self.weights_root, name)
         os.rename(tmp, folder)                                      # whole, or not there
         body = {"lora_name": name, "lora_path": folder}
+        live = self._live()                                         # vLLM answers 5xx for an adapter it cannot load
+        errors = self._run_all([self._call(u, "POST", "/v1/load_lora_adapter", body, text_ok=True, gone_on_5xx=False,
+                                           what=f"POST /v1/load_lora_adapter from {folder}") for u in live],
+                               return_exceptions=True)
         try:
-            live = self._live()
-            errors = self._run_all([self._call(u, "POST", "/v1/load_lora_adapter", body,
-                                               what=f"POST /v1/load_lora_adapter from {folder}") for u in live],
-                                   return_exceptions=True)
             for url, e in zip(live, errors):
                 if isinstance(e, ServerGone):
                     self._put_out(url, e)
             if e := next((e for e in errors if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
                 raise e
-        except BaseException:
+        except BaseException:                                       # the servers that loaded it drop it again
+            self._unload(name, [u for u, e in zip(live, errors) if not isinstance(e, BaseException)])
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self.adapters.append((name, folder))
         while len(self.adapters) > 2:                               # no request names it any more
             old, old_folder = self.adapters.pop(0)
-            self._run_all([self._call(u, "POST", "/v1/unload_lora_adapter", {"lora_name": old}, ok=(200, 404))
-                           for u in self._live()], return_exceptions=True)
+            self._unload(old, self._live())
             shutil.rmtree(old_folder, ignore_errors=True)
         self.adapter, self.version = (name, version), version
+
+    def _unload(self, name: str, urls: list[str]) -> None:
+        """Unload adapter `name` from `urls`, best effort (a server gone, or that never had it, is fine)."""
+        self._run_all([self._call(u, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, ok=(200, 404),
+                                  text_ok=True) for u in urls], return_exceptions=True)
 
     def _write_weights(self, named: list[tuple[str, Tensor]], version: int) -> str:
         from safetensors.torch import save_file
@@ -708,9 +735,9 @@ class VLLMServerEngine(RolloutEngine):
         self.closed = True
         atexit.unregister(self.close)
         if self.client is not None and self.loop.is_running():
-            if self.server is None and self.adapters:              # servers by URL go on: unload this run's adapters
-                self._run_all([self._call(u, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, ok=(200, 404))
-                               for name, _ in self.adapters for u in self._live()], return_exceptions=True)
+            if self.server is None:                                # servers by URL go on: unload this run's adapters
+                for name, _ in self.adapters:
+                    self._unload(name, self._live())
             self._run(self.client.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
