@@ -311,6 +311,15 @@ def test_a_server_without_runtime_lora_is_refused_with_the_flag_to_add(lora_conf
     assert "\n" not in str(e.value) and fake_server in str(e.value)
 
 
+def test_adapters_on_a_server_holding_another_runs_weights_are_refused(fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}}),
+                        "/weight_info": (200, {"weight_version": "57"})}
+    with pytest.raises(ServerError, match="holds weights pushed by another run .*restart it"):
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir).close()     # full weights: fine
+
+
 def test_a_server_with_runtime_lora_is_accepted(fake_server, tiny_model_dir):
     FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
     FakeVLLM.answers = {"/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
@@ -558,6 +567,9 @@ def test_adapter_sync_through_the_server_is_on_policy(served, tiny_model_dir, tm
     """model.lora.sync: adapter with the server engine: every push is loaded through /v1/load_lora_adapter and
     the next requests name it. At lr 2e-2 the adapter moves the policy a lot each step, so a server that
     sampled from anything but the newest adapter would show in the ESS; the base weights' label never moves."""
+    base = VLLMServerConfig(urls=[served]).build(tiny_model_dir)     # the model's own weights, as version 0 (the
+    base.load_weights(iter(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items()), 0)  # module's
+    base.close()                                                       # other tests push theirs to this server)
     label = weight_label(served)
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
                     extra_data={"engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
