@@ -39,6 +39,7 @@ from lit_ess.logprobs import sequence_logprobs
     ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
     ({"weight_update": "wait"}, "weight_update"), ({"max_lora_rank": 0}, "max_lora_rank"),
+    ({"heartbeat_seconds": 0}, "heartbeat_seconds"), ({"heartbeat_timeout": -1}, "heartbeat_timeout"),
     ({"max_lora_rank": 1024}, "max_lora_rank"),
 ])
 def test_bad_knobs_are_one_line(kwargs, says):
@@ -106,6 +107,7 @@ class FakeVLLM(BaseHTTPRequestHandler):
     hits: list = []
     bodies: list = []            # (route, JSON body) of every request
     hang: float = 0.0            # seconds a generate request waits before its answer (a server that stopped)
+    health_hang: float = 0.0     # the same for GET /health
 
     def log_message(self, *args):
         pass
@@ -117,6 +119,8 @@ class FakeVLLM(BaseHTTPRequestHandler):
         self.bodies.append((route, json.loads(sent) if sent else None))
         if route == "/inference/v1/generate" and self.hang:
             time.sleep(self.hang)
+        if route == "/health" and self.health_hang:
+            time.sleep(self.health_hang)
         if route in self.answers:
             code, body = self.answers[route]
         else:
@@ -228,6 +232,30 @@ def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, t
     assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
     said = "got no answer in 2 s (engine.request_timeout)" if fault == "no answer" else "answered HTTP 500"
     assert said in capfd.readouterr().err
+    engine.close()
+
+
+@pytest.mark.parametrize("heartbeat", [0.2, None], ids=["heartbeat", "none"])
+def test_a_silent_server_is_found_by_the_heartbeat_long_before_request_timeout(heartbeat, two_fakes, tiny_model_dir,
+                                                                               capfd):
+    """A server that stops answering anything (stopped, cut off) while it holds requests: the heartbeat's
+    GET /health goes unanswered for heartbeat_timeout, and its requests go to the other server then, not
+    after request_timeout (without the heartbeat they wait that long)."""
+    (url_a, _, a), (url_b, _, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, request_timeout=8, heartbeat_seconds=heartbeat,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    a.hang = a.health_hang = 30.0
+    t0 = time.perf_counter()
+    groups = engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
+    took = time.perf_counter() - t0
+    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
+    err = capfd.readouterr().err
+    if heartbeat:
+        assert took < 5, took
+        assert re.search(r"GET /health \(heartbeat\): no answer within 1 s \(engine.heartbeat_timeout\), with \d "
+                         r"request\(s\) in flight; its requests go to the other 1 server", err), err
+    else:
+        assert took >= 8 and "got no answer in 8 s (engine.request_timeout)" in err
     engine.close()
 
 

@@ -103,6 +103,10 @@ class VLLMServerConfig(EngineConfig):
         startup_timeout: seconds to wait for a launched server's /health (start-up takes 60-140 s on
             CPU) and for a server by URL to answer at all.
         request_timeout: seconds one generate request may take before the call fails.
+        heartbeat_seconds: while requests are in flight, each server's GET /health every this many seconds:
+            a server that does not answer it within heartbeat_timeout (stopped, hung, cut off) is out of the
+            run at once, and its requests go to the others, instead of after request_timeout. None = off.
+        heartbeat_timeout: seconds a server may take to answer GET /health.
         control_timeout: seconds one control call (pause, reload, version, reset, resume) may take.
         max_concurrency: requests in flight over all servers at once.
         weights_dir: where pushed weights are written as safetensors; every server must read it at the
@@ -135,6 +139,8 @@ class VLLMServerConfig(EngineConfig):
     startup_timeout: float = 300.0
     request_timeout: float = 600.0
     control_timeout: float = 120.0
+    heartbeat_seconds: float | None = 5.0
+    heartbeat_timeout: float = 30.0
     max_concurrency: int = 512
     weights_dir: str | None = None
     weight_update: Literal["drain", "in_flight"] = "drain"
@@ -155,7 +161,8 @@ class VLLMServerConfig(EngineConfig):
         check("VLLMServerConfig.port", self.port, ge=1, le=65535, integer=True, null=True)
         if not all(isinstance(a, str) for a in self.server_args):
             raise ValueError(f"VLLMServerConfig.server_args must be strings (command-line flags), got {self.server_args}")
-        for knob in ("startup_timeout", "request_timeout", "control_timeout"):
+        check("VLLMServerConfig.heartbeat_seconds", self.heartbeat_seconds, gt=0, null=True, hint=" (seconds)")
+        for knob in ("startup_timeout", "request_timeout", "control_timeout", "heartbeat_timeout"):
             check(f"VLLMServerConfig.{knob}", getattr(self, knob), gt=0, hint=" (seconds)")
         check("VLLMServerConfig.max_concurrency", self.max_concurrency, ge=1, integer=True)
         if self.weight_update not in ("drain", "in_flight"):
@@ -394,6 +401,7 @@ class VLLMServerEngine(RolloutEngine):
         self.thread.start()
         self.client = self._run(self._make_client())
         self.server: LaunchedServer | None = None
+        self.heartbeat = None                      # the heartbeat task's future, once the servers passed their checks
         atexit.register(self.close)
         t0 = time.perf_counter()
         try:
@@ -408,11 +416,47 @@ class VLLMServerEngine(RolloutEngine):
                 self.server.wait_ready(c.startup_timeout)
             self.outstanding = {u: 0 for u in self.urls}
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
+            self.silent: dict[str, ServerGone] = {}                 # found silent by the heartbeat
+            self.silence = {u: asyncio.Event() for u in self.urls}  # set then: its requests give up
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
             self.close()
             raise
         self.startup_seconds = time.perf_counter() - t0
+        self.heartbeat = (asyncio.run_coroutine_threadsafe(self._heartbeat(), self.loop)
+                          if c.heartbeat_seconds is not None else None)
+
+    async def _heartbeat(self) -> None:
+        """Every heartbeat_seconds, GET /health of each server with requests in flight; one that gives no
+        answer within heartbeat_timeout, or fails, is silent: its requests give up at once (`_watched`) and
+        go to the other servers, which is what request_timeout would do, much later."""
+        c = self.config
+        while True:
+            await asyncio.sleep(c.heartbeat_seconds)
+            busy = [u for u in self._live() if self.outstanding[u] > 0 and u not in self.silent]
+            answers = await asyncio.gather(*(self._request(u, "GET", "/health", None, c.heartbeat_timeout,
+                                                           "GET /health (heartbeat)") for u in busy),
+                                           return_exceptions=True)
+            for url, a in zip(busy, answers):
+                if isinstance(a, ServerGone) or (isinstance(a, tuple) and a[0] >= 500):
+                    why = "no answer" if isinstance(a, ServerGone) else f"HTTP {a[0]}"
+                    self.silent[url] = ServerGone(f"{self._where(url)}: GET /health (heartbeat): {why} within "
+                                                  f"{c.heartbeat_timeout:g} s (engine.heartbeat_timeout), with "
+                                                  f"{self.outstanding[url]} request(s) in flight")
+                    self.silence[url].set()
+
+    async def _watched(self, url: str, coro):
+        """Await `coro`, a call to `url`; raise the heartbeat's ServerGone instead when it finds `url` silent."""
+        call, silent = asyncio.ensure_future(coro), asyncio.ensure_future(self.silence[url].wait())
+        try:
+            done, _ = await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            silent.cancel()
+            if not call.done():
+                call.cancel()
+        if call in done:
+            return call.result()
+        raise self.silent[url]
 
     async def _make_client(self):
         import aiohttp
@@ -590,9 +634,9 @@ class VLLMServerEngine(RolloutEngine):
                     body = {"token_ids": prompt, "sampling_params": params}
                     if adapter is not None:
                         body["model"] = adapter[0]
-                    _, out = await self._call(url, "POST", "/inference/v1/generate", body,
-                                              timeout=self.config.request_timeout,
-                                              what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
+                    _, out = await self._watched(url, self._call(
+                        url, "POST", "/inference/v1/generate", body, timeout=self.config.request_timeout,
+                        what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)"))
                     break
                 except ServerGone as e:
                     self._put_out(url, e)
@@ -734,6 +778,8 @@ class VLLMServerEngine(RolloutEngine):
             return
         self.closed = True
         atexit.unregister(self.close)
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
         if self.client is not None and self.loop.is_running():
             if self.server is None:                                # servers by URL go on: unload this run's adapters
                 for name, _ in self.adapters:
