@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command,
-                                         server_env)
+from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, ServerError, ServerGone, free_port, served_model_name,
+                                         server_command, server_env)
 from lit_ess.logprobs import sequence_logprobs
 
 
@@ -239,8 +239,8 @@ def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, t
 def test_a_silent_server_is_found_by_the_heartbeat_long_before_request_timeout(heartbeat, two_fakes, tiny_model_dir,
                                                                                capfd):
     """A server that stops answering anything (stopped, cut off) while it holds requests: the heartbeat's
-    GET /health goes unanswered for heartbeat_timeout, and its requests go to the other server then, not
-    after request_timeout (without the heartbeat they wait that long)."""
+    GET /health goes unanswered twice, and its requests go to the other server then, not after
+    request_timeout (without the heartbeat they wait that long)."""
     (url_a, _, a), (url_b, _, b) = two_fakes
     engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, request_timeout=8, heartbeat_seconds=heartbeat,
                               heartbeat_timeout=1).build(tiny_model_dir)
@@ -251,12 +251,46 @@ def test_a_silent_server_is_found_by_the_heartbeat_long_before_request_timeout(h
     assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
     err = capfd.readouterr().err
     if heartbeat:
-        assert took < 5, took
-        assert re.search(r"GET /health \(heartbeat\): no answer within 1 s \(engine.heartbeat_timeout\), with \d "
-                         r"request\(s\) in flight; its requests go to the other 1 server", err), err
+        assert took < 6, took
+        assert re.search(r"GET /health \(heartbeat\) failed twice in a row with \d request\(s\) in flight "
+                         r"\(engine.heartbeat_timeout 1 s\): GET /health \(heartbeat\) got no answer in 1 s "
+                         r"\(engine.heartbeat_timeout\); its requests go to the other 1 server", err), err
+        assert url_a not in engine._live()
     else:
         assert took >= 8 and "got no answer in 8 s (engine.request_timeout)" in err
     engine.close()
+
+
+def test_a_slow_server_that_answers_its_heartbeat_is_kept(two_fakes, tiny_model_dir, capfd):
+    """Generation slower than several heartbeats on a server whose /health answers: it keeps its requests."""
+    (url_a, _, a), (url_b, _, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, heartbeat_seconds=0.2,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    a.hang = 2.0
+    engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
+    assert generates(a) >= 1 and engine._live() == [url_a, url_b]
+    assert "heartbeat" not in capfd.readouterr().err
+    engine.close()
+
+
+@pytest.mark.parametrize("health", ["no answer", "HTTP 503"])
+def test_the_only_server_gone_silent_stops_the_call_in_one_line(health, fake_server, tiny_model_dir):
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, request_timeout=60, heartbeat_seconds=0.2,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    FakeVLLM.hang = 30.0
+    if health == "no answer":
+        FakeVLLM.health_hang = 30.0
+    else:
+        FakeVLLM.answers = {"/health": (503, {"error": "engine dead"})}
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ServerGone, match="GET /health \\(heartbeat\\) failed twice") as e:
+            engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
+        assert time.perf_counter() - t0 < 6 and "\n" not in str(e.value) and fake_server in str(e.value)
+        assert ("HTTP 503" if health == "HTTP 503" else "got no answer in 1 s") in str(e.value)
+    finally:
+        FakeVLLM.hang = FakeVLLM.health_hang = 0.0
+        engine.close()
 
 
 def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):

@@ -416,37 +416,48 @@ class VLLMServerEngine(RolloutEngine):
                 self.server.wait_ready(c.startup_timeout)
             self.outstanding = {u: 0 for u in self.urls}
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
-            self.silent: dict[str, ServerGone] = {}                 # found silent by the heartbeat
-            self.silence = {u: asyncio.Event() for u in self.urls}  # set then: its requests give up
+            self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
+            self.answered = {u: 0.0 for u in self.urls}              # when it last answered a generate request
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
             self.close()
             raise
         self.startup_seconds = time.perf_counter() - t0
-        self.heartbeat = (asyncio.run_coroutine_threadsafe(self._heartbeat(), self.loop)
-                          if c.heartbeat_seconds is not None else None)
+        if c.heartbeat_seconds is not None:
+            self.heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.loop)
+            self.heartbeat.add_done_callback(self._heartbeat_ended)
 
     async def _heartbeat(self) -> None:
-        """Every heartbeat_seconds, GET /health of each server with requests in flight; one that gives no
-        answer within heartbeat_timeout, or fails, is silent: its requests give up at once (`_watched`) and
-        go to the other servers, which is what request_timeout would do, much later."""
-        c = self.config
+        """Every heartbeat_seconds, GET /health of each server with requests in flight. A server that misses
+        two in a row (no answer within heartbeat_timeout, an error or a 5xx), answering no generate request
+        meanwhile, is out of the run at once: its requests give up (`_watched`) and go to the other servers
+        with their seeds, which request_timeout would do much later. vLLM answers /health from its API
+        process, so this finds an API server stopped or cut off, not a hung engine core."""
+        c, misses = self.config, {u: 0 for u in self.urls}
         while True:
             await asyncio.sleep(c.heartbeat_seconds)
-            busy = [u for u in self._live() if self.outstanding[u] > 0 and u not in self.silent]
+            busy = [u for u in self._live() if self.outstanding[u] > 0]
+            t0 = time.monotonic()
             answers = await asyncio.gather(*(self._request(u, "GET", "/health", None, c.heartbeat_timeout,
                                                            "GET /health (heartbeat)") for u in busy),
                                            return_exceptions=True)
             for url, a in zip(busy, answers):
-                if isinstance(a, ServerGone) or (isinstance(a, tuple) and a[0] >= 500):
-                    why = "no answer" if isinstance(a, ServerGone) else f"HTTP {a[0]}"
-                    self.silent[url] = ServerGone(f"{self._where(url)}: GET /health (heartbeat): {why} within "
-                                                  f"{c.heartbeat_timeout:g} s (engine.heartbeat_timeout), with "
-                                                  f"{self.outstanding[url]} request(s) in flight")
+                if isinstance(a, tuple) and a[0] < 500 or self.answered[url] > t0:
+                    misses[url] = 0
+                    continue
+                misses[url] += 1
+                if misses[url] >= 2 and url in self._live():
+                    why = f"HTTP {a[0]}" if isinstance(a, tuple) else str(a).removeprefix(f"{self._where(url)}: ")
+                    self.gone[url] = (f"{self._where(url)}: GET /health (heartbeat) failed twice in a row with "
+                                      f"{self.outstanding[url]} request(s) in flight (engine.heartbeat_timeout "
+                                      f"{c.heartbeat_timeout:g} s): {why}")
+                    if live := self._live():
+                        print(f"lit-ess: warning: {self.gone[url]}; its requests go to the other {len(live)} "
+                              f"server(s) from now on", file=sys.stderr, flush=True)
                     self.silence[url].set()
 
     async def _watched(self, url: str, coro):
-        """Await `coro`, a call to `url`; raise the heartbeat's ServerGone instead when it finds `url` silent."""
+        """Await `coro`, a call to `url`; raise ServerGone instead as soon as the heartbeat puts `url` out."""
         call, silent = asyncio.ensure_future(coro), asyncio.ensure_future(self.silence[url].wait())
         try:
             done, _ = await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
@@ -455,8 +466,15 @@ class VLLMServerEngine(RolloutEngine):
             if not call.done():
                 call.cancel()
         if call in done:
+            self.answered[url] = time.monotonic()
             return call.result()
-        raise self.silent[url]
+        raise ServerGone(self.gone[url])
+
+    def _heartbeat_ended(self, future) -> None:
+        """The heartbeat never ends but by close(): say so when it does, since servers then go unwatched."""
+        if not future.cancelled() and future.exception() is not None:
+            print(f"lit-ess: warning: the vLLM server heartbeat stopped: {future.exception()!r}; silent servers are "
+                  f"now found after engine.request_timeout only", file=sys.stderr, flush=True)
 
     async def _make_client(self):
         import aiohttp
@@ -525,7 +543,7 @@ class VLLMServerEngine(RolloutEngine):
                 return await once()
         except asyncio.TimeoutError:
             raise ServerGone(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s "
-                             f"(engine.{'request' if call.startswith('POST /inference') else 'control'}_timeout)") from None
+                             f"(engine.{'request' if call.startswith('POST /inference') else 'heartbeat' if '(heartbeat)' in call else 'control'}_timeout)") from None
         except aiohttp.ClientError as e:
             raise ServerGone(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
 
