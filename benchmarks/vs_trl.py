@@ -10,14 +10,15 @@ Two shapes (`--shape`):
   unless `--model` is given; the same addition prompts, reward `benchmarks.timing:completion_length`
   (length in characters: groups almost never tie, and it does not shorten completions).
 * `tail`: long-tailed completion lengths. 8 prompts x 8 samples, 128 new tokens, on a 14.4M-parameter
-  Qwen2 that stops with about the same probability at every position (benchmarks/tail_model.py: lengths
-  geometric, mean about a third of 128, a tail to the limit; their histogram, from the padded run, in
-  `<out>_lengths.png`), reward `benchmarks.timing:first_character` (not the length: a length reward trains
-  the one stopping weight away within a few steps). lit-ess runs GRPO with vLLM on today's padded path
-  (one [B, T] tensor), with `micro_batch_tokens: 2048`, and packed (`packing: true`, the same budget); for each run also the training phase's
-  peak memory (RSS high-water mark from the batch's start to the optimizer step's end, above the RSS at
-  its start; TRL: from the end of `_prepare_inputs`) and the training time and peak against the padded
-  run's. Without TRL installed this shape still runs the lit-ess side.
+  Qwen2 warm-started on answers of geometric length (benchmarks/tail_model.py: the sum's digits repeated
+  to a length that stops with probability 0.022 per token, so the lengths it samples have a mean about a
+  third of 128 and a tail to the limit; their histogram, from the padded run, in `<out>_lengths.png`, and
+  each step's mean length in the JSON), reward `benchmarks.timing:first_character` (not the length, which
+  RL would push to the limit). lit-ess runs GRPO with vLLM on today's padded path (one [B, T] tensor),
+  with `micro_batch_tokens: 2048`, and packed (`packing: true`, the same budget); for each run also the
+  training phase's peak memory (RSS high-water mark from the batch's start to the optimizer step's end,
+  above the RSS at its start; TRL: from the end of `_prepare_inputs`) and the training time and peak
+  against the padded run's. Without TRL installed this shape still runs the lit-ess side.
 
 Both sides train the same folder with the same batch shape and optimisation: temperature 1.0 (no
 top-p/k), one optimizer step per rollout (on-policy), AdamW at a constant --lr, no weight decay,
@@ -56,6 +57,8 @@ would take.
 
     .venv/bin/python benchmarks/vs_trl.py [--shape demo --model runs/demo/sft] [--steps 30 --rounds 2]
     .venv/bin/python benchmarks/vs_trl.py --shape long --steps 12 --rounds 2
+    PYTHONPATH=. .venv/bin/python -m benchmarks.tail_model runs/tail_policy      # the tail shape's warm start (8 min)
+    .venv/bin/python benchmarks/vs_trl.py --shape tail --model runs/tail_policy --steps 8 --rounds 1
 
 Needs TRL: `pip install -e ".[trl]"`. Without it the script says so, writes a JSON saying so, and exits 0.
 """
@@ -326,6 +329,8 @@ def main(argv=None):
         if not Path(given).is_dir():
             sys.exit(f"vs_trl: no model folder {given}: run `bash scripts/demo.sh` first, or pass --model")
         model = str(Path(given).resolve())
+        if (Path(model) / "tail_model.json").is_file():   # built by `python -m benchmarks.tail_model DIR`
+            model_info = {"folder": given, **json.loads((Path(model) / "tail_model.json").read_text())}
     print(f"vs_trl: {TRL_NOTE if have_trl else msg + ' (the lit-ess runs go on without it)'}", flush=True)
     load = [os.getloadavg()]
     raw = {name: [] for name in [*([TRL_RUN] if have_trl else []), *shape["runs"]]}
@@ -377,16 +382,20 @@ def main(argv=None):
         lengths = length_histogram([n for r in raw[shape["padded"]] for step in r["lengths"] for n in step],
                                    shape["new_tokens"], out_path.with_name(out_path.stem + "_lengths.png"),
                                    f"{a.shape} shape: completion lengths sampled in the padded run ({a.rounds} rounds)")
+        # does the shape hold under RL? each step's mean length, over the rounds
+        lengths["mean_per_step"] = [statistics.mean(n for r in raw[shape["padded"]] for n in r["lengths"][i])
+                                    for i in range(min(len(r["lengths"]) for r in raw[shape["padded"]]))]
         for name, r in runs.items():
             if "training_vs_padded" in r:
                 print(f"{name:38s} training {r['training_vs_padded']:.2f}x padded (goal <= {shape['goal_train_vs_padded']}), "
                       f"training peak {r['train_peak_mib_median']:.0f} MiB ({r['train_peak_vs_padded']:.2f}x padded)")
             else:
                 print(f"{name:38s} training peak {r['train_peak_mib_median']:.0f} MiB")
-        print(f"lengths: mean {lengths['mean']:.1f} of {shape['new_tokens']}, {lengths['at_limit_frac']:.1%} at the limit")
+        print(f"lengths: mean {lengths['mean']:.1f} of {shape['new_tokens']}, {lengths['at_limit_frac']:.1%} at the limit; "
+              f"per step {', '.join(f'{x:.0f}' for x in lengths['mean_per_step'])}")
     result = {"available": have_trl, **({} if have_trl else {"reason": msg}), "command": command, "shape": a.shape,
               "batch": {k: shape[k] for k in ("prompts", "samples", "new_tokens", "reward")},
-              "model": a.model or model_info, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
+              "model": model_info or a.model, "steps": a.steps, "rounds": a.rounds, "lr": a.lr, "seed": a.seed,
               "goal_vs_trl": shape["goal_vs_trl"], "goal_vs_floor": shape.get("goal_vs_floor"),
               **({"goal_train_vs_padded": shape["goal_train_vs_padded"], "micro_batch_tokens": TAIL_BUDGET,
                   "completion_lengths": lengths} if lengths is not None else {}),

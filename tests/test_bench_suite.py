@@ -101,3 +101,19 @@ def test_summary_rows_of_a_phase_split():
     rows = run_all._vs_trl(j)
     assert [r["met"] for r in rows] == [None, True, None, True]
     assert "16 x 8 x 64" in rows[1]["measurement"] and rows[1]["goal"] == "<= 0.8"
+
+
+def test_tail_targets_are_the_answer_repeated_to_a_geometric_length():
+    import random
+
+    from benchmarks.tail_model import stop_probability, tail_targets
+
+    p = stop_probability(128 / 3, 128)
+    assert (1 - (1 - p) ** 128) / p == pytest.approx(128 / 3, rel=1e-6)      # a third of 128, cut at 128
+    rng = random.Random(0)
+    drawn = [tail_targets("122", p, 128, rng) for _ in range(4000)]
+    assert all(t == ("122" * 43)[:len(t)] for t, _ in drawn)
+    assert all(ends == (len(t) < 128) and 1 <= len(t) <= 128 for t, ends in drawn)
+    lengths = [len(t) for t, _ in drawn]
+    assert sum(lengths) / len(lengths) == pytest.approx(128 / 3, rel=0.05)
+    assert sum(n == 128 for n in lengths) / len(lengths) == pytest.approx((1 - p) ** 127, abs=0.015)

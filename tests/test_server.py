@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, ServerError, free_port, served_model_name, server_command
+from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, ServerError, ServerGone, free_port, served_model_name,
+                                         server_command, server_env)
 from lit_ess.logprobs import sequence_logprobs
 
 
@@ -37,7 +38,9 @@ from lit_ess.logprobs import sequence_logprobs
     ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"), ({"kv_cache_gib": 0}, "kv_cache_gib"),
     ({"port": 70000}, "port"), ({"startup_timeout": 0}, "startup_timeout"), ({"request_timeout": -1}, "request_timeout"),
     ({"max_concurrency": 0}, "max_concurrency"), ({"urls": ["http://a:1"], "port": 8000}, "launched server"),
-    ({"weight_update": "wait"}, "weight_update"),
+    ({"weight_update": "wait"}, "weight_update"), ({"max_lora_rank": 0}, "max_lora_rank"),
+    ({"heartbeat_seconds": 0}, "heartbeat_seconds"), ({"heartbeat_timeout": -1}, "heartbeat_timeout"),
+    ({"max_lora_rank": 1024}, "max_lora_rank"),
 ])
 def test_bad_knobs_are_one_line(kwargs, says):
     with pytest.raises(ValueError, match=says) as e:
@@ -61,6 +64,20 @@ def test_launch_command_has_the_flags_of_the_design(tiny_model_dir):
                  "--block-size 32", "--logprobs-mode processed_logprobs", "--enable-scale-out", "--port 8123",
                  "--host 127.0.0.1", f"--served-model-name {served_model_name(tiny_model_dir)}"):
         assert flag in line, flag
+
+
+def test_lora_on_the_server_flags_and_refusals(tiny_model_dir):
+    """max_lora_rank: the launched server takes adapters at run time (vLLM's smallest rank choice that holds
+    it); model.lora.sync: adapter is refused, naming the knob, without it, above it, or in flight."""
+    c = VLLMServerConfig(max_lora_rank=4)
+    assert "--enable-lora --max-lora-rank 8 --max-loras 2" in " ".join(server_command(tiny_model_dir, c, "127.0.0.1", 1))
+    assert server_env(c)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "--enable-lora" not in server_command(tiny_model_dir, VLLMServerConfig(), "127.0.0.1", 1)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server_env(VLLMServerConfig())
+    assert c.adapter_error(4) is None
+    assert "max_lora_rank to model.lora.rank" in VLLMServerConfig().adapter_error(4)
+    assert "above data.engine.init_args.max_lora_rank=4" in c.adapter_error(8)
+    assert "weight_update: drain" in VLLMServerConfig(max_lora_rank=4, weight_update="in_flight").adapter_error(4)
 
 
 def test_demo_server_config_is_the_demo_with_a_launched_server(tiny_model_dir):
@@ -88,7 +105,9 @@ class FakeVLLM(BaseHTTPRequestHandler):
     """A vLLM 0.32 server's answers to the start-up checks; `answers` (a class attribute) overrides them."""
     answers: dict = {}
     hits: list = []
+    bodies: list = []            # (route, JSON body) of every request
     hang: float = 0.0            # seconds a generate request waits before its answer (a server that stopped)
+    health_hang: float = 0.0     # the same for GET /health
 
     def log_message(self, *args):
         pass
@@ -96,15 +115,21 @@ class FakeVLLM(BaseHTTPRequestHandler):
     def _answer(self):
         route = self.path.split("?")[0]
         self.hits.append(self.path)
+        sent = self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.bodies.append((route, json.loads(sent) if sent else None))
         if route == "/inference/v1/generate" and self.hang:
             time.sleep(self.hang)
+        if route == "/health" and self.health_hang:
+            time.sleep(self.health_hang)
         if route in self.answers:
             code, body = self.answers[route]
         else:
             code, body = 200, self.defaults.get(route, {})
-        data = json.dumps(body).encode()
+        if route == "/inference/v1/generate" and (self.bodies[-1][1] or {}).get("model"):
+            body = {**body, "model": self.bodies[-1][1]["model"]}      # vLLM names the adapter that sampled
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()     # str: vLLM's plain text
         self.send_response(code)
-        self.send_header("content-type", "application/json")
+        self.send_header("content-type", "text/plain" if isinstance(body, str) else "application/json")
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -141,7 +166,7 @@ def fake_server(tiny_model_dir):
         "/v1/models": {"data": [{"id": served_model_name(tiny_model_dir)}]},
         "/inference/v1/generate": {"choices": [{"token_ids": [5], "logprobs": {"content": [{"logprob": -1.0}]},
                                                 "weight_versions": [{"version": "0", "start": 0, "end": 1}]}]}}
-    FakeVLLM.hits = []
+    FakeVLLM.hits, FakeVLLM.bodies = [], []
     url, httpd = start_fake(FakeVLLM)
     yield url
     stop_fake(httpd)
@@ -210,6 +235,64 @@ def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, t
     engine.close()
 
 
+@pytest.mark.parametrize("heartbeat", [0.2, None], ids=["heartbeat", "none"])
+def test_a_silent_server_is_found_by_the_heartbeat_long_before_request_timeout(heartbeat, two_fakes, tiny_model_dir,
+                                                                               capfd):
+    """A server that stops answering anything (stopped, cut off) while it holds requests: the heartbeat's
+    GET /health goes unanswered twice, and its requests go to the other server then, not after
+    request_timeout (without the heartbeat they wait that long)."""
+    (url_a, _, a), (url_b, _, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, request_timeout=8, heartbeat_seconds=heartbeat,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    a.hang = a.health_hang = 30.0
+    t0 = time.perf_counter()
+    groups = engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
+    took = time.perf_counter() - t0
+    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
+    err = capfd.readouterr().err
+    if heartbeat:
+        assert took < 6, took
+        assert re.search(r"GET /health \(heartbeat\) failed twice in a row with \d request\(s\) in flight "
+                         r"\(engine.heartbeat_timeout 1 s\): GET /health \(heartbeat\) got no answer in 1 s "
+                         r"\(engine.heartbeat_timeout\); its requests go to the other 1 server", err), err
+        assert url_a not in engine._live()
+    else:
+        assert took >= 8 and "got no answer in 8 s (engine.request_timeout)" in err
+    engine.close()
+
+
+def test_a_slow_server_that_answers_its_heartbeat_is_kept(two_fakes, tiny_model_dir, capfd):
+    """Generation slower than several heartbeats on a server whose /health answers: it keeps its requests."""
+    (url_a, _, a), (url_b, _, b) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, heartbeat_seconds=0.2,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    a.hang = 2.0
+    engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
+    assert generates(a) >= 1 and engine._live() == [url_a, url_b]
+    assert "heartbeat" not in capfd.readouterr().err
+    engine.close()
+
+
+@pytest.mark.parametrize("health", ["no answer", "HTTP 503"])
+def test_the_only_server_gone_silent_stops_the_call_in_one_line(health, fake_server, tiny_model_dir):
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, request_timeout=60, heartbeat_seconds=0.2,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    FakeVLLM.hang = 30.0
+    if health == "no answer":
+        FakeVLLM.health_hang = 30.0
+    else:
+        FakeVLLM.answers = {"/health": (503, {"error": "engine dead"})}
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ServerGone, match="GET /health \\(heartbeat\\) failed twice") as e:
+            engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
+        assert time.perf_counter() - t0 < 6 and "\n" not in str(e.value) and fake_server in str(e.value)
+        assert ("HTTP 503" if health == "HTTP 503" else "got no answer in 1 s") in str(e.value)
+    finally:
+        FakeVLLM.hang = FakeVLLM.health_hang = 0.0
+        engine.close()
+
+
 def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
     orphan = tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{2**22 + 12345}-", dir=adapter_root())   # no such process
     engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
@@ -276,6 +359,93 @@ def test_server_settings_are_checked(key, value, says, fake_server, tiny_model_d
         VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_model_len=256).build(tiny_model_dir)
 
 
+@pytest.mark.parametrize("lora_config, unload, says", [
+    (None, None, "--enable-lora --max-lora-rank 8"),
+    ({"max_lora_rank": 1}, None, "--enable-lora --max-lora-rank 8"),
+    ({"max_lora_rank": 8}, (404, {"detail": "Not Found"}), "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"),
+])
+def test_a_server_without_runtime_lora_is_refused_with_the_flag_to_add(lora_config, unload, says, fake_server,
+                                                                         tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = lora_config
+    FakeVLLM.answers = {"/v1/unload_lora_adapter": unload or (404, {"error": {"message": "not found", "code": 404}})}
+    with pytest.raises(ServerError, match=says) as e:
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    assert "\n" not in str(e.value) and fake_server in str(e.value)
+
+
+def test_adapters_on_a_server_holding_another_runs_weights_are_refused(fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}}),
+                        "/weight_info": (200, {"weight_version": "57"})}
+    with pytest.raises(ServerError, match="holds weights pushed by another run .*restart it"):
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir).close()     # full weights: fine
+
+
+def test_a_server_with_runtime_lora_is_accepted(fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=8).build(tiny_model_dir).close()
+    assert "/v1/unload_lora_adapter" in FakeVLLM.hits
+
+
+def fake_adapter(scale: float) -> list[tuple[str, torch.Tensor]]:
+    """An adapter payload as lit_ess.lora.adapter_weights names it (rank 4 on one q_proj)."""
+    owner = "base_model.model.model.layers.0.self_attn.q_proj"
+    return [(f"{owner}.lora_A.weight", torch.full((4, 8), scale)), (f"{owner}.lora_B.weight", torch.full((8, 4), scale))]
+
+
+def test_each_adapter_push_is_loaded_named_by_the_next_requests_and_unloaded_in_turn(fake_server, tiny_model_dir):
+    """Adapters through a server by URL whose load and unload routes answer plain text, as vLLM's do: each push
+    is loaded from its own folder, the next requests name it and their tokens carry its version, the third
+    push unloads the first, and close unloads the rest (the server goes on)."""
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/load_lora_adapter": (200, "Success: LoRA adapter added successfully."),
+                        "/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    FakeVLLM.answers["/v1/unload_lora_adapter"] = (200, "Success: LoRA adapter removed successfully.")
+    names = []
+    for version in (1, 2, 3):
+        engine.load_weights(iter(fake_adapter(float(version))), version)
+        body = [b for r, b in FakeVLLM.bodies if r == "/v1/load_lora_adapter"][-1]
+        assert os.path.isfile(Path(body["lora_path"]) / "adapter_config.json")
+        names.append(body["lora_name"])
+        [[c]] = engine.generate([[1, 2, 3]], 1, SamplingConfig(max_new_tokens=1, seed=0))
+        assert FakeVLLM.bodies[-1][1]["model"] == body["lora_name"] and c.token_versions == [version] and c.version == version
+    unloads = [b["lora_name"] for r, b in FakeVLLM.bodies if r == "/v1/unload_lora_adapter"]
+    assert unloads[-1:] == names[:1] and len(set(names)) == 3
+    folders = [b["lora_path"] for r, b in FakeVLLM.bodies if r == "/v1/load_lora_adapter"]
+    assert not os.path.exists(folders[0]) and all(os.path.isdir(f) for f in folders[1:])
+    engine.close()
+    unloads = [b["lora_name"] for r, b in FakeVLLM.bodies if r == "/v1/unload_lora_adapter"]
+    assert unloads[-2:] == names[1:] and not any(os.path.exists(f) for f in folders)
+
+
+def test_an_adapter_the_server_cannot_load_fails_the_push_not_the_server(fake_server, tiny_model_dir):
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/load_lora_adapter": (500, {"error": {"message": "unsupported module", "code": 500}}),
+                        "/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    with pytest.raises(ServerError, match="unsupported module") as e:
+        engine.load_weights(iter(fake_adapter(1.0)), 1)
+    assert "ServerGone" not in type(e.value).__name__ and engine._live() == [fake_server]
+    engine.close()
+
+
+def test_an_adapter_answer_from_other_weights_is_refused(fake_server, tiny_model_dir):
+    """A request that came back sampled by the base weights of another version (a client pushing full weights
+    to the same server) is refused, not recorded as the adapter's."""
+    FakeVLLM.defaults["/server_info"]["vllm_config"]["lora_config"] = {"max_lora_rank": 8}
+    FakeVLLM.answers = {"/v1/load_lora_adapter": (200, "Success"),
+                        "/v1/unload_lora_adapter": (404, {"error": {"message": "not found", "code": 404}})}
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
+    engine.load_weights(iter(fake_adapter(1.0)), 1)
+    FakeVLLM.defaults["/inference/v1/generate"]["choices"][0]["weight_versions"] = [{"version": "7", "start": 0, "end": 1}]
+    with pytest.raises(ServerError, match="another client changes this server"):
+        engine.generate([[1, 2, 3]], 1, SamplingConfig(max_new_tokens=1, seed=0))
+    engine.close()
+
+
 def test_a_server_by_hand_on_the_same_folder_is_accepted(fake_server, tiny_model_dir):
     """`vllm ... --model DIR` without lit-ess's name: the folder is readable here and fingerprints alike."""
     FakeVLLM.answers = {"/v1/models": (200, {"data": [{"id": tiny_model_dir}]})}
@@ -336,11 +506,13 @@ def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir,
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256`: its URL once it prints
-    that it is ready; SIGTERM stops it (and its vLLM) at the end of the module."""
+    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256 --max-lora-rank 8`: its URL
+    once it prints that it is ready; SIGTERM stops it (and its vLLM) at the end of the module. (With LoRA on:
+    requests that name no adapter sample from the base weights, which every other test checks to 1e-5.)"""
     port, log = free_port(), tmp_path_factory.mktemp("served") / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port", str(port),
-                             "--max-model-len", "256", "--startup-timeout", "300", "--log-file", str(log)],
+                             "--max-model-len", "256", "--max-lora-rank", "8", "--startup-timeout", "300",
+                             "--log-file", str(log)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.perf_counter()
     while "ready in" not in (line := proc.stdout.readline()):
@@ -450,6 +622,30 @@ def test_sync_fit_through_the_server_is_on_policy(served, tiny_model_dir, tmp_pa
     assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 3 and "ess_alarm" not in res.stderr
     assert min(v for _, v in s["train/grad_norm"]) > 0                    # the weights moved between steps
     assert weight_label(served) == "2"                                    # pushed before step 2
+
+
+@pytest.mark.e2e
+def test_adapter_sync_through_the_server_is_on_policy(served, tiny_model_dir, tmp_path):
+    """model.lora.sync: adapter with the server engine: every push is loaded through /v1/load_lora_adapter and
+    the next requests name it. At lr 2e-2 the adapter moves the policy a lot each step, so a server that
+    sampled from anything but the newest adapter would show in the ESS; the base weights' label never moves."""
+    base = VLLMServerConfig(urls=[served]).build(tiny_model_dir)     # the model's own weights, as version 0 (the
+    base.load_weights(iter(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items()), 0)  # module's
+    base.close()                                                       # other tests push theirs to this server)
+    label = weight_label(served)
+    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+                    extra_data={"engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
+                                           "init_args": {"urls": [served], "max_lora_rank": 4}}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(tmp_path)
+    ess = [v for _, v in s["train/ess"]]
+    assert len(ess) == 3 and min(ess) >= 0.9999, ess
+    assert min(v for _, v in s["train/grad_norm"]) > 0 and "ess_alarm" not in res.stderr
+    with urllib.request.urlopen(served + "/v1/models", timeout=10) as r:
+        names = [m["id"] for m in json.load(r)["data"]]
+    assert not any(n.startswith("lit-ess-") for n in names), names            # the run's adapters, unloaded at its end
+    assert weight_label(served) == label
 
 
 class DyingProxy:

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="serve LoRA adapters up to this rank, loaded at run time (model.lora.sync: adapter)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--log-file", default=None, help="server output (default: a file in the temp folder)")
     args, extra = p.parse_known_args(argv)
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--model {args.model}: no config.json there (a Hugging Face model folder, e.g. runs/demo/sft)")
     try:
         c = VLLMServerConfig(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
-                             gpu_memory_utilization=args.gpu_memory_utilization, port=args.port, server_args=extra)
+                             gpu_memory_utilization=args.gpu_memory_utilization, port=args.port, server_args=extra,
+                             max_lora_rank=args.max_lora_rank)
     except ValueError as e:
         p.error(str(e))
     url = f"http://{args.host}:{args.port}"
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         seconds = server.wait_ready(args.startup_timeout)
         print(f"ready in {seconds:.0f} s: {url}   (engine: {{class_path: lit_ess.engines.VLLMServerConfig, "
-              f"init_args: {{urls: [{url}], dtype: {args.dtype}}}}})", flush=True)
+              f"init_args: {{urls: [{url}], dtype: {args.dtype}"
+              f"{f', max_lora_rank: {args.max_lora_rank}' if args.max_lora_rank else ''}}}}})", flush=True)
         return server.proc.wait()
     except KeyboardInterrupt:
         return 0

@@ -23,6 +23,15 @@ into a folder the servers can read (written under a temporary name, then renamed
 In flight, a request frozen after t tokens goes on with the new weights: its spans say which tokens
 each version sampled, and the logprob of every token is the one it was sampled with (its own pi_b).
 
+LoRA adapters pushed alone (model.lora.sync: adapter, `max_lora_rank` set): the base weights never
+change; each push is written as a peft folder and loaded as a new adapter (`lit-ess-<run>-a<n>`),
+
+    POST /v1/load_lora_adapter   {"lora_name": "lit-ess-<run>-a<n>", "lora_path": DIR}   (vLLM loads it)
+
+and from then on every request names it (`"model": ...`). A request samples with one adapter from its
+start to its end, so its tokens' version is the adapter's it named (the spans label base weights); the
+adapter before is unloaded at the next push, once no request can name it, and the last ones at close.
+
 The dev routes need `VLLM_SERVER_DEV_MODE=1`, the token route `--enable-scale-out`; both are checked at
 start, with the vLLM version, processed logprobs, the dtype and the model (`model_fingerprint`), and a
 server that fails a check is refused with the flag to add. The dev routes are not guarded by
@@ -51,6 +60,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
@@ -61,7 +71,7 @@ from torch import Tensor
 from ..knobs import check
 from ..lora import is_adapter_payload
 from .base import Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, capped_limit, derive_seed
-from .vllm_engine import adapter_root, remove_orphan_adapter_dirs
+from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
 WEIGHTS_PREFIX = "lit-ess-weights-"
@@ -93,6 +103,10 @@ class VLLMServerConfig(EngineConfig):
         startup_timeout: seconds to wait for a launched server's /health (start-up takes 60-140 s on
             CPU) and for a server by URL to answer at all.
         request_timeout: seconds one generate request may take before the call fails.
+        heartbeat_seconds: while requests are in flight, each server's GET /health every this many seconds:
+            a server that does not answer it within heartbeat_timeout (stopped, hung, cut off) is out of the
+            run at once, and its requests go to the others, instead of after request_timeout. None = off.
+        heartbeat_timeout: seconds a server may take to answer GET /health.
         control_timeout: seconds one control call (pause, reload, version, reset, resume) may take.
         max_concurrency: requests in flight over all servers at once.
         weights_dir: where pushed weights are written as safetensors; every server must read it at the
@@ -105,6 +119,11 @@ class VLLMServerConfig(EngineConfig):
             read from the server's spans (`rollout/multi_version_frac`, the `rollout/token_lag`
             histogram), its staleness its oldest token's. Needs data.mode: async (the trainer pushes
             while the worker generates; sync generates between steps).
+        max_lora_rank: LoRA adapters up to this rank, pushed alone (model.lora.sync: adapter) and loaded
+            through the servers' /v1/load_lora_adapter; at most 512. A launched server gets
+            --enable-lora --max-lora-rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; servers by URL must
+            have been started so (`serve --max-lora-rank`; checked at start). None = off (merged pushes).
+            Needs weight_update: drain (an adapter is chosen per request, for its whole length).
     """
 
     urls: list[str] | None = None
@@ -120,9 +139,12 @@ class VLLMServerConfig(EngineConfig):
     startup_timeout: float = 300.0
     request_timeout: float = 600.0
     control_timeout: float = 120.0
+    heartbeat_seconds: float | None = 5.0
+    heartbeat_timeout: float = 30.0
     max_concurrency: int = 512
     weights_dir: str | None = None
     weight_update: Literal["drain", "in_flight"] = "drain"
+    max_lora_rank: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -139,11 +161,15 @@ class VLLMServerConfig(EngineConfig):
         check("VLLMServerConfig.port", self.port, ge=1, le=65535, integer=True, null=True)
         if not all(isinstance(a, str) for a in self.server_args):
             raise ValueError(f"VLLMServerConfig.server_args must be strings (command-line flags), got {self.server_args}")
-        for knob in ("startup_timeout", "request_timeout", "control_timeout"):
+        check("VLLMServerConfig.heartbeat_seconds", self.heartbeat_seconds, gt=0, null=True, hint=" (seconds)")
+        for knob in ("startup_timeout", "request_timeout", "control_timeout", "heartbeat_timeout"):
             check(f"VLLMServerConfig.{knob}", getattr(self, knob), gt=0, hint=" (seconds)")
         check("VLLMServerConfig.max_concurrency", self.max_concurrency, ge=1, integer=True)
         if self.weight_update not in ("drain", "in_flight"):
             raise ValueError(f"VLLMServerConfig.weight_update={self.weight_update!r} is not one of ('drain', 'in_flight')")
+        check("VLLMServerConfig.max_lora_rank", self.max_lora_rank, ge=1, le=LORA_RANKS[-1], integer=True, null=True)
+        if not self.urls and (error := lora_dtype_error(torch.cuda.is_available(), self.max_lora_rank, self.dtype)):
+            raise ValueError(error)
         if self.urls and (self.port is not None or self.server_args or self.log_file):
             raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
                              "elsewhere: start them with `python -m lit_ess.engines.serve`")
@@ -159,6 +185,24 @@ class VLLMServerConfig(EngineConfig):
 
     def updates_in_flight(self) -> bool:
         return self.weight_update == "in_flight"
+
+    def adapter_error(self, rank: int) -> str | None:
+        if self.max_lora_rank is None:
+            return ("model.lora.sync: adapter pushes adapters, but the servers are used without LoRA: set "
+                    "data.engine.init_args.max_lora_rank to model.lora.rank or more")
+        if rank > self.max_lora_rank:
+            return (f"model.lora.rank={rank} is above data.engine.init_args.max_lora_rank={self.max_lora_rank}: "
+                    f"raise it to model.lora.rank")
+        if self.weight_update == "in_flight":
+            return ("model.lora.sync: adapter with data.engine.init_args.weight_update: in_flight: a request samples "
+                    "with the adapter it started with, so an update cannot reach it in flight: use weight_update: "
+                    "drain, or model.lora.sync: merged")
+        return None
+
+    def lora_rank_flag(self) -> int | None:
+        """--max-lora-rank of a launched server: vLLM 0.32 takes one of LORA_RANKS, the smallest that holds
+        max_lora_rank."""
+        return None if self.max_lora_rank is None else min(r for r in LORA_RANKS if r >= self.max_lora_rank)
 
     def build(self, model_path: str) -> "VLLMServerEngine":
         return VLLMServerEngine(model_path, self)
@@ -208,6 +252,8 @@ def server_command(model_path: str, c: VLLMServerConfig, host: str, port: int) -
         cmd += ["--max-model-len", str(c.max_model_len)]
     if c.enforce_eager:
         cmd += ["--enforce-eager"]
+    if c.max_lora_rank is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(c.lora_rank_flag()), "--max-loras", "2"]
     if not torch.cuda.is_available():
         # as the in-process engine: vLLM 0.32 on CPU crashes on seeded requests whose prefill is split,
         # and its default 128-token KV blocks make short RL sequences read mostly padding
@@ -218,6 +264,8 @@ def server_command(model_path: str, c: VLLMServerConfig, host: str, port: int) -
 def server_env(c: VLLMServerConfig) -> dict[str, str]:
     """The launched server's environment: dev routes on, one OpenMP thread unless the caller set more."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if c.max_lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"             # the /v1/load_lora_adapter route
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, c.kv_cache_gib))))
     env.pop("VLLM_DIST_IDENT", None)           # set by an in-process CPU engine of this process, unknown to the server
     return env
@@ -341,6 +389,9 @@ class VLLMServerEngine(RolloutEngine):
         self.model_path, self.version, self.closed = str(model_path), 0, False
         self.startup_seconds, self.pushes = 0.0, 0
         self.weights_path: str | None = None       # the folder the servers loaded last
+        self.adapter: tuple[str, int] | None = None          # (name, version) of the adapter requests name
+        self.adapters: list[tuple[str, str]] = []            # (name, folder) of the adapters loaded, oldest first
+        self.run_id = uuid.uuid4().hex[:8]                   # in adapter names: runs sharing a server never collide
         if c.weights_dir is None:
             remove_orphan_adapter_dirs(adapter_root(), WEIGHTS_PREFIX)     # left by runs killed with kill -9
         self.weights_root = c.weights_dir or tempfile.mkdtemp(prefix=f"{WEIGHTS_PREFIX}{os.getpid()}-", dir=adapter_root())
@@ -350,6 +401,7 @@ class VLLMServerEngine(RolloutEngine):
         self.thread.start()
         self.client = self._run(self._make_client())
         self.server: LaunchedServer | None = None
+        self.heartbeat = None                      # the heartbeat task's future, once the servers passed their checks
         atexit.register(self.close)
         t0 = time.perf_counter()
         try:
@@ -364,11 +416,65 @@ class VLLMServerEngine(RolloutEngine):
                 self.server.wait_ready(c.startup_timeout)
             self.outstanding = {u: 0 for u in self.urls}
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
+            self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
+            self.answered = {u: 0.0 for u in self.urls}              # when it last answered a generate request
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
             self.close()
             raise
         self.startup_seconds = time.perf_counter() - t0
+        if c.heartbeat_seconds is not None:
+            self.heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.loop)
+            self.heartbeat.add_done_callback(self._heartbeat_ended)
+
+    async def _heartbeat(self) -> None:
+        """Every heartbeat_seconds, GET /health of each server with requests in flight. A server that misses
+        two in a row (no answer within heartbeat_timeout, an error or a 5xx), answering no generate request
+        meanwhile, is out of the run at once: its requests give up (`_watched`) and go to the other servers
+        with their seeds, which request_timeout would do much later. vLLM answers /health from its API
+        process, so this finds an API server stopped or cut off, not a hung engine core."""
+        c, misses = self.config, {u: 0 for u in self.urls}
+        while True:
+            await asyncio.sleep(c.heartbeat_seconds)
+            busy = [u for u in self._live() if self.outstanding[u] > 0]
+            t0 = time.monotonic()
+            answers = await asyncio.gather(*(self._request(u, "GET", "/health", None, c.heartbeat_timeout,
+                                                           "GET /health (heartbeat)") for u in busy),
+                                           return_exceptions=True)
+            for url, a in zip(busy, answers):
+                if isinstance(a, tuple) and a[0] < 500 or self.answered[url] > t0:
+                    misses[url] = 0
+                    continue
+                misses[url] += 1
+                if misses[url] >= 2 and url in self._live():
+                    why = f"HTTP {a[0]}" if isinstance(a, tuple) else str(a).removeprefix(f"{self._where(url)}: ")
+                    self.gone[url] = (f"{self._where(url)}: GET /health (heartbeat) failed twice in a row with "
+                                      f"{self.outstanding[url]} request(s) in flight (engine.heartbeat_timeout "
+                                      f"{c.heartbeat_timeout:g} s): {why}")
+                    if live := self._live():
+                        print(f"lit-ess: warning: {self.gone[url]}; its requests go to the other {len(live)} "
+                              f"server(s) from now on", file=sys.stderr, flush=True)
+                    self.silence[url].set()
+
+    async def _watched(self, url: str, coro):
+        """Await `coro`, a call to `url`; raise ServerGone instead as soon as the heartbeat puts `url` out."""
+        call, silent = asyncio.ensure_future(coro), asyncio.ensure_future(self.silence[url].wait())
+        try:
+            done, _ = await asyncio.wait({call, silent}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            silent.cancel()
+            if not call.done():
+                call.cancel()
+        if call in done:
+            self.answered[url] = time.monotonic()
+            return call.result()
+        raise ServerGone(self.gone[url])
+
+    def _heartbeat_ended(self, future) -> None:
+        """The heartbeat never ends but by close(): say so when it does, since servers then go unwatched."""
+        if not future.cancelled() and future.exception() is not None:
+            print(f"lit-ess: warning: the vLLM server heartbeat stopped: {future.exception()!r}; silent servers are "
+                  f"now found after engine.request_timeout only", file=sys.stderr, flush=True)
 
     async def _make_client(self):
         import aiohttp
@@ -437,18 +543,23 @@ class VLLMServerEngine(RolloutEngine):
                 return await once()
         except asyncio.TimeoutError:
             raise ServerGone(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s "
-                             f"(engine.{'request' if call.startswith('POST /inference') else 'control'}_timeout)") from None
+                             f"(engine.{'request' if call.startswith('POST /inference') else 'heartbeat' if '(heartbeat)' in call else 'control'}_timeout)") from None
         except aiohttp.ClientError as e:
             raise ServerGone(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
 
     async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
-                    what: str | None = None, ok: tuple[int, ...] = (200,)) -> tuple[int, dict]:
-        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty)."""
+                    what: str | None = None, ok: tuple[int, ...] = (200,), text_ok: bool = False,
+                    gone_on_5xx: bool = True) -> tuple[int, dict]:
+        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty; {"text": ...}
+        for a plain-text answer where `text_ok`). HTTP 5xx puts the server out (`gone_on_5xx`), or is an error
+        of the call (a load that failed inside: the server is fine)."""
         call = what or f"{method} {route}"
         status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
         if status not in ok:
-            error = ServerGone if status >= 500 else ServerError
+            error = ServerGone if status >= 500 and gone_on_5xx else ServerError
             raise error(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
+        if text_ok and text and not text.lstrip().startswith(("{", "[")):
+            return status, {"text": text}
         try:
             return status, json.loads(text) if text else {}
         except json.JSONDecodeError:
@@ -480,6 +591,18 @@ class VLLMServerEngine(RolloutEngine):
             raise ServerError(f"{self._where(url)} takes sequences up to {m.get('max_model_len')} tokens, "
                               f"engine.max_model_len is {self.config.max_model_len}: {fix} --max-model-len "
                               f"{self.config.max_model_len}")
+        if self.config.max_lora_rank is not None:
+            lora = vc.get("lora_config") or {}
+            if (lora.get("max_lora_rank") or 0) < self.config.max_lora_rank:
+                raise ServerError(f"{self._where(url)} serves LoRA adapters up to rank {lora.get('max_lora_rank')}, "
+                                  f"engine.max_lora_rank is {self.config.max_lora_rank}: {fix} --enable-lora "
+                                  f"--max-lora-rank {self.config.lora_rank_flag()}")
+            # an unknown adapter: vLLM's handler answers {"error": ...}; without the route FastAPI's {"detail": "Not Found"}
+            _, answer = await self._call(url, "POST", "/v1/unload_lora_adapter", {"lora_name": "lit-ess-probe"},
+                                         ok=(400, 404))
+            if "error" not in answer:
+                raise ServerError(f"{self._where(url)} has no /v1/load_lora_adapter route: {fix} the environment "
+                                  f"variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to its start")
         want = served_model_name(self.model_path)
         names = [str(d.get("id")) for d in (await self._call(url, "GET", "/v1/models"))[1].get("data", [])]
         if not any(same_model(name, want) for name in names):
@@ -491,8 +614,13 @@ class VLLMServerEngine(RolloutEngine):
         if status == 403:
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
-        if (await self._call(url, "GET", "/weight_info"))[1].get("weight_version") == "default":
+        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        if label == "default":
             await self._call(url, "POST", "/update_weight_version", {"new_version": "0"})   # the weights it started with
+        elif self.config.max_lora_rank is not None and label != "0":
+            raise ServerError(f"{self._where(url)} holds weights pushed by another run (version {label!r}), not the "
+                              f"model's: adapters (model.lora.sync: adapter) apply to the base weights as the model "
+                              f"folder has them: restart it")
 
     # ---- generation ----
 
@@ -501,12 +629,15 @@ class VLLMServerEngine(RolloutEngine):
         """One request per sample, seeded as the in-process engine seeds them (derive_seed(seed, call
         seed, prompt key, sample)), all in flight at once up to max_concurrency."""
         keys = range(len(prompts)) if prompt_keys is None else prompt_keys
+        adapter = self.adapter              # one adapter for the call's requests, whatever is pushed meanwhile
         jobs = [(list(p), None if sampling.seed is None else derive_seed(sampling.seed, call_seed, key, j), key, j)
                 for key, p in zip(keys, prompts) for j in range(n)]
-        flat = self._run_all([self._sample(p, seed, sampling, f"prompt {key} sample {j}") for p, seed, key, j in jobs])
+        flat = self._run_all([self._sample(p, seed, sampling, f"prompt {key} sample {j}", adapter)
+                              for p, seed, key, j in jobs])
         return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
-    async def _sample(self, prompt: list[int], seed: int | None, s: SamplingConfig, what: str) -> Completion:
+    async def _sample(self, prompt: list[int], seed: int | None, s: SamplingConfig, what: str,
+                      adapter: tuple[str, int] | None = None) -> Completion:
         params = {"n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
                   "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                   "max_tokens": s.max_new_tokens, "stop": list(s.stop) or None, "include_stop_str_in_output": True,
@@ -518,10 +649,12 @@ class VLLMServerEngine(RolloutEngine):
                 url = min(live, key=self.outstanding.__getitem__)               # least outstanding requests
                 self.outstanding[url] += 1
                 try:
-                    _, out = await self._call(url, "POST", "/inference/v1/generate",
-                                              {"token_ids": prompt, "sampling_params": params},
-                                              timeout=self.config.request_timeout,
-                                              what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)")
+                    body = {"token_ids": prompt, "sampling_params": params}
+                    if adapter is not None:
+                        body["model"] = adapter[0]
+                    _, out = await self._watched(url, self._call(
+                        url, "POST", "/inference/v1/generate", body, timeout=self.config.request_timeout,
+                        what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)"))
                     break
                 except ServerGone as e:
                     self._put_out(url, e)
@@ -537,6 +670,12 @@ class VLLMServerEngine(RolloutEngine):
             versions = span_versions(choice.get("weight_versions"), len(ids))
         except ValueError as e:
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}): {e}") from None
+        if adapter is not None:              # sampled by the adapter it named, on the base weights it started with
+            if out.get("model") != adapter[0] or any(v != 0 for v in versions):
+                raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) was sampled by model "
+                                  f"{out.get('model')!r} on base weights {sorted(set(versions))}, not adapter {adapter[0]!r} "
+                                  f"on the model's (version 0): another client changes this server")
+            versions = [adapter[1]] * len(ids)
         return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
                           min(versions, default=self.version), token_versions=versions)
 
@@ -549,8 +688,7 @@ class VLLMServerEngine(RolloutEngine):
         it = iter(named_tensors)
         first = next(it, None)
         if first is not None and is_adapter_payload([first[0]]):
-            raise ValueError("model.lora.sync: adapter pushes adapters, which lit_ess.engines.VLLMServerConfig does not "
-                             "take yet: use model.lora.sync: merged")
+            return self._load_adapter(dict([first, *it]), version)
         folder = self._write_weights(([first] if first is not None else []) + list(it), version)
         try:
             live = self._live()
@@ -566,6 +704,52 @@ class VLLMServerEngine(RolloutEngine):
         if self.weights_path is not None:
             shutil.rmtree(self.weights_path, ignore_errors=True)      # no server reads it any more
         self.weights_path, self.version = folder, version
+
+    def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
+        """LoRA adapters (lit_ess.lora.adapter_weights): a peft folder in weights_dir, loaded by every server as
+        adapter `lit-ess-<run>-a<n>`, which the next requests name. The adapter before stays loaded (a generate call
+        that began before this push names it to its end) and goes at the next push, with its folder."""
+        from ..lora import write_adapter
+
+        rank = max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n)
+        if (error := self.config.adapter_error(rank)) is not None:
+            raise ValueError(error)
+        self.pushes += 1
+        name = f"lit-ess-{self.run_id}-a{self.pushes}"             # this run's: servers by URL outlive it
+        tmp = os.path.join(self.weights_root, f".{name}.tmp")
+        try:
+            write_adapter(tmp, tensors)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        folder = os.path.join(self.weights_root, name)
+        os.rename(tmp, folder)                                      # whole, or not there
+        body = {"lora_name": name, "lora_path": folder}
+        live = self._live()                                         # vLLM answers 5xx for an adapter it cannot load
+        errors = self._run_all([self._call(u, "POST", "/v1/load_lora_adapter", body, text_ok=True, gone_on_5xx=False,
+                                           what=f"POST /v1/load_lora_adapter from {folder}") for u in live],
+                               return_exceptions=True)
+        try:
+            for url, e in zip(live, errors):
+                if isinstance(e, ServerGone):
+                    self._put_out(url, e)
+            if e := next((e for e in errors if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
+                raise e
+        except BaseException:                                       # the servers that loaded it drop it again
+            self._unload(name, [u for u, e in zip(live, errors) if not isinstance(e, BaseException)])
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.adapters.append((name, folder))
+        while len(self.adapters) > 2:                               # no request names it any more
+            old, old_folder = self.adapters.pop(0)
+            self._unload(old, self._live())
+            shutil.rmtree(old_folder, ignore_errors=True)
+        self.adapter, self.version = (name, version), version
+
+    def _unload(self, name: str, urls: list[str]) -> None:
+        """Unload adapter `name` from `urls`, best effort (a server gone, or that never had it, is fine)."""
+        self._run_all([self._call(u, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, ok=(200, 404),
+                                  text_ok=True) for u in urls], return_exceptions=True)
 
     def _write_weights(self, named: list[tuple[str, Tensor]], version: int) -> str:
         from safetensors.torch import save_file
@@ -612,7 +796,12 @@ class VLLMServerEngine(RolloutEngine):
             return
         self.closed = True
         atexit.unregister(self.close)
+        if self.heartbeat is not None:
+            self.heartbeat.cancel()
         if self.client is not None and self.loop.is_running():
+            if self.server is None:                                # servers by URL go on: unload this run's adapters
+                for name, _ in self.adapters:
+                    self._unload(name, self._live())
             self._run(self.client.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
@@ -621,6 +810,8 @@ class VLLMServerEngine(RolloutEngine):
             atexit.unregister(self.server.stop)
         if self.config.weights_dir is None:
             shutil.rmtree(self.weights_root, ignore_errors=True)
-        elif self.weights_path is not None:
-            shutil.rmtree(self.weights_path, ignore_errors=True)
-        self.weights_path = None
+        else:
+            for path in [self.weights_path, *(folder for _, folder in self.adapters)]:
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
+        self.weights_path, self.adapters = None, []
