@@ -13,6 +13,7 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     stress_k     steps per rollout k up to where methods break: 7 methods x 2 learning rates
     stress_s     staleness S up to where methods break (sync, generated ahead: exactly reproducible)
     multiturn    retry-with-feedback episodes (configs/demo_multiturn.yaml): P3O, GRPO, GRPO + token TIS at S 0/4/8
+    inflight     async on vLLM's server, S = 2: weights pushed in flight against drained, P3O and GRPO (eps 0.2)
 
 Held-out evaluation samples at T = 1.0 in every run (`val_sampling`), one ruler for every cell; the
 temperature cells also get a final evaluation at their own temperature (`Cell.own_val`).
@@ -90,6 +91,16 @@ MULTITURN_ENV = {"env": "retry_arithmetic", "kwargs": {"max_tries": 3, "feedback
                  "max_episode_tokens": 96}
 MULTITURN_METHODS = ("p3o", "grpo_eps0.2", "grpo_tis")
 MULTITURN_S = (0, 4, 8)
+
+# vLLM's own server (launched by each run), async at S = 2: the two ways a push reaches the server
+INFLIGHT_S = 2
+
+
+def server_engine(weight_update: str) -> dict:
+    """The base config's engine (fp32) as a vLLM server that the run launches, taking pushes `weight_update`."""
+    return {"data.init_args.engine.class_path": "lit_ess.engines.VLLMServerConfig",
+            "data.init_args.engine.init_args.max_model_len": 256,
+            "data.init_args.engine.init_args.weight_update": weight_update}
 
 
 def lr_tag(lr: float) -> str:
@@ -188,6 +199,15 @@ EXPERIMENTS = {e.name: e for e in [
         # an episode is up to 3 engine calls and a longer row to train: 8 prompts x 8 samples, 32 steps
         # keep the 27 runs within about an hour on the 2 shared cores
         size={"steps": 32, "prompts": 8, "val_every": 8}),
+    Experiment(
+        "inflight", "In-flight weight updates on vLLM's server, staleness S = 2",
+        "Async rollouts on a vLLM server that each run launches, the trainer pushing after every step: pushes "
+        "that freeze the running requests and let them go on with the new weights (in flight: a row may hold "
+        "tokens of two versions, each with its own pi_b) against pushes that let them finish first (drained). "
+        "Does either update hurt P3O or GRPO (eps 0.2) at the same bound S = 2?",
+        [Cell(f"{m}_{w}", {**METHODS[m], **server_engine(w)}) for w in ("in_flight", "drain")
+         for m in ("p3o", "grpo_eps0.2")],
+        common={"data.init_args.mode": "async", S: INFLIGHT_S}),
 ]}
 
 

@@ -270,6 +270,8 @@ PAIRS = {
     "precision": [("p3o_bfloat16", "grpo_bfloat16"), ("p3o_float32", "grpo_float32"),
                   ("grpo_bfloat16", "grpo_float32"), ("p3o_bfloat16", "p3o_float32")],
     "staleness": [(f"p3o_S{s}", f"{m}_S{s}") for s in (0, 1, 2, 4) for m in ("grpo", "decoupled")],
+    "inflight": [("p3o_in_flight", "grpo_eps0.2_in_flight"), ("p3o_drain", "grpo_eps0.2_drain"),
+                 ("p3o_in_flight", "p3o_drain"), ("grpo_eps0.2_in_flight", "grpo_eps0.2_drain")],
     "temperature": [(f"p3o_T{t}_{lp}", f"grpo_T{t}_{lp}") for t in _T for lp in ("processed", "raw")]
                    + [(f"{m}_T{t}_processed", f"{m}_T{t}_raw") for t in _T for m in ("p3o", "grpo")]
                    + [("p3o_T1.5_processed_no_kl", "p3o_T1.5_processed")]
@@ -323,6 +325,8 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
     """An experiment's plot against the step, its table per cell, and which differences are resolved."""
     runs_by_cell, rows, notes = {}, [], []
     own = any(temperature(c) != 1.0 for c in exp.cells[:scale.cells])
+    # in-flight updates: how many rows mixed versions and how old their tokens were (when the runs logged it)
+    mixing = any(r.get("rollout/multi_version_frac") for c in exp.cells[:scale.cells] for r in _runs(summaries, name, c)[0])
     for cell in exp.cells[:scale.cells]:
         runs, failed = _runs(summaries, name, cell)
         runs_by_cell[cell.label] = runs
@@ -340,6 +344,11 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
             vs = "n/a" if not at_t or own_base is None else \
                 f"{statistics.mean(at_t) - own_base:+.3f} (from {own_base:.3f})"
             row += f"{_mean_ci(at_t)} | {vs} | "
+        if mixing:
+            mixed = [statistics.mean(v for _, v in r["rollout/multi_version_frac"]) for r in runs
+                     if r.get("rollout/multi_version_frac")]
+            lag = [statistics.mean(v for _, v in r["train/token_lag"]) for r in runs if r.get("train/token_lag")]
+            row += f"{_mean_std(mixed)} | {_mean_std(lag)} | "
         rows.append(row + f"{_mean_std(reward)} | {_mean_std(ess)} | {_count_ci(len(collapsed) + failed, len(runs) + failed)} |")
         notes += [f"- `{cell.label}` seed {r['seed']}: {_diagnosis(r)}" for r in collapsed]
         notes += [f"- `{cell.label}`: {failed} run(s) failed (see failed.txt in their folders)"] if failed else []
@@ -347,6 +356,7 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
     plot(exp, runs_by_cell, base, png)
     head = "| cell | seeds | final held-out pass@1 (T = 1.0) [95% CI] | vs warm start | "
     head += "final held-out pass@1 at the cell's T [95% CI] | vs warm start at T | " if own else ""
+    head += "rows of 2+ versions (+- std) | mean token lag (+- std) | " if mixing else ""
     head += "training reward, last 10% (+- std) | mean ESS (+- std) | collapsed [95% CI] |"
     lines = [f"![{name}]({png.relative_to(results)})", "", head, "|---" * head.count(" | ") + "|---|", *rows, ""]
     if (sentence := differences(name, exp, stats)):

@@ -57,7 +57,8 @@ SUMMARIES = ROOT / "experiments" / "results"
 # the scalars a summary keeps (the plots' and the collapse diagnosis'), rounded to 5 digits
 KEEP = ("rollout/reward_mean", "val/pass@1", "val/pass@4", "train/ess", "train/ratio_max", "train/kl_behavior",
         "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max",
-        "rollout/turns", "rollout/truncated_turns")     # the last two: multi-turn episodes (data.env)
+        "rollout/turns", "rollout/truncated_turns",     # multi-turn episodes (data.env)
+        "rollout/multi_version_frac", "train/token_lag")  # in-flight updates: rows of 2+ versions, mean token lag
 
 
 def lit_ess(args: list[str], log: Path, threads: int | None = None) -> subprocess.CompletedProcess:

@@ -207,7 +207,10 @@ def test_quick_cells_not_trained_end_to_end_build(tiny_model_dir, tmp_path):
             assert (dm.prompts_per_rollout, dm.samples_per_prompt) == (QUICK.prompts * k, QUICK.samples), name
             for key, value in {**exp.common, **cell.overrides}.items():     # k, S, mode, engine dtype, ...
                 *where, field = key.removeprefix("data.init_args.").split(".")
-                if key.startswith("data."):
+                if key == "data.init_args.engine.class_path":                 # the engine's class (inflight)
+                    assert f"{type(dm.engine_config).__module__.rsplit('.', 1)[0]}.{type(dm.engine_config).__name__}" \
+                        == value, (name, key)
+                elif key.startswith("data."):
                     target = {(): dm, ("engine", "init_args"): dm.engine_config, ("sampling",): dm.sampling}[tuple(where)]
                     assert getattr(target, field) == value, (name, key)
 
