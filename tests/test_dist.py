@@ -224,8 +224,12 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
         exported[name] = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{name}").state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert max((exported["one"][k] - initial[k]).abs().max() for k in initial) > 1e-4      # it trained
-    for k, v in exported["one"].items():
-        assert torch.allclose(exported["fsdp2"][k], v, atol=1e-5), k
+    # Equal to the last float: AdamW divides by sqrt(v), so where a gradient is ~0 the other summation order
+    # of 2 ranks moves a lone element a little (seen on one CPU: 2 of 1.8M elements at 2-2.6e-5, where the
+    # update itself reaches 3e-3); a wrong shard or a lost update differs by the update's size.
+    diffs = {k: (exported["fsdp2"][k] - v).abs() for k, v in exported["one"].items()}
+    assert max(float(d.max()) for d in diffs.values()) < 1e-4, {k: float(d.max()) for k, d in diffs.items()}
+    assert sum(int((d > 1e-5).sum()) for d in diffs.values()) <= 8, {k: int((d > 1e-5).sum()) for k, d in diffs.items()}
 
 
 @pytest.mark.e2e
