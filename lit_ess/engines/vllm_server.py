@@ -693,11 +693,7 @@ class VLLMServerEngine(RolloutEngine):
         try:
             live = self._live()
             errors = self._run_all([self._reload(u, folder, version) for u in live], return_exceptions=True)
-            for url, e in zip(live, errors):
-                if isinstance(e, ServerGone):
-                    self._put_out(url, e)   # it may hold any weights now: it serves no more of this run
-            if e := next((e for e in errors if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
-                raise e
+            self._settle(live, errors)     # a server gone may hold any weights now: it serves no more of this run
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -730,11 +726,7 @@ class VLLMServerEngine(RolloutEngine):
                                            what=f"POST /v1/load_lora_adapter from {folder}") for u in live],
                                return_exceptions=True)
         try:
-            for url, e in zip(live, errors):
-                if isinstance(e, ServerGone):
-                    self._put_out(url, e)
-            if e := next((e for e in errors if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
-                raise e
+            self._settle(live, errors)
         except BaseException:                                       # the servers that loaded it drop it again
             self._unload(name, [u for u, e in zip(live, errors) if not isinstance(e, BaseException)])
             shutil.rmtree(folder, ignore_errors=True)
@@ -745,6 +737,15 @@ class VLLMServerEngine(RolloutEngine):
             self._unload(old, self._live())
             shutil.rmtree(old_folder, ignore_errors=True)
         self.adapter, self.version = (name, version), version
+
+    def _settle(self, urls: list[str], results: list) -> None:
+        """After a push to `urls` (`results`: each one's result or exception): the servers gone are out of the
+        run (raising when none is left), and the first other error is raised."""
+        for url, e in zip(urls, results):
+            if isinstance(e, ServerGone):
+                self._put_out(url, e)
+        if e := next((e for e in results if isinstance(e, BaseException) and not isinstance(e, ServerGone)), None):
+            raise e
 
     def _unload(self, name: str, urls: list[str]) -> None:
         """Unload adapter `name` from `urls`, best effort (a server gone, or that never had it, is fine)."""
