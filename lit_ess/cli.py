@@ -69,7 +69,7 @@ from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent  # noqa: E402
-from lit_ess.rollout import RankFailed, WorkerError  # noqa: E402
+from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
 
 # the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
 MOVED = {"callbacks": lit_ess.callbacks.__all__, "datamodules": lit_ess.datamodules.__all__}
@@ -209,7 +209,11 @@ class LitESSCLI(LightningCLI):
         lora = self.model.lora if isinstance(self.model, lit_ess.module.PolicyModule) else None
         if lora is None or lora.sync != "adapter" or not isinstance(self.datamodule, RolloutDataModule):
             return
-        error = self.datamodule.engine_config.adapter_error(lora.rank)
+        dm = self.datamodule
+        error = dm.engine_config.adapter_error(lora.rank)
+        if error is None and shares_servers(dm.engine_config, dm.mode, dm.placement, self.trainer.world_size):
+            error = ("model.lora.sync: adapter with vLLM servers shared by several ranks (engine.urls, or placement: "
+                     "dedicated): rank 0 alone pushes to them, and takes full weights only: use model.lora.sync: merged")
         if error is not None:
             raise ValueError(error)
 

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, ServerError, ServerGone, free_port, served_model_name,
-                                         server_command, server_env)
+from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, ServerError, ServerGone, free_port,
+                                         served_model_name, server_command, server_env)
 from lit_ess.logprobs import sequence_logprobs
 
 
@@ -303,6 +303,85 @@ def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
     assert not os.path.exists(engine.weights_root)
 
 
+# ---- servers shared by several ranks: rank 0 pushes, the others follow ----
+
+def test_a_follower_pushes_nothing_and_waits_for_the_step_rank_0_pushes(fake_server, tiny_model_dir):
+    """A rank > 0 sharing the servers (FollowerConfig): loading step 3 writes nothing and calls no dev route;
+    it returns once the server's label is 3 or newer, and leaves the label alone at start."""
+    FakeVLLM.defaults["/weight_info"] = {"weight_version": "default"}
+    engine = FollowerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    assert "/update_weight_version" not in [h.split("?")[0] for h in FakeVLLM.hits]      # rank 0 labels it
+    FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "2"})}
+    threading.Timer(0.5, lambda: FakeVLLM.answers.update({"/weight_info": (200, {"weight_version": "4"})})).start()
+    t0, n = time.perf_counter(), len(FakeVLLM.hits)
+    engine.load_weights((), version=3)
+    assert time.perf_counter() - t0 >= 0.5 and engine.version == 3
+    assert {h.split("?")[0] for h in FakeVLLM.hits[n:]} == {"/weight_info"}
+    assert os.listdir(engine.weights_root) == []
+    engine.close()
+
+
+def test_a_follower_whose_step_never_comes_stops_in_one_line(fake_server, tiny_model_dir):
+    FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "2"})}
+    engine = FollowerConfig(urls=[fake_server], startup_timeout=10, control_timeout=1).build(tiny_model_dir)
+    with pytest.raises(ServerError) as e:
+        engine.load_weights((), version=3)
+    assert "\n" not in str(e.value) and fake_server in str(e.value)
+    assert "still carries weights '2', not those of step 3" in str(e.value) and "rank 0 pushes" in str(e.value)
+    engine.close()
+
+
+def test_a_follower_waits_for_the_server_rank_0_is_launching(tiny_model_dir, fake_server):
+    """The dedicated placement's server starts in rank 0's worker while the other ranks' engines start:
+    a follower waits for its port to answer (up to startup_timeout), where a server by URL fails at once."""
+    port = free_port()
+    later = {}
+    threading.Timer(2.0, lambda: later.update(fake=_fake_on(port))).start()
+    t0 = time.perf_counter()
+    engine = FollowerConfig(urls=[f"http://127.0.0.1:{port}"], startup_timeout=20).build(tiny_model_dir)
+    assert 2.0 <= time.perf_counter() - t0 < 15
+    engine.close()
+    stop_fake(later["fake"])
+    with pytest.raises(ServerGone, match="did not answer GET /health within 1 s"):
+        FollowerConfig(urls=[f"http://127.0.0.1:{free_port()}"], startup_timeout=1).build(tiny_model_dir)
+
+
+def _fake_on(port: int) -> ThreadingHTTPServer:
+    httpd = QuietHTTPServer(("127.0.0.1", port), FakeVLLM)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("mode, placement, urls, world, roles", [
+    ("async", "dedicated", None, 2, ["launches", "follows"]),
+    ("async", "dedicated", ["http://h:1"], 2, ["pushes", "follows"]),
+    ("sync", "colocated", ["http://h:1"], 2, ["pushes", "follows"]),
+    ("async", "colocated", None, 2, ["launches", "launches"]),          # each rank its own server
+    ("async", "dedicated", ["http://h:1"], 1, ["pushes"]),
+])
+def test_servers_shared_by_the_ranks_take_weights_from_rank_0_alone(mode, placement, urls, world, roles):
+    from test_async_ranks import ThreadRanks
+
+    from lit_ess.rollout.placement import engine_for_rank
+
+    shared, got = {"slots": [None] * world, "barrier": threading.Barrier(world)}, [None] * world
+
+    def rank(r):
+        got[r] = engine_for_rank(VLLMServerConfig(urls=urls), mode, placement, ThreadRanks(r, world, shared))
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    said = ["follows" if isinstance(c, FollowerConfig) else "pushes" if c.urls else "launches" for c in got]
+    assert said == roles
+    if roles == ["launches", "follows"]:           # the follower names the port rank 0 launches on
+        assert got[0].port is not None and got[1].urls == [f"http://127.0.0.1:{got[0].port}"]
+    elif "follows" in roles:
+        assert got[1].urls == urls and got[1].port is None
+
+
 def test_a_refused_prefix_cache_reset_fails_the_update_and_still_resumes(fake_server, tiny_model_dir):
     """/reset_prefix_cache answers 200 with success false while requests run: the update must not
     pass as done (stale KV would be reused), and the server must not stay paused."""
@@ -521,9 +600,18 @@ def served(tiny_model_dir, tmp_path_factory):
     print(f"{line.strip()} ({time.perf_counter() - t0:.0f} s)")
     url = f"http://127.0.0.1:{port}"
     assert url in line
+    SERVED_LOG[url] = log
     yield url
     proc.terminate()
     assert proc.wait(60) == 0
+
+
+SERVED_LOG: dict[str, Path] = {}        # the module server's URL -> its log (uvicorn logs every call)
+
+
+def reloads(url: str) -> int:
+    """Weight reloads the module server has logged so far."""
+    return SERVED_LOG[url].read_text().count("POST /collective_rpc")
 
 
 @pytest.fixture(scope="module")
@@ -830,17 +918,19 @@ def test_kill_9_of_the_launched_server_stops_the_run_in_one_line_and_the_checkpo
 @pytest.mark.e2e
 @pytest.mark.dist
 def test_two_ddp_ranks_sharing_one_server_train_the_one_rank_batch(served, tiny_model_dir, tmp_path):
-    """2 DDP ranks name one server in `urls` (each rank's engine sends its share of the prompts and pushes
-    the same weights under the same step label before its rollout): losses, ESS, gradient norms and
+    """2 DDP ranks name one server in `urls` (each rank's engine sends its share of the prompts; rank 0 pushes
+    the weights, rank 1's engine waits until the server carries the step): losses, ESS, gradient norms and
     rollout statistics equal those of 1 process on that server, as test_dist checks for the in-process
     engine, and the ranks train different prompts."""
     from test_dist import _config, _fit, _records
 
     engine = {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"urls": [served], "max_model_len": 256}}
-    runs = {}
+    runs, pushes = {}, {}
     for name, world in (("one", 1), ("ddp", 2)):
-        out = tmp_path / name
+        out, before = tmp_path / name, reloads(served)
         runs[name] = _fit(_config(tiny_model_dir, out, world, "ddp", max_steps=3, extra_data={"engine": engine}), out)
+        pushes[name] = reloads(served) - before
+    assert pushes["ddp"] == pushes["one"] == 3, pushes          # rank 0 alone pushes; rank 1 waits for its step
     one, two = runs["one"], runs["ddp"]
     for key in ("train/loss", "train/ess", "train/grad_norm", "train/tokens", "train/kl_behavior",
                 "rollout/reward_mean", "rollout/reward_std", "rollout/response_len"):
@@ -851,6 +941,30 @@ def test_two_ddp_ranks_sharing_one_server_train_the_one_rank_batch(served, tiny_
     for a, b, s in zip(r0, r1, _records(tmp_path / "one" / "prompts.jsonl"), strict=True):
         assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
         assert sorted(a["prompt_ids"] + b["prompt_ids"]) == sorted(s["prompt_ids"])
+
+
+@pytest.mark.e2e
+@pytest.mark.dist
+def test_two_ranks_async_on_the_dedicated_server_rank_0_launches(tiny_model_dir, tmp_path):
+    """placement: dedicated with a launched server, 2 DDP ranks, async S = 1: rank 0 launches one server,
+    both ranks' worker processes send their own shares to it, and rank 0 alone pushes the weights (each
+    step reloaded once); the rows respect the bound and the ranks train different prompts."""
+    from test_dist import _config, _fit, _records
+
+    log = tmp_path / "server.log"
+    engine = {"class_path": "lit_ess.engines.VLLMServerConfig",
+              "init_args": {"max_model_len": 256, "log_file": str(log), "heartbeat_seconds": None}}
+    data = {"engine": engine, "mode": "async", "placement": "dedicated", "max_staleness": 1, "worker_timeout": 300}
+    got = _fit(_config(tiny_model_dir, tmp_path, 2, "ddp", max_steps=4, steps_per_rollout=2, extra_data=data), tmp_path)
+    assert len(got["train/loss"]) == 4 and max(v for _, v in got["train/policy_lag_max"]) <= 1
+    text = log.read_text()
+    versions = re.findall(r"POST /update_weight_version", text)
+    reloads = re.findall(r"POST /collective_rpc", text)
+    # the label set once at start, then steps 0 and 2 reloaded once each (twice each if every rank pushed)
+    assert (len(reloads), len(versions)) == (2, 3), (len(reloads), len(versions))
+    r0, r1 = _records(tmp_path / "prompts.jsonl"), _records(tmp_path / "prompts.jsonl.rank1")
+    for a, b in zip(r0, r1, strict=True):
+        assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
 
 
 # ---- users' agents through the server (lit_ess.envs.agent) ----

@@ -7,7 +7,7 @@ import torch
 
 from fake_engine import FakeConfig, FakeEngine
 from lit_ess.engines import HFConfig, VLLMConfig
-from lit_ess.engines.vllm_engine import visible_devices
+from lit_ess.engines.base import visible_devices
 from lit_ess.rollout.transport import (NCCL, InProcess, SharedMemory, Ticket, build_transport, drop_tied, packed_buckets,
                                        plan_buckets, update_info, update_kind)
 

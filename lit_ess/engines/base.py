@@ -7,6 +7,7 @@ engine really sampled `token_ids[i]` with (after temperature, top-k and top-p): 
 from __future__ import annotations
 
 import hashlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Iterable, Literal
@@ -68,10 +69,11 @@ class WeightTransfer:
     the carrier (lit_ess/rollout/transport.py: `build_transport`).
 
     kind: "in_process" (the engine reads the trainer's tensors), "shared_memory" (a slot of host shared
-        memory, for an engine in the async worker process) or "nccl" (vLLM's NCCL weight transfer).
+        memory, for an engine in the async worker process), "nccl" (vLLM's NCCL weight transfer) or
+        "version_only" (another trainer rank pushes the weights; the engine is told the step only).
     bucket_mb, engine_ranks: nccl only, the bucket size and the engine's GPU workers.
     """
-    kind: Literal["in_process", "shared_memory", "nccl"]
+    kind: Literal["in_process", "shared_memory", "nccl", "version_only"]
     bucket_mb: float = 256.0
     engine_ranks: int = 1
 
@@ -226,6 +228,19 @@ def require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise ValueError(f"{what} needs CUDA GPUs (and NCCL); this machine has none "
                          f"(torch.cuda.is_available() is False)")
+
+
+def devices_env(devices: list[int] | None) -> dict[str, str]:
+    """The worker process's environment for an engine on `devices` (engine.worker_devices, numbered as
+    this process sees them): its CUDA_VISIBLE_DEVICES; {} for None (the trainer's devices)."""
+    if devices is None:
+        return {}
+    import torch
+
+    require_cuda(f"engine.worker_devices={devices}")
+    if max(devices) >= torch.cuda.device_count():
+        raise ValueError(f"engine.worker_devices={devices}: this process sees {torch.cuda.device_count()} CUDA devices")
+    return {"CUDA_VISIBLE_DEVICES": visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
 def visible_devices(indices: list[int], parent_visible: str | None) -> str:

@@ -25,8 +25,7 @@ from ..console import harmless_stderr_dropped, verbose
 from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
 from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit, derive_seed,
-                   require_cuda,
-                   visible_devices)
+                   devices_env)
 
 
 def _configure_env(kv_cache_gib: float) -> None:
@@ -186,13 +185,7 @@ class VLLMConfig(EngineConfig):
         return WeightTransfer(self.transport, self.bucket_mb, self.engine_ranks())
 
     def worker_env(self) -> dict[str, str]:
-        if self.worker_devices is None:
-            return {}
-        require_cuda(f"engine.worker_devices={self.worker_devices}")
-        if max(self.worker_devices) >= torch.cuda.device_count():
-            raise ValueError(f"engine.worker_devices={self.worker_devices}: this process sees "
-                             f"{torch.cuda.device_count()} CUDA devices")
-        return {"CUDA_VISIBLE_DEVICES": visible_devices(self.worker_devices, os.environ.get("CUDA_VISIBLE_DEVICES"))}
+        return devices_env(self.worker_devices)
 
 
 class VLLMEngine(RolloutEngine):

@@ -70,7 +70,8 @@ from torch import Tensor
 
 from ..knobs import check
 from ..lora import is_adapter_payload
-from .base import Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, capped_limit, derive_seed
+from .base import (Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit,
+                   derive_seed, devices_env)
 from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
@@ -124,6 +125,10 @@ class VLLMServerConfig(EngineConfig):
             --enable-lora --max-lora-rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; servers by URL must
             have been started so (`serve --max-lora-rank`; checked at start). None = off (merged pushes).
             Needs weight_update: drain (an adapter is chosen per request, for its whole length).
+        worker_devices: launched server, async mode: the GPUs it runs on (indices as the trainer's process
+            numbers them, e.g. [4, 5, 6, 7]; add --tensor-parallel-size to server_args to use several).
+            With placement: dedicated, rank 0 launches it there and every rank uses it. None = the rank's
+            own devices (colocated). Needs CUDA: on a machine without it this is an error, not ignored.
     """
 
     urls: list[str] | None = None
@@ -145,6 +150,7 @@ class VLLMServerConfig(EngineConfig):
     weights_dir: str | None = None
     weight_update: Literal["drain", "in_flight"] = "drain"
     max_lora_rank: int | None = None
+    worker_devices: list[int] | None = None
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -170,9 +176,13 @@ class VLLMServerConfig(EngineConfig):
         check("VLLMServerConfig.max_lora_rank", self.max_lora_rank, ge=1, le=LORA_RANKS[-1], integer=True, null=True)
         if not self.urls and (error := lora_dtype_error(torch.cuda.is_available(), self.max_lora_rank, self.dtype)):
             raise ValueError(error)
-        if self.urls and (self.port is not None or self.server_args or self.log_file):
-            raise ValueError("port, server_args and log_file set a launched server; with urls the servers run "
-                             "elsewhere: start them with `python -m lit_ess.engines.serve`")
+        d = self.worker_devices
+        if d is not None and (not d or len(set(d)) != len(d) or any(not isinstance(i, int) or i < 0 for i in d)):
+            raise ValueError(f"VLLMServerConfig.worker_devices must be distinct device indices >= 0 (or null = the "
+                             f"rank's own), got {d}")
+        if self.urls and (self.port is not None or self.server_args or self.log_file or d is not None):
+            raise ValueError("port, server_args, log_file and worker_devices set a launched server; with urls the "
+                             "servers run elsewhere: start them with `python -m lit_ess.engines.serve`")
 
     def exact_dtype(self) -> str | None:
         if self.dtype == "auto" or any(a.split("=")[0] in ("--quantization", "-q", "--kv-cache-dtype")
@@ -199,6 +209,10 @@ class VLLMServerConfig(EngineConfig):
                     "drain, or model.lora.sync: merged")
         return None
 
+    def worker_env(self) -> dict[str, str]:
+        """The async worker process's environment, which the server it launches inherits: its GPUs."""
+        return devices_env(self.worker_devices)
+
     def lora_rank_flag(self) -> int | None:
         """--max-lora-rank of a launched server: vLLM 0.32 takes one of LORA_RANKS, the smallest that holds
         max_lora_rank."""
@@ -206,6 +220,20 @@ class VLLMServerConfig(EngineConfig):
 
     def build(self, model_path: str) -> "VLLMServerEngine":
         return VLLMServerEngine(model_path, self)
+
+
+class FollowerConfig(VLLMServerConfig):
+    """The engine of a trainer rank > 0 whose servers rank 0 pushes to (servers shared by several ranks:
+    `urls` on W ranks, or the dedicated placement's one server). It writes no weights: loading the weights
+    of step v waits until every server carries v or newer (GET /weight_info), and a request's tokens are
+    labelled by the spans as always. Made by the rollout layer (lit_ess/rollout/placement.py
+    `engine_for_rank`) from the user's VLLMServerConfig, never in a config file."""
+
+    def build(self, model_path: str) -> "VLLMServerEngine":
+        return VLLMServerEngine(model_path, self, pushes=False)
+
+    def weight_transfer(self, in_process: bool) -> WeightTransfer:
+        return WeightTransfer("version_only")
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -384,8 +412,11 @@ class VLLMServerEngine(RolloutEngine):
 
     concurrent = True           # generate from any thread: requests go through the client's event loop
 
-    def __init__(self, model_path: str, config: VLLMServerConfig | None = None):
+    def __init__(self, model_path: str, config: VLLMServerConfig | None = None, pushes: bool = True):
+        """`pushes`: this engine writes the weights it loads to the servers; False (FollowerConfig): another
+        trainer rank does, and loading waits for them."""
         c = self.config = config if config is not None else VLLMServerConfig()
+        self.pushes_weights = pushes
         self.model_path, self.version, self.closed = str(model_path), 0, False
         self.startup_seconds, self.pushes = 0.0, 0
         self.weights_path: str | None = None       # the folder the servers loaded last
@@ -418,6 +449,8 @@ class VLLMServerEngine(RolloutEngine):
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
             self.answered = {u: 0.0 for u in self.urls}              # when it last answered a generate request
+            if not pushes:                     # rank 0 may still be launching the server it shares
+                self._run_all([self._await_start(u) for u in self.urls])
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
             self.close()
@@ -426,6 +459,21 @@ class VLLMServerEngine(RolloutEngine):
         if c.heartbeat_seconds is not None:
             self.heartbeat = asyncio.run_coroutine_threadsafe(self._heartbeat(), self.loop)
             self.heartbeat.add_done_callback(self._heartbeat_ended)
+
+    async def _await_start(self, url: str) -> None:
+        """A follower's server: wait up to startup_timeout for its GET /health (rank 0 launches the dedicated
+        placement's server while the other ranks start)."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                if (await self._request(url, "GET", "/health", None, 10.0, "GET /health"))[0] == 200:
+                    return
+            except ServerGone:
+                pass
+            if time.monotonic() - t0 > self.config.startup_timeout:
+                raise ServerGone(f"{self._where(url)} did not answer GET /health within {self.config.startup_timeout:g} s "
+                                 f"(engine.startup_timeout); rank 0 launches or names it: see rank 0's error")
+            await asyncio.sleep(1.0)
 
     async def _heartbeat(self) -> None:
         """Every heartbeat_seconds, GET /health of each server with requests in flight. A server that misses
@@ -615,7 +663,7 @@ class VLLMServerEngine(RolloutEngine):
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
         label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
-        if label == "default":
+        if label == "default" and self.pushes_weights:        # (a follower leaves the label to rank 0)
             await self._call(url, "POST", "/update_weight_version", {"new_version": "0"})   # the weights it started with
         elif self.config.max_lora_rank is not None and label != "0":
             raise ServerError(f"{self._where(url)} holds weights pushed by another run (version {label!r}), not the "
@@ -684,7 +732,12 @@ class VLLMServerEngine(RolloutEngine):
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Write the weights as safetensors into a new folder of weights_dir (renamed into place when
         whole), make every server reload them, label them `version`, reset its prefix cache, check.
-        The whole state dict is held in host memory while the file is written (one file)."""
+        The whole state dict is held in host memory while the file is written (one file).
+        A follower (`pushes` False) gets no tensors: it waits until the servers carry `version`."""
+        if not self.pushes_weights:
+            self._run(self._follow(version))
+            self.version = version
+            return
         it = iter(named_tensors)
         first = next(it, None)
         if first is not None and is_adapter_payload([first[0]]):
@@ -700,6 +753,29 @@ class VLLMServerEngine(RolloutEngine):
         if self.weights_path is not None:
             shutil.rmtree(self.weights_path, ignore_errors=True)      # no server reads it any more
         self.weights_path, self.version = folder, version
+
+    async def _follow(self, version: int) -> None:
+        """Wait until every server in the run carries the weights of step `version` or newer (rank 0 pushes
+        them about when this rank asks); a server gone is out of the run as in generation."""
+        t0 = time.monotonic()
+        while True:
+            behind = {}
+            for url in self._live():
+                try:
+                    label = str((await self._call(url, "GET", "/weight_info"))[1].get("weight_version"))
+                except ServerGone as e:
+                    self._put_out(url, e)
+                    continue
+                if not (label.isdigit() and int(label) >= version):
+                    behind[url] = label
+            if not behind:
+                return
+            if time.monotonic() - t0 > self.config.control_timeout:
+                url, label = next(iter(behind.items()))
+                raise ServerError(f"{self._where(url)} still carries weights {label!r}, not those of step {version}, "
+                                  f"{self.config.control_timeout:g} s after this rank asked for them "
+                                  f"(engine.control_timeout): rank 0 pushes the weights of servers its ranks share")
+            await asyncio.sleep(0.02)
 
     def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
         """LoRA adapters (lit_ess.lora.adapter_weights): a peft folder in weights_dir, loaded by every server as

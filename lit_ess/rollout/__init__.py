@@ -4,13 +4,13 @@ from .batch import Proximal, RolloutBatch, Row, collate
 from .buffer import RolloutBuffer
 from .data import RolloutConsumer, RolloutData
 from .executor import InlineExecutor, RolloutExecutor, WorkerError
-from .placement import build_executor, placed
+from .placement import build_executor, placed, shares_servers
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
 from .receiver import DedicatedWorker, ShareReceiver
 from .worker import EvalRequest, EvalShares, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["DedicatedWorker", "EvalRequest", "EvalShares", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor",
-           "ShareReceiver", "TorchRanks", "build_executor", "in_step", "placed", "PhaseResult", "PhaseShares", "Proximal",
+           "ShareReceiver", "TorchRanks", "build_executor", "in_step", "placed", "shares_servers", "PhaseResult", "PhaseShares", "Proximal",
            "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row",
            "WorkerConfig", "WorkerError", "WorkerProcess", "collate"]

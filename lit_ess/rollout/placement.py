@@ -1,21 +1,30 @@
-"""Where a rank's rollouts run: the executor for (mode, placement, ranks).
+"""Where a rank's rollouts run: the executor for (mode, placement, ranks), and the engine it builds.
 
     sync                 InlineExecutor: the worker in the trainer's process
     async, colocated     WorkerProcess: a worker process per rank, on the rank's own GPU
-    async, dedicated     rank 0's DedicatedWorker generates for every rank; the others' ShareReceiver reads
+    async, dedicated     vLLM servers (VLLMServerConfig): every rank's WorkerProcess sends its own share
+                         to them; other engines: rank 0's DedicatedWorker generates for every rank, the
+                         others' ShareReceiver reads
+
+vLLM servers shared by several ranks (`urls` on W ranks, or the one server rank 0 launches under the
+dedicated placement) take weights from rank 0 alone; the other ranks' engines (`FollowerConfig`) wait
+until the servers carry the step their requests name.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
+from lit_ess.engines import EngineConfig, VLLMServerConfig
 from lit_ess.engines.base import visible_devices
+from lit_ess.engines.vllm_server import FollowerConfig, free_port
 
 from .executor import InlineExecutor, RolloutExecutor
 from .process import WorkerProcess
 from .ranks import Ranks
-from .receiver import dedicated_executor
+from .receiver import dedicated_executor, dedicated_threads, node_address
 from .worker import WorkerConfig
 
 
@@ -25,21 +34,56 @@ def placed(mode: str, placement: str, world: int) -> str:
     return "dedicated" if mode == "async" and placement == "dedicated" and world > 1 else "colocated"
 
 
+def shares_servers(engine: EngineConfig, mode: str, placement: str, world: int) -> bool:
+    """Whether the run's ranks share vLLM servers, rank 0 pushing the weights: servers by URL on several
+    ranks, or the dedicated placement's one launched server."""
+    return isinstance(engine, VLLMServerConfig) and world > 1 and \
+        (bool(engine.urls) or placed(mode, placement, world) == "dedicated")
+
+
+def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Ranks) -> EngineConfig:
+    """The engine config this rank builds (every rank calls it). Servers shared by the ranks: rank 0's is the
+    user's (under the dedicated placement it launches the server, on a port all ranks agree on), the others'
+    a FollowerConfig of the same servers."""
+    if not shares_servers(engine, mode, placement, ranks.world):
+        return engine
+    urls = engine.urls
+    if not urls:                                # dedicated: rank 0 launches it, on this node
+        if len(set(ranks.all_gather(node_address()))) > 1:
+            raise ValueError("placement: dedicated with a launched vLLM server: it listens on 127.0.0.1 of rank 0's "
+                             "node, which ranks on other nodes cannot reach: start servers with `python -m "
+                             "lit_ess.engines.serve` and list them in engine.urls")
+        port = ranks.all_gather((engine.port or free_port()) if ranks.rank == 0 else None)[0]
+        urls = [f"http://127.0.0.1:{port}"]
+        if ranks.rank == 0:
+            return dataclasses.replace(engine, port=port)
+    if ranks.rank == 0:
+        return engine
+    fields = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)}
+    return FollowerConfig(**{**fields, "urls": urls, "port": None, "server_args": [], "log_file": None,
+                             "worker_devices": None})
+
+
 def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,
                    worker_timeout: float) -> RolloutExecutor:
     """This rank's executor (every rank calls it: the dedicated placement exchanges addresses). sync: the
     worker in this process; async colocated: a worker process per rank (on the rank's own GPU); async
-    dedicated: rank 0's worker process generates for all, the other ranks receive."""
+    dedicated: the vLLM servers' share of every rank, or rank 0's worker process generates for all and the
+    other ranks receive."""
+    config = dataclasses.replace(config, engine=engine_for_rank(config.engine, mode, placement, ranks))
     if mode == "sync":
         return InlineExecutor(config, rank=ranks.rank)
-    if placed(mode, placement, ranks.world) == "dedicated":
+    dedicated = placed(mode, placement, ranks.world) == "dedicated"
+    if dedicated and not isinstance(config.engine, VLLMServerConfig):
         return dedicated_executor(config, ranks, worker_timeout)
     own_devices = "CUDA_VISIBLE_DEVICES" in config.engine.worker_env()
-    if ranks.world > 1 and own_devices:
+    if ranks.world > 1 and own_devices and not dedicated:
         raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
                          "rank's worker on the same devices: use placement: dedicated (one worker on those devices)")
     env = None
     if torch.cuda.is_available() and not own_devices:    # the rank's own GPU, not every worker on cuda:0
         env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
                                                        os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    if dedicated and not config.engine.urls:             # rank 0's server generates for every rank: their threads
+        env = {**(env or {}), **dedicated_threads(ranks.world, config.engine.worker_env())}
     return WorkerProcess(config, progress_timeout=worker_timeout, env=env, rank=ranks.rank)

@@ -1,4 +1,4 @@
-"""Weight transport: how the trainer's weights reach the rollout engine. One interface, three carriers.
+"""Weight transport: how the trainer's weights reach the rollout engine. One interface, four carriers.
 
     trainer side                                      engine side (same process, or the worker process)
     ------------                                      -----------------------------------------------
@@ -36,6 +36,8 @@ Each side builds its own transport object from what the engine config asks for
   name, so the engine's workers take the broadcast into host tensors themselves, and the engine writes
   them as a peft folder and serves it as a LoRA request, as it does with adapters from shared memory
   (VLLMEngine.receive_adapter; the CPU test suite does not exercise it).
+* `VersionOnly` (ranks > 0 sharing vLLM servers with rank 0, which pushes): nothing travels; `push`
+  takes part in FSDP2's gathers, `load` tells the engine the step whose weights it waits for.
 """
 from __future__ import annotations
 
@@ -62,7 +64,9 @@ def build_transport(spec: WeightTransfer) -> "WeightTransport":
         return SharedMemory()
     if spec.kind == "nccl":
         return NCCL(spec.bucket_mb, spec.engine_ranks)
-    raise ValueError(f"unknown weight transfer {spec.kind!r}; one of in_process, shared_memory, nccl")
+    if spec.kind == "version_only":
+        return VersionOnly()
+    raise ValueError(f"unknown weight transfer {spec.kind!r}; one of in_process, shared_memory, nccl, version_only")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,20 @@ class InProcess(WeightTransport):
             raise RuntimeError(f"InProcess transport: weights of version {ticket.version} were not pushed")
         engine.load_weights(self._pending[1], ticket.version)
         self._pending = None
+
+
+class VersionOnly(WeightTransport):
+    """Another trainer rank pushes the weights to the engine's servers (lit_ess.engines.vllm_server
+    `FollowerConfig`): this rank consumes its iterator (FSDP2 gathers tensor by tensor on every rank)
+    and copies nothing; the engine is told the step and waits for the servers to carry it."""
+
+    def push(self, named_tensors, version, send, in_use=()):
+        for _ in named_tensors:
+            pass
+        return Ticket(version)
+
+    def load(self, engine, ticket):
+        engine.load_weights((), ticket.version)
 
 
 class SharedMemory(WeightTransport):
