@@ -7,8 +7,8 @@ Goal for (b): async <= 0.6x sync. In (a) generation and training both compute on
 cores, so overlapping them cannot make both faster; the number is reported as measured.
 
 On `--devices` data-parallel ranks (DDP, default 2) async runs in both placements: colocated (a worker
-process per rank, each generating its half) and dedicated (one worker process for the whole phase,
-each rank receiving its share). Runs alternate sync / async for `--rounds` rounds, each a `lit-ess
+process per rank, each with its own in-process vLLM generating its half) and dedicated (every rank's
+worker sends its half to the one vLLM server rank 0 launches: configs/demo_server.yaml's engine). Runs alternate sync / async for `--rounds` rounds, each a `lit-ess
 fit` of `--steps` steps; the first 3 steps of each run are dropped (vLLM warm-up). Reported: the median
 step time over all rounds, and each round's ratio (its async median over the same round's sync median)
 with their median and range, so a machine shared with other jobs shows as spread; the load average
@@ -36,8 +36,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SERVER = yaml.safe_load((ROOT / "configs" / "demo_server.yaml").read_text())["data"]["init_args"]["engine"]
 MODES = {"sync": {"mode": "sync"}, "async colocated": {"mode": "async", "placement": "colocated", "max_staleness": 1},
-         "async dedicated": {"mode": "async", "placement": "dedicated", "max_staleness": 1}}
+         "async dedicated": {"mode": "async", "placement": "dedicated", "max_staleness": 1, "engine": SERVER}}
 
 
 SPLIT = {"gen_s": "rollout/gen_seconds", "reward_s": "rollout/reward_seconds", "train_s": "perf/train_seconds",

@@ -6,7 +6,7 @@
 One schedule, whatever runs the engine: a phase is submitted as soon as the newest weights may
 generate it (the buffer's admission rule, lit_ess/rollout/buffer.py: no row is ever trained more
 than `max_staleness` steps after the weights that sampled it), and the trainer takes one batch per
-step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll, drain)
+step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll)
 decides where the work runs:
 * `mode: sync`: in the trainer's process, at submission (generation blocks training). With the
   default S = steps_per_rollout - 1 a phase is admitted when the trainer needs it, with the weights of
@@ -23,15 +23,13 @@ Data parallel (W ranks): every rank draws the same `prompts_per_rollout` prompts
 order, same cursor) and keeps positions `rank, rank + W, ...`; request seeds use a prompt's position
 in the whole phase. So W ranks sample, between them, exactly the rows one rank would (vllm engine: a
 seed per request; hf seeds per chunk), each group stays whole on one rank (its advantages need it),
-and the ranks' batches never overlap. Async on W ranks has two placements:
-* `colocated` (default): every rank runs its own worker process for its own share (the engines share
-  the trainer's GPUs, or CPU cores);
-* `dedicated`: rank 0 runs one worker process (on its own GPUs, `engine.worker_devices`) that samples
-  the whole phase in one engine call and sends each rank its share directly
-  (lit_ess/rollout/receiver.py); rank 0 plans and submits every phase, the other ranks receive.
-The executor carries the placement (lit_ess/rollout/placement.py `build_executor`): this module runs the
-same schedule under both, asking the executor whether this rank plans (`plans`) and what it submits for
-a phase (`phase_request`).
+and the ranks' batches never overlap. Every rank plans and submits its own share; async on W ranks has
+two placements, which the executor carries (lit_ess/rollout/placement.py `build_executor`):
+* `colocated` (default): every rank's worker process has its own engine (sharing the trainer's GPUs, or
+  CPU cores);
+* `dedicated`: every rank's worker process sends its share to vLLM servers that generation has to itself
+  (engine: VLLMServerConfig; servers by URL, or one rank 0 launches on `engine.worker_devices`); rank 0
+  pushes the weights, the other ranks' engines wait until the servers carry them.
 The ranks wait for their data together (lit_ess/rollout/ranks.py `in_step`): a worker that fails stops
 every rank in the same round, with its error. Whether new weights are needed is decided together too
 (`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
@@ -58,13 +56,13 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig
+from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig, VLLMServerConfig
 from lit_ess.envs import EnvConfig
 from lit_ess.rewards import resolve_reward
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
-from lit_ess.rollout import (EvalRequest, PhaseResult, PhaseShares, RolloutBatch, RolloutBuffer, RolloutConsumer,
-                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step, placed)
+from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutConsumer,
+                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -153,10 +151,11 @@ class RolloutDataModule(L.LightningDataModule):
         steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
         mode: "sync" (generate in this process when the schedule admits a phase; training waits) or
             "async" (a worker process generates ahead while the trainer trains, within max_staleness).
-        placement: async on several ranks: "colocated" (each rank runs a worker process for its own
-            prompts; pick it when the engine shares the trainer's GPUs) or "dedicated" (rank 0 runs one
-            worker process, on `engine.worker_devices` GPUs, that generates the whole phase and sends
-            each rank its share; pick it when generation has GPUs of its own). One rank: the same.
+        placement: async on several ranks: "colocated" (each rank's worker process has its own engine;
+            pick it when the engine shares the trainer's GPUs) or "dedicated" (every rank's worker sends
+            its prompts to vLLM servers of their own, engine: lit_ess.engines.VLLMServerConfig: servers by
+            URL, or one rank 0 launches on `engine.worker_devices`; pick it when generation has GPUs of
+            its own). One rank: the same.
         max_staleness: S, the largest policy lag (optimizer steps between the weights that sampled a
             row and the step that trains on it) ever trained on, >= steps_per_rollout - 1 (0 = on-policy,
             with steps_per_rollout 1). None = steps_per_rollout - 1, the synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
@@ -241,8 +240,12 @@ class RolloutDataModule(L.LightningDataModule):
         if placement not in ("colocated", "dedicated"):
             raise ValueError(f"placement={placement!r} is not one of ('colocated', 'dedicated')")
         if placement == "dedicated" and mode != "async":
-            raise ValueError("placement: dedicated runs one rollout worker process beside the trainers: it needs "
-                             "mode: async (mode: sync generates in each trainer's process)")
+            raise ValueError("placement: dedicated generates on servers beside the trainers: it needs mode: async "
+                             "(mode: sync generates in each trainer's process)")
+        if placement == "dedicated" and not isinstance(engine, VLLMServerConfig):
+            raise ValueError(f"placement: dedicated generates on vLLM servers shared by every rank, not with "
+                             f"{type(engine).__name__}: set data.engine to lit_ess.engines.VLLMServerConfig (urls, or "
+                             f"none: rank 0 launches one on engine.worker_devices)")
         if mode == "sync" and isinstance(engine, EngineConfig) and engine.updates_in_flight():
             raise ValueError("engine.weight_update: in_flight updates the weights of requests being generated, "
                              "which happens only in mode: async (sync generates between steps): set data.mode: "
@@ -379,11 +382,11 @@ class RolloutDataModule(L.LightningDataModule):
             self.submitted[self.executor.submit("phase", self._request(p))] = p
 
     def _admissible(self, version: int, step: int) -> int | None:
-        """The next phase to start, if this rank plans phases (the executor says), weights of `version` may
+        """The next phase to start, if weights of `version` may
         generate it while the trainer's next step is `step`, and fewer than MAX_PHASES_IN_FLIGHT phases are
         being generated."""
         p = min((q for q in self.requests if q not in self.submitted.values()), default=self.next_plan)
-        if (not self.executor.plans or len(self.submitted) >= MAX_PHASES_IN_FLIGHT or version < 0
+        if (len(self.submitted) >= MAX_PHASES_IN_FLIGHT or version < 0
                 or self.buffer.need(p, step) > version):
             return None
         return p
@@ -419,10 +422,10 @@ class RolloutDataModule(L.LightningDataModule):
         return batch
 
     def _wait(self, step: int) -> None:
-        """Wait (about a second at most) for the phase being served to reach the buffer (on a rank that
-        plans, one that was never submitted is an error: the weights never came)."""
+        """Wait (about a second at most) for the phase being served to reach the buffer (one that was never
+        submitted is an error: the weights never came)."""
         p = self.buffer.next_phase
-        if self.executor.plans and p not in self.submitted.values():
+        if p not in self.submitted.values():
             raise RuntimeError(
                 f"no rollout is in flight for phase {p} at step {step}: it needs weights of step >= "
                 f"{self.buffer.need(p, step)}, the engine holds step {self.executor.version}'s. Add "
@@ -455,21 +458,17 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.global_step
 
     # ------------------------------------------------------------------ prompts
-    def _request(self, phase: int) -> RolloutRequest | PhaseShares:
+    def _request(self, phase: int) -> RolloutRequest:
         """This rank's request for `phase`, kept until the phase is in the buffer: the phase's prompts are
-        drawn once (cursor order, the same on every rank), rank r's share is positions r, r + W, ...; the
-        executor says what this rank submits (its share, or under the dedicated placement every rank's)."""
+        drawn once (cursor order, the same on every rank), this rank's share is positions rank, rank + W, ..."""
         if phase not in self.requests:
             if phase != self.next_plan:
                 raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
             idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
-
-            def share(rank: int) -> RolloutRequest:
-                mine = range(rank, len(idx), self.world)
-                return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
-                                      [examples[i].prompt for i in mine], [examples[i].answer for i in mine],
-                                      prompt_keys=list(mine))
-            self.requests[phase] = self.executor.phase_request(phase, [share(r) for r in range(self.world)])
+            mine = range(self.rank, len(idx), self.world)
+            self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
+                                                  [examples[i].prompt for i in mine],
+                                                  [examples[i].answer for i in mine], prompt_keys=list(mine))
             self.next_plan += 1
         return self.requests[phase]
 
@@ -514,8 +513,7 @@ class RolloutDataModule(L.LightningDataModule):
     def evaluate(self, examples: list[tuple[int, str, str]]) -> dict[str, torch.Tensor]:
         """`val_samples` samples per held-out (index, prompt, answer) with `val_sampling` (default: the
         training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`.
-        Every rank calls it equally often (an empty batch keeps a rank in step with the others); under
-        the dedicated placement rank 0's worker evaluates every rank's prompts in one request."""
+        Every rank calls it equally often (an empty batch keeps a rank in step with the others)."""
         req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
                           [i for i, _, _ in examples], self.val_samples, self.val_sampling)
         rid = self.executor.submit("evaluate", req)
@@ -528,11 +526,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict:
-        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts). First
-        the executor drains what every rank must have read for the ranks' states to agree (dedicated
-        placement: the shares already sent, up to the newest phase any rank has)."""
-        if self.executor is not None:
-            self._take(self.executor.drain())
+        """The resumable state; with W ranks, every rank's (each holds its own buffer and prompts)."""
         state = self._local_state()
         if self.world == 1:
             return state
@@ -553,7 +547,6 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _local_state(self) -> dict:
         return {
-            "placement": placed(self.mode, self.placement, self.world),
             **self.prompt_order.state_dict(), "next_plan": self.next_plan,
             "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
@@ -566,12 +559,11 @@ class RolloutDataModule(L.LightningDataModule):
                              "start a new run from its weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
-        was, now = state.get("placement", "colocated"), placed(self.mode, self.placement, self.world)
-        if was != now:
-            raise ValueError(f"this checkpoint's rollouts were placed {was} (data.placement), this run's {now}: resume "
-                             f"with placement: {was}, or start a new run from the checkpoint's weights")
-        self.requests = {r["phase"]: PhaseShares(r["phase"], [RolloutRequest(**x) for x in r["shares"]]) if "shares" in r
-                         else RolloutRequest(**r) for r in state["requests"]}
+        if state.get("placement") == "dedicated":
+            raise ValueError("this checkpoint's rollouts were made by the dedicated worker of earlier lit-ess releases, "
+                             "in which rank 0 planned every rank's phases: this release cannot continue them; start a "
+                             "new run from the checkpoint's weights")
+        self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
         self.skipped_long_prompts = state.get("skipped_long_prompts", 0)

@@ -147,13 +147,13 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/env_errors": SUM,                 # cumulative, each rank's own environments
     "rollout/env_timeouts": SUM,
     # datamodules/rollout.py: the data stream, each rank its own buffer over the same prompt order
-    "rollout/skipped_long_prompts": MAX,       # every rank draws the same prompts (dedicated: rank 0 alone)
+    "rollout/skipped_long_prompts": MAX,       # every rank draws the same prompts
     "data/skipped_rows": RANK_MEAN,
     "rollout/stale_dropped": SUM,
     "rollout/buffer_size": SUM,
     "perf/trainer_wait_frac": MAX,
     "perf/worker_idle_frac": RANK_MEAN,
-    "rollout/phases_in_flight": MAX,           # the most on any rank (dedicated: rank 0 plans them all)
+    "rollout/phases_in_flight": MAX,           # the most on any rank
     "perf/train_seconds": MAX,                 # lit_ess/module.py: forward, backward, clip, optimizer step
     # callbacks/weight_sync.py, callbacks/proximal.py
     "perf/weight_sync_seconds": RANK0,

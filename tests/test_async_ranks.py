@@ -72,15 +72,12 @@ def drive(dm, steps, train_seconds=0.0):
     return out, pushed
 
 
-@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
 @pytest.mark.parametrize("S, k, latency, train", [
     (1, 1, [0.0, 0.05], 0.01), (2, 1, [0.03, 0.0], 0.0), (3, 2, [0.0, 0.02], 0.01), (1, 2, [0.02, 0.02], 0.0)])
-def test_two_ranks_keep_the_bound_push_together_and_split_every_phase(tiny_model_dir, placement, S, k, latency, train):
-    if placement == "dedicated":
-        latency = [latency[0], latency[0]]           # one engine: rank 0's
+def test_two_ranks_keep_the_bound_push_together_and_split_every_phase(tiny_model_dir, S, k, latency, train):
     steps = 8
     res, err = on_two_ranks(lambda dm, r: drive(dm, steps, train), model_dir=tiny_model_dir, S=S, k=k,
-                            latency=latency, placement=placement)
+                            latency=latency)
     assert err == [None, None], err
     (b0, pushed0), (b1, pushed1) = res
     assert pushed0 == pushed1                                   # every rank enters the gather at the same steps
@@ -105,183 +102,49 @@ def _one_rank_phases(model_dir, phases, k):
         dm.teardown("fit")
 
 
-@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
-def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir, placement):
-    """Rank 1's worker (colocated) or the one worker (dedicated) is killed at step 2: both ranks raise
-    within seconds, the rank that saw it with the worker's exit code, the other naming that rank."""
+def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir):
+    """Rank 1's worker is killed at step 2: both ranks raise within seconds, the rank that saw it with the
+    worker's exit code, the other naming that rank."""
     def fn(dm, r):
         dm.push_weights(weights(0), 0)
         for step in range(6):
             dm.next_batch(step)
-            if step == 2 and isinstance(dm.executor, WorkerProcess) and (placement == "dedicated" or r == 1):
+            if step == 2 and isinstance(dm.executor, WorkerProcess) and r == 1:
                 os.kill(dm.executor.proc.pid, 9)
             if dm.wants_weights(step + 1):
                 dm.push_weights(weights(step + 1), step + 1)
         return "finished"
     t0 = time.monotonic()
-    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, S=1, k=1, placement=placement)
+    res, err = on_two_ranks(fn, model_dir=tiny_model_dir, S=1, k=1)
     assert time.monotonic() - t0 < 60
     assert res == [None, None] and all(isinstance(e, (WorkerError, RankFailed)) for e in err), err
-    if placement == "colocated":           # rank 1 saw its worker die; rank 0 names rank 1 and the cause
-        assert isinstance(err[1], WorkerError) and "exit code -9" in str(err[1]), err
-        assert isinstance(err[0], RankFailed) and "rank 1 stopped" in str(err[0]) and "exit code -9" in str(err[0])
-    else:                                  # rank 0 saw its process die, rank 1 its connection close
-        assert any("exit code -9" in str(e) for e in err) or all("exited" in str(e) for e in err), err
+    assert isinstance(err[1], WorkerError) and "exit code -9" in str(err[1]), err       # rank 1 saw it
+    assert isinstance(err[0], RankFailed) and "rank 1 stopped" in str(err[0]) and "exit code -9" in str(err[0])
 
 
-@pytest.fixture(scope="module")
-def dedicated_checkpoint(tiny_model_dir):
-    """The data modules' state_dicts of a dedicated run on two ranks (S = 2, k = 1), taken while phases are
-    in flight and rank 0 has read more than rank 1; with what each rank held and what rank 0 planned."""
-    def run(dm, r):
-        drive(dm, 2)
-        time.sleep(1.0)
-        dm.ranks.all_gather(None)
-        dm.push_weights(weights(2), 2)
-        if r == 0:
-            dm._collect(0)                        # rank 0 reads what has arrived (as in wants_weights)
-            dm._start_admissible(2)               # and submits the admissible phases (as in next_batch)
-        dm.ranks.all_gather(None)
-        time.sleep(1.0)                            # the worker delivers: rank 1's shares wait in its inbox
-        state = dm.state_dict()
-        return state, sorted(dm.buffer.ready), sorted(dm.requests)
-    return on_two_ranks(run, model_dir=tiny_model_dir, S=2, k=1, placement="dedicated")
-
-
-def test_dedicated_checkpoint_agrees_across_ranks_and_resumes(tiny_model_dir, dedicated_checkpoint):
-    """A checkpoint while phases are in flight: rank 0 has read less than rank 1 (or the other way
-    round), and state_dict first brings both to the same phase, so the phases rank 0 regenerates after
-    the resume are exactly those no rank holds. (The drain once let a lagging rank read past the
-    others: the resume then failed with "arrived twice", or waited for ever for a phase no one made.)"""
-    res, err = dedicated_checkpoint
-    assert err == [None, None], err
-    (state, ready0, planned), (_, ready1, _) = res
-    assert ready0 == ready1 and not set(ready1) & set(planned), (ready0, ready1, planned)
-
-    def resume(dm, r):
-        dm.load_state_dict(state)
-        dm.push_weights(weights(2), 2)
-        out = []
-        for step in range(2, 7):
-            out.append(dm.next_batch(step))
-            if dm.wants_weights(step + 1):
-                dm.push_weights(weights(step + 1), step + 1)
-        return [b.phase for b in out]
-    res, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=2, k=1, placement="dedicated")
-    assert err == [None, None], err
-    assert res[0] == res[1] == list(range(2, 7))
-
-
-def test_a_checkpoint_of_one_placement_does_not_resume_under_the_other(tiny_model_dir, dedicated_checkpoint):
-    res, err = dedicated_checkpoint
-    assert err == [None, None], err
-
-    def resume(dm, r):
-        dm.load_state_dict(res[0][0])
-    _, err = on_two_ranks(resume, model_dir=tiny_model_dir, S=2, k=1, placement="colocated")
-    assert all(isinstance(e, ValueError) and "placed dedicated (data.placement), this run's colocated" in str(e)
-               for e in err), err
-
-
-ROUNDS = [[[(0, "1+1=", "2"), (1, "2+2=", "4")], [(2, "3+3=", "6")]],      # [rank 0's, rank 1's]
-          [[(3, "4+4=", "8")], []], [[], []], [[(4, "5+5=", "10")], [(5, "6+6=", "12"), (6, "7+7=", "14")]]]
-
-
-@pytest.fixture(scope="module")
-def dedicated_evaluation(tiny_model_dir):
-    """Each rank's held-out results for ROUNDS on a dedicated run of two ranks, and rank 0's worker's
-    environment."""
-    def fn(dm, r):
-        dm.push_weights(weights(0), 0)
-        return [dm.evaluate(chunks[r]) for chunks in ROUNDS], dict(dm.executor.env) if r == 0 else None
-    return on_two_ranks(fn, model_dir=tiny_model_dir, placement="dedicated", val_samples=2,
-                        reward="e2e_utils:varies_unless_const")
-
-
-def test_dedicated_evaluation_is_one_engine_call_split_between_the_ranks(tiny_model_dir, dedicated_evaluation):
-    """Dedicated placement: rank 0's worker evaluates both ranks' held-out prompts in one engine call and
-    each rank gets its own rows, exactly what one rank evaluating them all gets; a rank with no prompts,
-    or a round where no rank has any, still takes part. (The fake engine's completions depend on a
-    prompt's position in its call, and this reward on the completion: a wrong split shows.)"""
-    rounds, reward = ROUNDS, "e2e_utils:varies_unless_const"
-    res, err = dedicated_evaluation
-    assert err == [None, None], err
-    res = [evals for evals, _ in res]
-    one = make_dm(tiny_model_dir, val_samples=2, reward=reward)
+def test_placement_dedicated_needs_the_server_engine_and_old_dedicated_checkpoints_are_refused(tiny_model_dir):
+    """placement: dedicated is vLLM servers shared by every rank: another engine is refused at once, in one
+    line naming the fix; a checkpoint of the earlier dedicated worker (rank 0 planned every rank's phases)
+    is refused in one line, where continuing it would replay or skip prompts."""
+    with pytest.raises(ValueError, match=r"^placement: dedicated generates on vLLM servers .* not with FakeConfig: "
+                                         r"set data.engine to lit_ess.engines.VLLMServerConfig"):
+        make_dm(tiny_model_dir, placement="dedicated", setup=False)
+    dm = make_dm(tiny_model_dir, mode="sync")
     try:
-        one.push_weights(weights(0), 0)
-        want = [one.evaluate(chunks[0] + chunks[1]) for chunks in rounds]
+        state = {**dm.state_dict(), "placement": "dedicated"}
+        with pytest.raises(ValueError, match=r"^this checkpoint's rollouts were made by the dedicated worker .* start "
+                                             r"a new run from the checkpoint's weights$"):
+            dm.load_state_dict(state)
+        dm.load_state_dict({**state, "placement": "colocated"})            # a colocated one resumes as before
     finally:
-        one.teardown("fit")
-    assert len(set(want[0]["reward"].flatten().tolist())) > 1
-    for i, chunks in enumerate(rounds):
-        n0 = len(chunks[0])
-        for key in ("reward", "length"):
-            assert torch.equal(res[0][i][key], want[i][key][:n0]) and torch.equal(res[1][i][key], want[i][key][n0:])
+        dm.teardown("fit")
 
 
-@pytest.mark.parametrize("connected", [False, True])
-def test_a_receiver_closes_at_once_whether_or_not_the_worker_connected(connected):
-    """Teardown of a rank > 0 (dedicated): close() returns at once and its reader thread ends, both
-    before the worker connected (lit-ess validate: no phase sent) and while a connection is open (the
-    end of fit). A close that handshook with its own listener once hung rank 1 at the end of fit."""
-    from lit_ess.rollout.process import Deliveries
-    from lit_ess.rollout.receiver import ShareReceiver
+def test_the_server_rank_0_launches_on_cpu_gets_every_ranks_threads():
+    """CPU: the one server generates both ranks' shares, so it gets both ranks' threads (OMP_NUM_THREADS =
+    2 x the trainer's torch threads); not where the engine config sets its own, nor on GPUs."""
+    from lit_ess.rollout.placement import dedicated_threads
 
-    r = ShareReceiver()
-    r.start()
-    d = Deliveries([None, r.address])
-    if connected:
-        d.send(1, "a result", (0.0, 1.0))
-        assert r.poll(timeout=5) == [(-1, "a result")]
-    t0 = time.monotonic()
-    r.close()
-    d.close()
-    r.reader.join(timeout=5)
-    assert time.monotonic() - t0 < 5 and not r.reader.is_alive()
-
-
-MEET = threading.Barrier(2, timeout=10)
-
-
-def both_shares_at_once(completion: str, answer: str) -> float:
-    """A reward that returns only when another completion is being scored at the same time (a barrier of
-    two): scored one share after the other, the first call waits 10 s and every later one fails. It
-    raises for the answer "bad" (after meeting)."""
-    MEET.wait()
-    if answer == "bad":
-        raise ValueError("bad answer")
-    return 1.0
-
-
-def test_dedicated_worker_scores_the_shares_at_the_same_time(tiny_model_dir):
-    """Dedicated placement: one worker scores every rank's share, each share by its own scorer at the same
-    time (as each rank scores its own in the other placements), so a reward that waits costs one share's
-    wait per phase, not the sum. The failure counters are the scorers' total, carried by share 0 only."""
-    from lit_ess.rollout.worker import PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
-
-    MEET.reset()
-    cfg = WorkerConfig(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), samples_per_prompt=2,
-                       sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="test_async_ranks:both_shares_at_once")
-    worker = RolloutWorker(cfg, in_process=False)
-    shares = [RolloutRequest(0, [0, 1, 2], [[49, 43, 49]] * 3, ["1+1"] * 3, ["2", "2", "2"], [0, 1, 2]),
-              RolloutRequest(0, [3, 4, 5], [[50, 43, 50]] * 3, ["2+2"] * 3, ["4", "bad", "4"], [3, 4, 5])]
-    try:
-        req = PhaseShares(0, shares)
-        out = worker.score_shares(req, *worker.sample(req.merged()))
-        assert [sorted(x for b in res.batches for x in b.rewards.tolist()) for res in out] == [[1.0] * 6, [0.0] * 2 + [1.0] * 4]
-        assert out[0].reward_counters == {"errors": 2, "timeouts": 0} and out[1].reward_counters == {}
-        assert [res.batches[0].stats["rollout/reward_errors"] for res in out] == [2.0, 0.0]
-        assert worker.counters() == {"errors": 2, "timeouts": 0}
-        worker.load_counters({"errors": 5, "timeouts": 1})            # a resumed run's total
-        assert worker.counters() == {"errors": 5, "timeouts": 1}
-    finally:
-        worker.close()
-
-
-def test_dedicated_worker_on_cpu_gets_every_ranks_threads(dedicated_evaluation):
-    """CPU: the dedicated worker generates both ranks' shares, so its process gets both ranks' threads
-    (OMP_NUM_THREADS = 2 x the trainer's torch threads), where a colocated worker gets its own rank's."""
-    res, err = dedicated_evaluation
-    assert err == [None, None], err
-    assert res[0][1]["OMP_NUM_THREADS"] == str(2 * torch.get_num_threads())
+    want = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": str(2 * torch.get_num_threads())}
+    assert dedicated_threads(2, {}) == want
+    assert dedicated_threads(2, {"OMP_NUM_THREADS": "3"}) == {}

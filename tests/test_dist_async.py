@@ -1,9 +1,10 @@
-"""Async rollouts on 2 data-parallel ranks (gloo, the hf engine, the `lit-ess fit` CLI), both placements.
-One 2-rank sync run is the baseline of every comparison:
-* S = steps_per_rollout - 1: async (colocated, and dedicated) trains exactly the sync run;
+"""Async rollouts on 2 data-parallel ranks (gloo, the hf engine, the `lit-ess fit` CLI), colocated (the
+dedicated placement runs on vLLM servers: test_server.py). One 2-rank sync run is the baseline of every
+comparison:
+* S = steps_per_rollout - 1: async trains exactly the sync run;
 * S = 2: the lag never exceeds S on any rank, each phase's prompts are split, disjoint, between the
   ranks and together are the phase the sync run trained;
-* kill -9 mid-run, then --ckpt_path last (dedicated): no prompt lost or trained twice;
+* kill -9 mid-run, then --ckpt_path last: no prompt lost or trained twice;
 * a killed worker stops both ranks, each with an error that names it."""
 import json
 import os
@@ -71,10 +72,9 @@ def sync_run(tiny_model_dir, tmp_path_factory):
     return fit(config(tiny_model_dir, out, mode="sync"), out), out
 
 
-@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
-def test_async_at_the_sync_lag_trains_the_sync_run_on_two_ranks(tiny_model_dir, tmp_path, sync_run, placement):
+def test_async_at_the_sync_lag_trains_the_sync_run_on_two_ranks(tiny_model_dir, tmp_path, sync_run):
     want, want_dir = sync_run
-    got = fit(config(tiny_model_dir, tmp_path, placement=placement, S=K - 1), tmp_path)
+    got = fit(config(tiny_model_dir, tmp_path, S=K - 1), tmp_path)
     for key in ("train/loss", "train/ess", "train/grad_norm", "rollout/reward_mean"):
         a, b = [v for _, v in want[key]], [v for _, v in got[key]]
         assert len(a) == len(b) == STEPS and b == pytest.approx(a, abs=1e-6), (key, a, b)
@@ -102,11 +102,11 @@ def _same_phases(got, want):
         assert set(Counter(ranks[0] + ranks[1]).values()) == {4}          # 4 samples per prompt, each once
 
 
-def test_dedicated_kill_and_resume_loses_and_duplicates_no_prompt(tiny_model_dir, tmp_path, sync_run):
-    """Dedicated, DDP, S = 2, checkpoints every step: kill -9 after step 3's (mid-phase, the worker
-    ahead), then --ckpt_path last: every phase trained whole on both ranks, no prompt twice, lag <= S."""
+def test_kill_and_resume_loses_and_duplicates_no_prompt(tiny_model_dir, tmp_path, sync_run):
+    """DDP, S = 2, checkpoints every step: kill -9 after step 3's (mid-phase, the workers ahead), then
+    --ckpt_path last: every phase trained whole on both ranks, no prompt twice, lag <= S."""
     S = 2
-    cfg = write_config(config(tiny_model_dir, tmp_path, placement="dedicated", S=S, strategy="ddp", ckpt_every=1),
+    cfg = write_config(config(tiny_model_dir, tmp_path, S=S, strategy="ddp", ckpt_every=1),
                        tmp_path / "config.yaml")
     kill_after_checkpoint(cfg, tmp_path / "ckpt", 3)
     res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"], timeout=600)

@@ -89,30 +89,25 @@ def test_environment_failures_count_as_reward_failures_and_survive_a_checkpoint(
 def test_a_phase_carries_the_environment_counters_its_sampling_left(tiny_model_dir):
     """The worker process scores phase p while its engine samples phase p + 1 (two threads): phase p's
     cumulative environment counters (its batches' rollout/env_errors, the counters a checkpoint keeps)
-    count phases <= p only, also split into every rank's share (dedicated placement: the counters travel
-    with rank 0's share, the others report 0, the sum over ranks is the phase's). Counting p + 1's too
-    would count them twice after a resume, which samples p + 1 again."""
+    count phases <= p only. Counting p + 1's too would count them twice after a resume, which samples
+    p + 1 again."""
     from fake_engine import FakeConfig
-    from lit_ess.rollout import PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
+    from lit_ess.rollout import RolloutRequest, RolloutWorker, WorkerConfig
 
     worker = RolloutWorker(WorkerConfig(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), samples_per_prompt=2,
                                         sampling=SamplingConfig(max_new_tokens=3, seed=0), max_reward_error_rate=1.0,
                                         env=EnvConfig(env=f"{__name__}:AlwaysFails")))
     tok = worker.tokenizer
 
-    def phase(p: int) -> PhaseShares:                        # 2 ranks x 2 prompts x 2 episodes
-        return PhaseShares(p, [RolloutRequest(p, [r, r + 2], [encode_prompt(tok, "1+1=")] * 2, ["1+1="] * 2, ["2"] * 2,
-                                              prompt_keys=[r, r + 2]) for r in range(2)])
+    def phase(p: int) -> RolloutRequest:                     # 4 prompts x 2 episodes
+        return RolloutRequest(p, [0, 1, 2, 3], [encode_prompt(tok, "1+1=")] * 4, ["1+1="] * 4, ["2"] * 4)
     with pytest.warns(UserWarning, match="tool server down"):
-        s0 = worker.sample(phase(0).merged())
-        s1 = worker.sample(phase(1).merged())
+        s0 = worker.sample(phase(0))
+        s1 = worker.sample(phase(1))
     for p, sampled in ((0, s0), (1, s1)):
-        whole = worker.score(phase(p).merged(), *sampled)
+        whole = worker.score(phase(p), *sampled)
         assert whole.reward_counters["env"] == {"errors": 8 * (p + 1), "timeouts": 0}
         assert whole.batches[0].stats["rollout/env_errors"] == 8 * (p + 1)
-        shares = worker.score_shares(phase(p), *sampled)
-        assert [r.reward_counters.get("env") for r in shares] == [{"errors": 8 * (p + 1), "timeouts": 0}, None]
-        assert sum(r.batches[0].stats["rollout/env_errors"] for r in shares) == 8 * (p + 1)
     worker.close()
 
 
@@ -257,7 +252,7 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
 
 @pytest.mark.e2e
 def test_async_multiturn_stays_within_the_lag_bound(warm_start, tmp_path):
-    """The hf engine in the worker process (async multi-turn on vLLM: the dedicated-vllm case below)."""
+    """The hf engine in the worker process (async multi-turn on vLLM: the dedicated-server case below)."""
     S, n = 2, 4
     s = fit(multiturn_config(warm_start, tmp_path, steps=n, mode="async", max_staleness=S, engine=HF))
     lag_max = [v for _, v in s["train/policy_lag_max"]]
@@ -270,23 +265,23 @@ def test_async_multiturn_stays_within_the_lag_bound(warm_start, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("placement, engine", [("colocated", {"class_path": "lit_ess.engines.HFConfig"}),
-                                               ("dedicated", None)], ids=["colocated-hf", "dedicated-vllm"])
+                                               ("dedicated", {"class_path": "lit_ess.engines.VLLMServerConfig"})],
+                         ids=["colocated-hf", "dedicated-server"])
 def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(tiny_model_dir, tmp_path, placement,
                                                                                 engine):
     """The multi-turn config on 2 ranks (DDP, gloo), async with S = 2, from a random policy (wrong answers,
-    so episodes of 3 turns), its own vLLM engine in one worker (dedicated) or the hf engine in each rank's
-    (colocated: two vLLM engines on this CPU cost more than they show). kill -9 after the step-2
+    so episodes of 3 turns), one vLLM server that rank 0 launches and both ranks' workers use (dedicated) or
+    the hf engine in each rank's worker (colocated: two vLLM engines on this CPU cost more than they show). kill -9 after the step-2
     checkpoint, which holds episodes not yet trained (phases planned or sampled for steps >= 2), then
     --ckpt_path last. Every step is trained on both ranks; each phase's prompts are the ones the prompt
     order draws, split between the ranks, and every episode (prompt x sample) is trained once; no row is
     dropped as stale; the lag stays within S, in TensorBoard and on every trained row. The environment
-    fails on some answers: its failure counters go on from the checkpoint's (rank 0's worker holds them
-    under the dedicated placement, each rank's its own under the colocated one)."""
+    fails on some answers: its failure counters go on from the checkpoint's (each rank's worker its own)."""
     S, P, n, steps = 2, 8, 4, 4
     env = {"env": "e2e_utils:FlakyRetry", "kwargs": {"max_tries": 3}, "max_turns": 3, "max_episode_tokens": 96}
     cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=2, devices=2, mode="async",
                            placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n, env=env,
-                           max_reward_error_rate=1.0, **({"engine": engine} if engine else {}))
+                           max_reward_error_rate=1.0, engine=engine)
     kill_after_checkpoint(cfg, tmp_path / "ckpt", 2)
     (ckpt,) = (tmp_path / "ckpt").glob("*step=2*.ckpt")
     ranks = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["ranks"]

@@ -95,8 +95,9 @@ class VLLMConfig(EngineConfig):
         worker_devices: async mode only: where the worker process's engine runs. None (default) =
             colocated: the worker sees the trainer's devices and shares its GPU (leave room with
             gpu_memory_utilization). A list of device indices (as the trainer's process numbers them,
-            e.g. [4, 5, 6, 7]) = dedicated: CUDA_VISIBLE_DEVICES is set for the worker process only.
-            Needs CUDA: on a machine without it this is an error, not ignored.
+            e.g. [4, 5, 6, 7]) = GPUs of its own: CUDA_VISIBLE_DEVICES is set for the worker process only
+            (one trainer rank; several ranks share one generation fleet through placement: dedicated
+            and lit_ess.engines.VLLMServerConfig). Needs CUDA: on a machine without it this is an error, not ignored.
         transport: async mode only: how weights reach the worker's engine. "shared_memory" (default;
             CPU and GPU, through host memory) or "nccl" (vLLM's native weight-transfer API, GPU to GPU;
             needs CUDA and worker_devices, since NCCL cannot put two ranks on one GPU; LoRA adapters of

@@ -7,10 +7,9 @@ from .executor import InlineExecutor, RolloutExecutor, WorkerError
 from .placement import build_executor, placed, shares_servers
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
-from .receiver import DedicatedWorker, ShareReceiver
-from .worker import EvalRequest, EvalShares, PhaseResult, PhaseShares, RolloutRequest, RolloutWorker, WorkerConfig
+from .worker import EvalRequest, PhaseResult, RolloutRequest, RolloutWorker, WorkerConfig
 
-__all__ = ["DedicatedWorker", "EvalRequest", "EvalShares", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor",
-           "ShareReceiver", "TorchRanks", "build_executor", "in_step", "placed", "shares_servers", "PhaseResult", "PhaseShares", "Proximal",
+__all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor",
+           "TorchRanks", "build_executor", "in_step", "placed", "shares_servers", "PhaseResult", "Proximal",
            "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row",
            "WorkerConfig", "WorkerError", "WorkerProcess", "collate"]

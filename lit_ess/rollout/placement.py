@@ -1,10 +1,10 @@
 """Where a rank's rollouts run: the executor for (mode, placement, ranks), and the engine it builds.
 
     sync                 InlineExecutor: the worker in the trainer's process
-    async, colocated     WorkerProcess: a worker process per rank, on the rank's own GPU
-    async, dedicated     vLLM servers (VLLMServerConfig): every rank's WorkerProcess sends its own share
-                         to them; other engines: rank 0's DedicatedWorker generates for every rank, the
-                         others' ShareReceiver reads
+    async, colocated     WorkerProcess: a worker process per rank, its engine on the rank's own GPU
+    async, dedicated     WorkerProcess per rank, each sending its own share to vLLM servers that generation
+                         has to itself (VLLMServerConfig): servers by URL, or one that rank 0 launches on
+                         engine.worker_devices
 
 vLLM servers shared by several ranks (`urls` on W ranks, or the one server rank 0 launches under the
 dedicated placement) take weights from rank 0 alone; the other ranks' engines (`FollowerConfig`) wait
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 import torch
 
@@ -24,13 +25,12 @@ from lit_ess.engines.vllm_server import FollowerConfig, free_port
 from .executor import InlineExecutor, RolloutExecutor
 from .process import WorkerProcess
 from .ranks import Ranks
-from .receiver import dedicated_executor, dedicated_threads, node_address
 from .worker import WorkerConfig
 
 
 def placed(mode: str, placement: str, world: int) -> str:
-    """The placement in force: "dedicated" (one worker, rank 0's, for every rank) is async on several ranks;
-    otherwise each rank generates its own share ("colocated"), whatever the knob says."""
+    """The placement in force: "dedicated" (servers of their own, shared by every rank) is async on several
+    ranks; otherwise each rank's engine is its own ("colocated"), whatever the knob says."""
     return "dedicated" if mode == "async" and placement == "dedicated" and world > 1 else "colocated"
 
 
@@ -66,24 +66,43 @@ def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Rank
 
 def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,
                    worker_timeout: float) -> RolloutExecutor:
-    """This rank's executor (every rank calls it: the dedicated placement exchanges addresses). sync: the
-    worker in this process; async colocated: a worker process per rank (on the rank's own GPU); async
-    dedicated: the vLLM servers' share of every rank, or rank 0's worker process generates for all and the
-    other ranks receive."""
+    """This rank's executor (every rank calls it: servers shared by the ranks are agreed on). sync: the
+    worker in this process; async: a worker process per rank, its engine on the rank's own GPU (colocated)
+    or the servers shared by every rank (dedicated)."""
     config = dataclasses.replace(config, engine=engine_for_rank(config.engine, mode, placement, ranks))
     if mode == "sync":
-        return InlineExecutor(config, rank=ranks.rank)
+        return InlineExecutor(config)
     dedicated = placed(mode, placement, ranks.world) == "dedicated"
-    if dedicated and not isinstance(config.engine, VLLMServerConfig):
-        return dedicated_executor(config, ranks, worker_timeout)
     own_devices = "CUDA_VISIBLE_DEVICES" in config.engine.worker_env()
     if ranks.world > 1 and own_devices and not dedicated:
         raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
-                         "rank's worker on the same devices: use placement: dedicated (one worker on those devices)")
+                         "rank's engine on the same devices: use placement: dedicated with engine: "
+                         "lit_ess.engines.VLLMServerConfig (one server on those devices, shared by every rank)")
     env = None
     if torch.cuda.is_available() and not own_devices:    # the rank's own GPU, not every worker on cuda:0
         env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
                                                        os.environ.get("CUDA_VISIBLE_DEVICES"))}
     if dedicated and not config.engine.urls:             # rank 0's server generates for every rank: their threads
         env = {**(env or {}), **dedicated_threads(ranks.world, config.engine.worker_env())}
-    return WorkerProcess(config, progress_timeout=worker_timeout, env=env, rank=ranks.rank)
+    return WorkerProcess(config, progress_timeout=worker_timeout, env=env)
+
+
+def dedicated_threads(world: int, engine_env: dict[str, str]) -> dict[str, str]:
+    """On CPU cores the one server rank 0 launches generates what `world` ranks' engines would: it gets their
+    threads, OMP_NUM_THREADS = world x this process's torch threads (with 1 thread per rank and 2 ranks, 2,
+    not 1 thread for twice the work). None on GPUs (the server's devices are its own), nor where the engine
+    config sets OMP_NUM_THREADS for its worker."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in engine_env:
+        return {}
+    return {"OMP_NUM_THREADS": str(world * torch.get_num_threads())}
+
+
+def node_address() -> str:
+    """This node's address as the other nodes reach it: the interface that routes to the process group's
+    rendezvous host (MASTER_ADDR; no packet is sent), else the host name."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "1"))))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()

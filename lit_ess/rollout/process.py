@@ -19,8 +19,8 @@ the worker reads while the main thread samples, so the engine takes the weights 
 requests run (and they go on with them). One such load is outstanding at a time: the worker answers
 each with ("loaded", version), and the next push first waits for that answer (a load takes a fraction
 of a second; the slots in use are then those of the queued requests only).
-The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for dedicated
-GPUs). It exits when told to, and the kernel stops it when the trainer process ends (lit_ess.lifetime).
+The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for an engine
+on GPUs of its own, or for the server it launches). It exits when told to, and the kernel stops it when the trainer process ends (lit_ess.lifetime).
 
 A progress watchdog: the worker reports each stage it begins (loading weights, sampling, scoring a
 request) and each result. When a request is in flight and the worker has sent nothing for
@@ -28,8 +28,8 @@ request) and each result. When a request is in flight and the worker has sent no
 kills it and raises a WorkerError that names its pid, its last reported stage and the requests in
 flight, instead of waiting forever. The clock starts at the later of the last message and the
 submission that gave an idle worker work, so time the worker spent idle never counts. With several
-ranks each rank's watchdog watches its own worker (dedicated placement: rank 0's): the rank whose worker
-stalls raises, and the others stop in the same round (lit_ess/rollout/ranks.py `in_step`).
+ranks each rank's watchdog watches its own worker: the rank whose worker stalls raises, and the others
+stop in the same round (lit_ess/rollout/ranks.py `in_step`).
 """
 from __future__ import annotations
 
@@ -39,16 +39,15 @@ import pickle
 import queue
 import time
 import traceback
-from multiprocessing.connection import Client, Connection
 
 import torch
 
 from lit_ess.engines.base import EngineFault
 from lit_ess.rewards import RewardError
 
-from .executor import OwnShare, WorkerError
+from .executor import WorkerError
 from .transport import Ticket, build_transport
-from .worker import EvalShares, PhaseShares, RolloutWorker, WorkerConfig
+from .worker import RolloutWorker, WorkerConfig
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -60,13 +59,10 @@ def cpu_sharing_env() -> dict[str, str]:
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
-class WorkerProcess(OwnShare):
+class WorkerProcess:
     def __init__(self, config: WorkerConfig, start_timeout: float = 600.0, env: dict[str, str] | None = None,
-                 progress_timeout: float = 1800.0, deliver_to: list | None = None, rank: int = 0):
-        """`rank`: the data-parallel rank whose share it generates. `deliver_to` (dedicated placement,
-        lit_ess/rollout/receiver.py `DedicatedWorker`): every rank's receiver address (None for rank 0,
-        which reads the result queue); requests then hold every rank's share."""
-        self.config, self.deliver_to, self.rank = config, deliver_to, rank
+                 progress_timeout: float = 1800.0):
+        self.config = config
         self.transport = build_transport(config.engine.weight_transfer(in_process=False))   # errors before the spawn
         self.env = {**(cpu_sharing_env() if not torch.cuda.is_available() else {}), **config.engine.worker_env(),
                     **(env or {})}
@@ -89,7 +85,7 @@ class WorkerProcess(OwnShare):
         ctx = torch.multiprocessing.get_context("spawn")
         self.requests, self.results, self.updates, self.stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
         self.proc = ctx.Process(target=_child_main, args=(self.config, self.requests, self.results, self.stop, os.getpid(),
-                                                          self.deliver_to, self.updates), name="lit-ess-rollout-worker")
+                                                          self.updates), name="lit-ess-rollout-worker")
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)              # read by the child's OpenMP and vLLM when they load
         try:
@@ -234,8 +230,7 @@ def _parent_alive(pid: int) -> bool:
     return os.getppid() == pid
 
 
-def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, deliver_to: list | None = None,
-                updates=None) -> None:
+def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, updates=None) -> None:
     """The worker process: the main thread samples (engine), a second thread scores (rewards,
     batching) and sends results, so phase p is scored while phase p + 1 is sampled. Results leave in
     request order (one scoring thread, FIFO). In-flight engines: a third thread loads the weights
@@ -257,7 +252,6 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
         results.put(("error", -1, traceback.format_exc(), None))
         return
     results.put(("ready", -1, None, (time.monotonic(),)))
-    deliveries = Deliveries(deliver_to) if deliver_to else None
 
     def report(stage: str) -> None:
         results.put(("stage", -1, stage, (time.monotonic(),)))
@@ -271,14 +265,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             kind, rid, payload, sampled = item
             try:
                 report(f"scoring {_what(kind, payload)} (rewards)")
-                if isinstance(payload, (PhaseShares, EvalShares)):    # dedicated: every rank's share
-                    shares = (worker.score_shares(payload, *sampled) if kind == "phase"
-                              else payload.split(worker.score_eval(payload.merged(), *sampled)))
-                    for r in range(1, len(shares)):                   # the others first: when rank 0 has a
-                        deliveries.send(r, shares[r], (clock["idle"], clock["busy"]))   # phase, every rank's share was sent
-                    out = shares[0]
-                else:
-                    out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
+                out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
                 results.put(("result", rid, pickle.dumps(out),
                              (clock["idle"], clock["busy"], clock["weights"], time.monotonic())))
             except RewardError as e:
@@ -342,9 +329,8 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             if weights is not None:
                 load(weights, "loading the weights of step")
             report(f"sampling {_what(kind, payload)}")
-            whole = payload.merged() if isinstance(payload, (PhaseShares, EvalShares)) else payload
             try:
-                sampled = worker.sample(whole) if kind == "phase" else worker.sample_eval(whole)
+                sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload)
             except RewardError as e:             # an environment that cannot play or fails too often (EnvError): bad
                 results.put(("error", rid, e, None))      # input, one line, as the scorer's in score_loop
                 return
@@ -361,8 +347,6 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             updates.put(None)
             updater.join(timeout=60)
         worker.close()
-        if deliveries is not None:
-            deliveries.close()
         if stop.is_set():
             results.cancel_join_thread()         # exit even if unread results fill the pipe
 
@@ -379,30 +363,4 @@ def _exit_cause(code: int | None) -> str:
 
 
 def _what(kind: str, payload) -> str:
-    if isinstance(payload, PhaseShares):
-        return f"phase {payload.phase} (all {len(payload.shares)} ranks' shares)"
-    if isinstance(payload, EvalShares):
-        return f"{len(payload.merged().prompts)} held-out prompts (all {len(payload.shares)} ranks')"
     return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"
-
-
-Address = tuple[str, int, bytes]          # host, port, authkey of a rank's ShareReceiver
-
-
-class Deliveries:
-    """The worker process's side: one connection per rank > 0, opened at the first send."""
-
-    def __init__(self, addresses: list[Address | None]):
-        self.addresses, self.conns = addresses, {}
-
-    def send(self, rank: int, result, clock: tuple[float, float]) -> None:
-        """`result` for `rank`, with the engine's (idle, busy) seconds so far."""
-        if rank not in self.conns:
-            host, port, key = self.addresses[rank]
-            self.conns[rank] = Client((host, port), authkey=key)
-        conn: Connection = self.conns[rank]
-        conn.send_bytes(pickle.dumps((result, clock)))
-
-    def close(self) -> None:
-        for c in self.conns.values():
-            c.close()

@@ -1,7 +1,7 @@
 """Ranks: the data-parallel group as the rollout side sees it (its position, one collective), and
 `in_step`, the way every rank waits for its rollout data without any rank hanging.
 
-Every rank waits for its own data (its worker's phase, or its share from a dedicated worker). If one
+Every rank waits for its own data (its worker's phase). If one
 rank's worker dies while another rank already has its batch, that other rank would go on into the
 training step's collectives and wait there for a peer that never comes. So the ranks wait together:
 each round, every rank tries (waiting at most about a second), then all exchange (done, error) in one

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -43,9 +42,6 @@ from lit_ess.rewards import RewardScorer
 
 from .batch import RolloutBatch, Row, collate
 from .transport import Ticket, build_transport
-
-
-COUNTERS = ("rollout/reward_errors", "rollout/reward_timeouts", "rollout/env_errors", "rollout/env_timeouts")
 
 
 @dataclass
@@ -62,21 +58,6 @@ class RolloutRequest:
 
 
 @dataclass
-class PhaseShares:
-    """Every rank's share of one phase (the dedicated placement: one worker generates for all ranks)."""
-    phase: int
-    shares: list[RolloutRequest]
-
-    def merged(self) -> RolloutRequest:
-        """One request for the whole phase (sampled in one engine call; the prompt keys, positions in the
-        whole phase, keep each request's seed what it is on its rank)."""
-        ss = self.shares
-        keys = [k for s in ss for k in (s.prompt_keys if s.prompt_keys is not None else range(len(s.prompts)))]
-        return RolloutRequest(self.phase, [i for s in ss for i in s.prompt_ids], [p for s in ss for p in s.prompts],
-                              [t for s in ss for t in s.prompt_texts], [a for s in ss for a in s.answers], keys)
-
-
-@dataclass
 class EvalRequest:
     """Held-out prompts (token ids) with their answers, `n` samples each; `keys` (the prompts'
     positions in the held-out set) derive the request seeds, so any sharding samples the same (vllm
@@ -86,26 +67,6 @@ class EvalRequest:
     keys: list[int]
     n: int = 1
     sampling: SamplingConfig | None = None
-
-
-@dataclass
-class EvalShares:
-    """Every rank's held-out prompts (the dedicated placement: one worker evaluates for all ranks, in one
-    engine call, and sends each rank its own rows)."""
-    shares: list[EvalRequest]
-
-    def merged(self) -> EvalRequest:
-        """One request for every rank's prompts (n and the sampling settings are the same on every rank;
-        the keys, positions in the held-out set, keep each prompt's seed)."""
-        ss = self.shares
-        return EvalRequest([p for s in ss for p in s.prompts], [a for s in ss for a in s.answers],
-                           [k for s in ss for k in s.keys], ss[0].n, ss[0].sampling)
-
-    def split(self, out: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """The merged request's `{"reward": [P, n], "length": [P, n]}`, cut into each rank's rows."""
-        sizes = [len(s.prompts) for s in self.shares]
-        parts = {k: v.split(sizes) for k, v in out.items()}
-        return [{k: v[r] for k, v in parts.items()} for r in range(len(sizes))]
 
 
 @dataclass
@@ -147,8 +108,8 @@ class RolloutWorker:
         self.transport = build_transport(c.engine.weight_transfer(in_process))   # before the engine: fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.scorer = self._new_scorer()
-        self.share_scorers: list[RewardScorer] = []     # dedicated placement: one more per rank > 0 (score_shares)
+        self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
+                                   in_worker=c.reward_in_worker)
         self.runner = None
         if c.env is not None:
             env, limit = c.env, c.engine.model_len(c.model_path)
@@ -157,10 +118,6 @@ class RolloutWorker:
             self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
-
-    def _new_scorer(self) -> RewardScorer:
-        c = self.config
-        return RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate, in_worker=c.reward_in_worker)
 
     @property
     def version(self) -> int:
@@ -179,17 +136,13 @@ class RolloutWorker:
         self.transport.load(self.engine, ticket)
 
     def counters(self) -> dict:
-        """The cumulative failure counters, for checkpoints: the scorers' (summed), and the environment's under "env"."""
-        scorers = [s.state_dict() for s in (self.scorer, *self.share_scorers)]
-        return {**{k: sum(d[k] for d in scorers) for k in scorers[0]},
-                **({"env": self.runner.state_dict()} if self.runner is not None else {})}
+        """The cumulative failure counters, for checkpoints: the scorer's, and the environment's under "env"."""
+        return {**self.scorer.state_dict(), **({"env": self.runner.state_dict()} if self.runner is not None else {})}
 
     def load_counters(self, state: dict) -> None:
         """A resumed run's counters (`counters`); {} leaves them at 0."""
         if state:
             self.scorer.load_state_dict(state)
-            for s in self.share_scorers:             # the total is restored in the first scorer
-                s.load_state_dict({})
             if self.runner is not None:
                 self.runner.load_state_dict(state.get("env", {}))
 
@@ -216,27 +169,25 @@ class RolloutWorker:
         return groups, [e.text() for e in eps], time.perf_counter() - t0, self.runner.state_dict()
 
     def rewards(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]],
-                texts: list[str], scorer: RewardScorer | None = None) -> tuple[torch.Tensor, float]:
-        """The rewards `[P, n]` of a phase's samples, by `scorer` (default: the worker's; an episode's are its
-        environment's), and the seconds they took."""
+                texts: list[str]) -> tuple[torch.Tensor, float]:
+        """The rewards `[P, n]` of a phase's samples (an episode's are its environment's), and the seconds
+        they took."""
         n = self.config.samples_per_prompt
         t0 = time.perf_counter()
         if self.runner is None:
             answers = [a for a in req.answers for _ in range(n)]
-            rewards = torch.tensor((scorer or self.scorer)(texts, answers), dtype=torch.float32).view(len(groups), n)
+            rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
         else:
             rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
         return rewards, time.perf_counter() - t0
 
     def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]], texts: list[str],
-              t_gen: float, env_counters: dict[str, int] | None, rewards: tuple[torch.Tensor, float] | None = None
-              ) -> PhaseResult:
-        """Stage 2, no engine: rewards (`rewards`, the `(rewards [P, n], seconds)` of `self.rewards`, when
-        already scored), group advantages, rows, the phase's batches and statistics. (The worker process
+              t_gen: float, env_counters: dict[str, int] | None) -> PhaseResult:
+        """Stage 2, no engine: rewards, group advantages, rows, the phase's batches and statistics. (The worker process
         runs it in a thread, beside the next phase's sampling: the environment's counters are those `sample`
         left, `env_counters`, not the runner's now.)"""
         c, n = self.config, self.config.samples_per_prompt
-        rewards, t_reward = rewards if rewards is not None else self.rewards(req, groups, texts)
+        rewards, t_reward = self.rewards(req, groups, texts)
         adv, degenerate = group_advantages(rewards, c.advantage)
 
         keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
@@ -290,39 +241,6 @@ class RolloutWorker:
                            phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
         return PhaseResult(req.phase, batches, counts, t_gen)
 
-    def score_shares(self, req: PhaseShares, groups: list[list[Completion]], texts: list[str],
-                     t_gen: float, env_counters: dict[str, int] | None) -> list[PhaseResult]:
-        """Dedicated placement: a phase sampled whole (`PhaseShares.merged`), scored share by share as each
-        rank would score its own. The shares' rewards are scored at the same time, each by its own scorer
-        (a thread each, as every rank scores its own share at the same time in the other placements): a
-        reward that waits (a remote verifier) costs one share's wait per phase, not the sum of all. The
-        counters (the scorers' summed; the environment's as `sample` left them, its episodes having run
-        there) travel once: with share 0 (rank 0's), built last so that they include every share; the others
-        report none, so the sum over ranks (rollout/*_errors add up over ranks, lit_ess.metrics.RULES) is the
-        worker's count."""
-        shares = req.shares
-        n, starts = self.config.samples_per_prompt, [0]
-        for s in shares:
-            starts.append(starts[-1] + len(s.prompts))
-        while len(self.share_scorers) < len(shares) - 1:
-            self.share_scorers.append(self._new_scorer())
-        scorers = [self.scorer, *self.share_scorers]
-
-        def share_rewards(r: int) -> tuple[torch.Tensor, float]:
-            a, b = starts[r], starts[r + 1]
-            return self.rewards(shares[r], groups[a:b], texts[a * n:b * n], scorers[r])
-        with ThreadPoolExecutor(len(shares), thread_name_prefix="lit-ess-share-scorer") as pool:
-            scored = list(pool.map(share_rewards, range(len(shares))))
-        out = [None] * len(shares)
-        for r in reversed(range(len(shares))):
-            a, b = starts[r], starts[r + 1]
-            out[r] = self.score(shares[r], groups[a:b], texts[a * n:b * n], t_gen, env_counters, rewards=scored[r])
-            if r > 0:
-                out[r].reward_counters = {}
-                for batch in out[r].batches:
-                    batch.stats.update({k: 0.0 for k in COUNTERS if k in batch.stats})
-        return out
-
     def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:
         """`req.n` samples per held-out prompt with `req.sampling` (or the training settings): the reward and the
         length of each, `{"reward": [P, n], "length": [P, n]}`."""
@@ -345,8 +263,7 @@ class RolloutWorker:
     def close(self) -> None:
         """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
         executor ends here: InlineExecutor.close (sync), the worker process's exit (async)."""
-        for s in (self.scorer, *self.share_scorers):
-            s.close()
+        self.scorer.close()
         if self.runner is not None:
             self.runner.close()
         self.engine.close()
