@@ -62,7 +62,8 @@ from lit_ess.rewards import resolve_reward
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutConsumer,
-                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step)
+                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step,
+                             shares_servers)
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
 
@@ -328,6 +329,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
         self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
+        if shares_servers(self.engine_config, self.mode, self.placement, self.world):
+            # rank 0's engine labels the servers "-1" as it starts: no rank asks them for weights before that
+            in_step(self.ranks, lambda: self.executor.ready() or None)
 
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -557,12 +561,12 @@ class RolloutDataModule(L.LightningDataModule):
         if "buffer" not in state:
             raise ValueError("this checkpoint's rollout state has no rollout buffer, which resuming needs; "
                              "start a new run from its weights")
-        self.prompt_order.load_state_dict(state)
-        self.next_plan = state["next_plan"]
         if state.get("placement") == "dedicated":
             raise ValueError("this checkpoint's rollouts were made by the dedicated worker of earlier lit-ess releases, "
                              "in which rank 0 planned every rank's phases: this release cannot continue them; start a "
                              "new run from the checkpoint's weights")
+        self.prompt_order.load_state_dict(state)
+        self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])

@@ -65,6 +65,7 @@ from lit_ess.checkpoint import AtomicCheckpointIO, candidates, lock_folder, reso
 from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig, EngineFault  # noqa: E402
+from lit_ess.engines.vllm_server import SHARED_ADAPTERS  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
@@ -212,8 +213,7 @@ class LitESSCLI(LightningCLI):
         dm = self.datamodule
         error = dm.engine_config.adapter_error(lora.rank)
         if error is None and shares_servers(dm.engine_config, dm.mode, dm.placement, self.trainer.world_size):
-            error = ("model.lora.sync: adapter with vLLM servers shared by several ranks (engine.urls, or placement: "
-                     "dedicated): rank 0 alone pushes to them, and takes full weights only: use model.lora.sync: merged")
+            error = SHARED_ADAPTERS
         if error is not None:
             raise ValueError(error)
 

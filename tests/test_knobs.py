@@ -80,7 +80,7 @@ DOCUMENTED = {
     ("VLLMServerConfig", "port", None): "None = a free one",
     ("VLLMServerConfig", "max_lora_rank", None): "None = off (merged pushes)",
     ("VLLMServerConfig", "heartbeat_seconds", None): "None = off",
-    ("VLLMServerConfig", "worker_devices", None): "None = the rank's own devices (colocated)",
+    ("VLLMServerConfig", "worker_devices", None): "None = the rank's own devices (colocated;",
     ("VLLMServerConfig", "worker_devices[]", 0): "the GPUs it runs on (indices as the trainer's process numbers them",
     ("LoRA", "dropout", 0): "dropout: dropout on the adapter's input, in [0, 1) (0 = none)",
     ("Arithmetic", "seed", 0): "seed: draws the example pool (an integer >= 0)",

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, ServerError, ServerGone, free_port,
+from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, LeaderConfig, ServerError, ServerGone, free_port,
                                          served_model_name, server_command, server_env)
 from lit_ess.logprobs import sequence_logprobs
 
@@ -321,13 +321,44 @@ def test_a_follower_pushes_nothing_and_waits_for_the_step_rank_0_pushes(fake_ser
     engine.close()
 
 
+def test_rank_0_of_shared_servers_labels_them_no_step_at_start(fake_server, tiny_model_dir):
+    """A server by URL keeps the label of an earlier run (say step 5): rank 0 relabels it "-1" at start, so a
+    follower resuming at step 3 waits for rank 0's push instead of sampling the old run's weights."""
+    FakeVLLM.defaults["/weight_info"] = {"weight_version": "5"}
+    engine = LeaderConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    assert ("/update_weight_version", {"new_version": "-1"}) in FakeVLLM.bodies
+    engine.close()
+
+
+def test_a_server_rank_0_put_out_is_left_by_the_follower_too(two_fakes, tiny_model_dir, capfd):
+    """Rank 0 stopped pushing to server B (it put B out of the run); B stays at step 2 while A carries 3:
+    control_timeout later the follower leaves B too, with a warning, instead of failing the run."""
+    (a, _, fa), (b, _, fb) = two_fakes
+    fa.answers = {"/weight_info": (200, {"weight_version": "3"})}
+    fb.answers = {"/weight_info": (200, {"weight_version": "2"})}
+    engine = FollowerConfig(urls=[a, b], startup_timeout=10, control_timeout=1).build(tiny_model_dir)
+    t0 = time.perf_counter()
+    engine.load_weights((), version=3)
+    assert 1.0 <= time.perf_counter() - t0 < 10 and engine._live() == [a]
+    assert f"vLLM server {b} still carries weights '2' 1 s after another server took those of step 3" in \
+        capfd.readouterr().err
+    engine.close()
+
+
+def test_worker_devices_of_a_launched_server_need_async():
+    with pytest.raises(ValueError, match="worker_devices places the launched server beside the async worker process: "
+                                         "set data.mode: async"):
+        VLLMServerConfig(worker_devices=[1]).weight_transfer(in_process=True)
+
+
 def test_a_follower_whose_step_never_comes_stops_in_one_line(fake_server, tiny_model_dir):
     FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "2"})}
-    engine = FollowerConfig(urls=[fake_server], startup_timeout=10, control_timeout=1).build(tiny_model_dir)
+    engine = FollowerConfig(urls=[fake_server], startup_timeout=10, control_timeout=0.1, request_timeout=0.5).build(
+        tiny_model_dir)
     with pytest.raises(ServerError) as e:
         engine.load_weights((), version=3)
     assert "\n" not in str(e.value) and fake_server in str(e.value)
-    assert "still carries weights '2', not those of step 3" in str(e.value) and "rank 0 pushes" in str(e.value)
+    assert "still carries weights '2', not those of step 3, 1 s after" in str(e.value) and "rank 0 pushes" in str(e.value)
     engine.close()
 
 
@@ -342,7 +373,7 @@ def test_a_follower_waits_for_the_server_rank_0_is_launching(tiny_model_dir, fak
     assert 2.0 <= time.perf_counter() - t0 < 15
     engine.close()
     stop_fake(later["fake"])
-    with pytest.raises(ServerGone, match="did not answer GET /health within 1 s"):
+    with pytest.raises(ServerGone, match=r"did not answer GET /health within 2 s \(2 x engine.startup_timeout\)"):
         FollowerConfig(urls=[f"http://127.0.0.1:{free_port()}"], startup_timeout=1).build(tiny_model_dir)
 
 
@@ -375,6 +406,7 @@ def test_servers_shared_by_the_ranks_take_weights_from_rank_0_alone(mode, placem
     for t in threads:
         t.join(30)
     said = ["follows" if isinstance(c, FollowerConfig) else "pushes" if c.urls else "launches" for c in got]
+    assert all(isinstance(c, LeaderConfig) for c in got[:1]) == ("follows" in roles)      # rank 0 leads shared servers
     assert said == roles
     if roles == ["launches", "follows"]:           # the follower names the port rank 0 launches on
         assert got[0].port is not None and got[1].urls == [f"http://127.0.0.1:{got[0].port}"]

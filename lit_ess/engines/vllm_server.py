@@ -128,7 +128,8 @@ class VLLMServerConfig(EngineConfig):
         worker_devices: launched server, async mode: the GPUs it runs on (indices as the trainer's process
             numbers them, e.g. [4, 5, 6, 7]; add --tensor-parallel-size to server_args to use several).
             With placement: dedicated, rank 0 launches it there and every rank uses it. None = the rank's
-            own devices (colocated). Needs CUDA: on a machine without it this is an error, not ignored.
+            own devices (colocated; under placement: dedicated, rank 0's, beside its training). Needs
+            CUDA: on a machine without it this is an error, not ignored. Async only.
     """
 
     urls: list[str] | None = None
@@ -213,6 +214,12 @@ class VLLMServerConfig(EngineConfig):
         """The async worker process's environment, which the server it launches inherits: its GPUs."""
         return devices_env(self.worker_devices)
 
+    def weight_transfer(self, in_process: bool) -> WeightTransfer:
+        if in_process and self.worker_devices is not None:
+            raise ValueError("engine.worker_devices places the launched server beside the async worker process: "
+                             "set data.mode: async, or remove it")
+        return super().weight_transfer(in_process)
+
     def lora_rank_flag(self) -> int | None:
         """--max-lora-rank of a launched server: vLLM 0.32 takes one of LORA_RANKS, the smallest that holds
         max_lora_rank."""
@@ -222,18 +229,33 @@ class VLLMServerConfig(EngineConfig):
         return VLLMServerEngine(model_path, self)
 
 
-class FollowerConfig(VLLMServerConfig):
-    """The engine of a trainer rank > 0 whose servers rank 0 pushes to (servers shared by several ranks:
-    `urls` on W ranks, or the dedicated placement's one server). It writes no weights: loading the weights
-    of step v waits until every server carries v or newer (GET /weight_info), and a request's tokens are
-    labelled by the spans as always. Made by the rollout layer (lit_ess/rollout/placement.py
-    `engine_for_rank`) from the user's VLLMServerConfig, never in a config file."""
+class LeaderConfig(VLLMServerConfig):
+    """The engine of rank 0 when its servers are shared by several trainer ranks (`urls` on W ranks, or the
+    dedicated placement's one server): it pushes for every rank, and at start labels every server "-1"
+    (no step), so that the other ranks never take a label left by an earlier run for this run's weights.
+    Made by the rollout layer (lit_ess/rollout/placement.py `engine_for_rank`), never in a config file."""
 
     def build(self, model_path: str) -> "VLLMServerEngine":
-        return VLLMServerEngine(model_path, self, pushes=False)
+        return VLLMServerEngine(model_path, self, role="leads")
+
+
+@dataclass
+class FollowerConfig(VLLMServerConfig):
+    """The engine of a trainer rank > 0 whose servers rank 0 pushes to (see LeaderConfig). It writes no
+    weights: loading the weights of step v waits until every server carries v or newer (GET /weight_info),
+    and a request's tokens are labelled by the spans as always. `exact`: rank 0's engine's exact_dtype
+    (its server_args, e.g. a quantization, are not this config's). Made by the rollout layer, never in a
+    config file."""
+    exact: str | None = None
+
+    def build(self, model_path: str) -> "VLLMServerEngine":
+        return VLLMServerEngine(model_path, self, role="follows")
 
     def weight_transfer(self, in_process: bool) -> WeightTransfer:
         return WeightTransfer("version_only")
+
+    def exact_dtype(self) -> str | None:
+        return self.exact
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -379,6 +401,10 @@ class LaunchedServer:
             pass
 
 
+SHARED_ADAPTERS = ("model.lora.sync: adapter with vLLM servers shared by several ranks (engine.urls, or placement: "
+                   "dedicated): rank 0 alone pushes to them, and takes full weights only: use model.lora.sync: merged")
+
+
 class ServerError(EngineFault):
     """A failed HTTP call to a server: one line with the URL, the call and what came back."""
 
@@ -412,11 +438,13 @@ class VLLMServerEngine(RolloutEngine):
 
     concurrent = True           # generate from any thread: requests go through the client's event loop
 
-    def __init__(self, model_path: str, config: VLLMServerConfig | None = None, pushes: bool = True):
-        """`pushes`: this engine writes the weights it loads to the servers; False (FollowerConfig): another
-        trainer rank does, and loading waits for them."""
+    def __init__(self, model_path: str, config: VLLMServerConfig | None = None,
+                 role: Literal["alone", "leads", "follows"] = "alone"):
+        """`role`: "alone", the servers are this trainer's; "leads" (LeaderConfig), rank 0 of ranks sharing
+        them: it labels them "-1" at start and pushes for all; "follows" (FollowerConfig): a rank > 0, it
+        writes nothing, and loading waits for rank 0's push."""
         c = self.config = config if config is not None else VLLMServerConfig()
-        self.pushes_weights = pushes
+        self.role = role
         self.model_path, self.version, self.closed = str(model_path), 0, False
         self.startup_seconds, self.pushes = 0.0, 0
         self.weights_path: str | None = None       # the folder the servers loaded last
@@ -449,7 +477,7 @@ class VLLMServerEngine(RolloutEngine):
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
             self.answered = {u: 0.0 for u in self.urls}              # when it last answered a generate request
-            if not pushes:                     # rank 0 may still be launching the server it shares
+            if role == "follows":              # rank 0 may still be launching the server it shares
                 self._run_all([self._await_start(u) for u in self.urls])
             self._run_all([self._check_server(u) for u in self.urls])
         except BaseException:
@@ -470,9 +498,9 @@ class VLLMServerEngine(RolloutEngine):
                     return
             except ServerGone:
                 pass
-            if time.monotonic() - t0 > self.config.startup_timeout:
-                raise ServerGone(f"{self._where(url)} did not answer GET /health within {self.config.startup_timeout:g} s "
-                                 f"(engine.startup_timeout); rank 0 launches or names it: see rank 0's error")
+            if time.monotonic() - t0 > 2 * self.config.startup_timeout:      # rank 0's clock starts later
+                raise ServerGone(f"{self._where(url)} did not answer GET /health within {2 * self.config.startup_timeout:g} "
+                                 f"s (2 x engine.startup_timeout); rank 0 launches or names it: see rank 0's error")
             await asyncio.sleep(1.0)
 
     async def _heartbeat(self) -> None:
@@ -663,7 +691,11 @@ class VLLMServerEngine(RolloutEngine):
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
         label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
-        if label == "default" and self.pushes_weights:        # (a follower leaves the label to rank 0)
+        if self.role == "follows":             # rank 0 labels the servers (LeaderConfig)
+            return
+        if self.role == "leads":               # no step yet: a label of an earlier run never passes for this run's
+            await self._call(url, "POST", "/update_weight_version", {"new_version": "-1"})
+        elif label == "default":
             await self._call(url, "POST", "/update_weight_version", {"new_version": "0"})   # the weights it started with
         elif self.config.max_lora_rank is not None and label != "0":
             raise ServerError(f"{self._where(url)} holds weights pushed by another run (version {label!r}), not the "
@@ -733,8 +765,8 @@ class VLLMServerEngine(RolloutEngine):
         """Write the weights as safetensors into a new folder of weights_dir (renamed into place when
         whole), make every server reload them, label them `version`, reset its prefix cache, check.
         The whole state dict is held in host memory while the file is written (one file).
-        A follower (`pushes` False) gets no tensors: it waits until the servers carry `version`."""
-        if not self.pushes_weights:
+        A follower gets no tensors: it waits until the servers carry `version`."""
+        if self.role == "follows":
             self._run(self._follow(version))
             self.version = version
             return
@@ -755,9 +787,13 @@ class VLLMServerEngine(RolloutEngine):
         self.weights_path, self.version = folder, version
 
     async def _follow(self, version: int) -> None:
-        """Wait until every server in the run carries the weights of step `version` or newer (rank 0 pushes
-        them about when this rank asks); a server gone is out of the run as in generation."""
-        t0 = time.monotonic()
+        """Wait until every server in the run carries the weights of step `version` or newer. Rank 0 pushes them
+        when its own next request needs them, which may wait for its phase in flight and for the followers'
+        requests to drain: up to request_timeout + 5 x control_timeout (its write, pause, reload, label, reset).
+        A server still behind control_timeout after another carries `version` was put out of the run by rank 0
+        (it pushes to it no more): out here too. A server gone is out as in generation."""
+        c, t0, ahead_since = self.config, time.monotonic(), None
+        limit = c.request_timeout + 5 * c.control_timeout
         while True:
             behind = {}
             for url in self._live():
@@ -770,12 +806,21 @@ class VLLMServerEngine(RolloutEngine):
                     behind[url] = label
             if not behind:
                 return
-            if time.monotonic() - t0 > self.config.control_timeout:
+            now = time.monotonic()
+            if len(behind) < len(self._live()):
+                ahead_since = ahead_since or now
+                if now - ahead_since > c.control_timeout:
+                    for url, label in behind.items():
+                        self._put_out(url, ServerGone(f"{self._where(url)} still carries weights {label!r} "
+                                                      f"{c.control_timeout:g} s after another server took those of "
+                                                      f"step {version}: rank 0 no longer pushes to it"))
+                    continue
+            if now - t0 > limit:
                 url, label = next(iter(behind.items()))
                 raise ServerError(f"{self._where(url)} still carries weights {label!r}, not those of step {version}, "
-                                  f"{self.config.control_timeout:g} s after this rank asked for them "
-                                  f"(engine.control_timeout): rank 0 pushes the weights of servers its ranks share")
-            await asyncio.sleep(0.02)
+                                  f"{limit:g} s after this rank asked for them (engine.request_timeout + 5 x "
+                                  f"control_timeout): rank 0 pushes the weights of servers its ranks share")
+            await asyncio.sleep(0.1)
 
     def _load_adapter(self, tensors: dict[str, Tensor], version: int) -> None:
         """LoRA adapters (lit_ess.lora.adapter_weights): a peft folder in weights_dir, loaded by every server as
@@ -786,6 +831,8 @@ class VLLMServerEngine(RolloutEngine):
         rank = max(t.shape[0] for n, t in tensors.items() if ".lora_A." in n)
         if (error := self.config.adapter_error(rank)) is not None:
             raise ValueError(error)
+        if self.role == "leads":
+            raise ValueError(SHARED_ADAPTERS)
         self.pushes += 1
         name = f"lit-ess-{self.run_id}-a{self.pushes}"             # this run's: servers by URL outlive it
         tmp = os.path.join(self.weights_root, f".{name}.tmp")
@@ -849,7 +896,9 @@ class VLLMServerEngine(RolloutEngine):
 
     async def _reload(self, url: str, folder: str, version: int) -> None:
         keep = self.config.updates_in_flight()
-        await self._call(url, "POST", "/pause?mode=keep" if keep else "/pause?mode=wait")
+        # drain: the requests running finish first (another rank's, on shared servers): up to request_timeout
+        await self._call(url, "POST", "/pause?mode=keep" if keep else "/pause?mode=wait",
+                         timeout=None if keep else self.config.request_timeout)
         try:
             await self._call(url, "POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": folder}},

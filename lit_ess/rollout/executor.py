@@ -2,6 +2,9 @@
 
     executor = build_executor(config, mode, placement, ranks, worker_timeout)   on every rank, in setup
     executor.start()                               build the engine (or the process that holds it)
+    executor.ready() -> bool                       whether the engine is built (waits up to a second; raises
+                                                   the worker's error): ranks that share servers wait for
+                                                   every rank's before the first push
     executor.load_weights(named_tensors, version)  the weights of optimizer step `version`; every rank
                                                    consumes the iterator (FSDP2 gathers tensor by tensor)
     rid = executor.submit(kind, request)           "phase": this rank's RolloutRequest (its share of the
@@ -47,6 +50,8 @@ class RolloutExecutor(Protocol):
 
     def start(self) -> None: ...
 
+    def ready(self) -> bool: ...
+
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
 
     def submit(self, kind: str, payload) -> int: ...
@@ -72,6 +77,9 @@ class InlineExecutor:
 
     def start(self) -> None:
         self.worker = RolloutWorker(self.config)
+
+    def ready(self) -> bool:
+        return self.worker is not None
 
     @property
     def version(self) -> int:

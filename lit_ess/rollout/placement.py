@@ -20,7 +20,7 @@ import torch
 
 from lit_ess.engines import EngineConfig, VLLMServerConfig
 from lit_ess.engines.base import visible_devices
-from lit_ess.engines.vllm_server import FollowerConfig, free_port
+from lit_ess.engines.vllm_server import FollowerConfig, LeaderConfig, free_port
 
 from .executor import InlineExecutor, RolloutExecutor
 from .process import WorkerProcess
@@ -42,9 +42,9 @@ def shares_servers(engine: EngineConfig, mode: str, placement: str, world: int) 
 
 
 def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Ranks) -> EngineConfig:
-    """The engine config this rank builds (every rank calls it). Servers shared by the ranks: rank 0's is the
-    user's (under the dedicated placement it launches the server, on a port all ranks agree on), the others'
-    a FollowerConfig of the same servers."""
+    """The engine config this rank builds (every rank calls it). Servers shared by the ranks: rank 0's a
+    LeaderConfig of the user's (under the dedicated placement it launches the server, on a port all ranks
+    agree on), the others' a FollowerConfig of the same servers."""
     if not shares_servers(engine, mode, placement, ranks.world):
         return engine
     urls = engine.urls
@@ -55,13 +55,12 @@ def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Rank
                              "lit_ess.engines.serve` and list them in engine.urls")
         port = ranks.all_gather((engine.port or free_port()) if ranks.rank == 0 else None)[0]
         urls = [f"http://127.0.0.1:{port}"]
-        if ranks.rank == 0:
-            return dataclasses.replace(engine, port=port)
-    if ranks.rank == 0:
-        return engine
+        engine = dataclasses.replace(engine, port=port)
     fields = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)}
+    if ranks.rank == 0:
+        return LeaderConfig(**fields)
     return FollowerConfig(**{**fields, "urls": urls, "port": None, "server_args": [], "log_file": None,
-                             "worker_devices": None})
+                             "worker_devices": None}, exact=engine.exact_dtype())
 
 
 def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,

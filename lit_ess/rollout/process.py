@@ -194,6 +194,12 @@ class WorkerProcess:
                           f"(requested: {waiting}); it was stopped. If a stage legitimately takes this long, raise "
                           f"worker_timeout (now {self.progress_timeout:g} s)")
 
+    def ready(self) -> bool:
+        """Whether the worker has built its engine; waits up to a second (raises its error, or after start_timeout)."""
+        if not self.started:
+            self._pending.extend(self.poll(timeout=1.0, _from_wait=True))
+        return self.started
+
     def wait_ready(self, timeout: float) -> None:
         """Block until the worker has built its engine (or raise its error)."""
         deadline = time.monotonic() + timeout
