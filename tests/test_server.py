@@ -353,12 +353,13 @@ def test_worker_devices_of_a_launched_server_need_async():
 
 def test_a_follower_whose_step_never_comes_stops_in_one_line(fake_server, tiny_model_dir):
     FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "2"})}
-    engine = FollowerConfig(urls=[fake_server], startup_timeout=10, control_timeout=0.1, request_timeout=0.5).build(
-        tiny_model_dir)
+    engine = FollowerConfig(urls=[fake_server], startup_timeout=10, control_timeout=0.1, request_timeout=0.5,
+                            server_log="/tmp/rank0-server.log").build(tiny_model_dir)
     with pytest.raises(ServerError) as e:
         engine.load_weights((), version=3)
     assert "\n" not in str(e.value) and fake_server in str(e.value)
     assert "still carries weights '2', not those of step 3, 1 s after" in str(e.value) and "rank 0 pushes" in str(e.value)
+    assert "(launched by rank 0; server log: /tmp/rank0-server.log)" in str(e.value)
     engine.close()
 
 
@@ -408,8 +409,9 @@ def test_servers_shared_by_the_ranks_take_weights_from_rank_0_alone(mode, placem
     said = ["follows" if isinstance(c, FollowerConfig) else "pushes" if c.urls else "launches" for c in got]
     assert all(isinstance(c, LeaderConfig) for c in got[:1]) == ("follows" in roles)      # rank 0 leads shared servers
     assert said == roles
-    if roles == ["launches", "follows"]:           # the follower names the port rank 0 launches on
+    if roles == ["launches", "follows"]:           # the follower names the port rank 0 launches on, and its log
         assert got[0].port is not None and got[1].urls == [f"http://127.0.0.1:{got[0].port}"]
+        assert got[0].log_file and got[1].server_log == got[0].log_file and got[1].log_file is None
     elif "follows" in roles:
         assert got[1].urls == urls and got[1].port is None
 

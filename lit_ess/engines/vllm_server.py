@@ -244,12 +244,14 @@ class FollowerConfig(VLLMServerConfig):
     """The engine of a trainer rank > 0 whose servers rank 0 pushes to (see LeaderConfig). It writes no
     weights: loading the weights of step v waits until every server carries v or newer (GET /weight_info),
     and a request's tokens are labelled by the spans as always. `exact`: rank 0's engine's exact_dtype
-    (its server_args, e.g. a quantization, are not this config's). Made by the rollout layer, never in a
+    (its server_args, e.g. a quantization, are not this config's); `server_log`: the log of the server rank 0
+    launches (placement: dedicated), named in this rank's errors too. Made by the rollout layer, never in a
     config file."""
     exact: str | None = None
+    server_log: str | None = None
 
     def build(self, model_path: str) -> "VLLMServerEngine":
-        return VLLMServerEngine(model_path, self, role="follows")
+        return VLLMServerEngine(model_path, self, role="follows", server_log=self.server_log)
 
     def weight_transfer(self, in_process: bool) -> WeightTransfer:
         return WeightTransfer("version_only")
@@ -439,12 +441,13 @@ class VLLMServerEngine(RolloutEngine):
     concurrent = True           # generate from any thread: requests go through the client's event loop
 
     def __init__(self, model_path: str, config: VLLMServerConfig | None = None,
-                 role: Literal["alone", "leads", "follows"] = "alone"):
+                 role: Literal["alone", "leads", "follows"] = "alone", server_log: str | None = None):
         """`role`: "alone", the servers are this trainer's; "leads" (LeaderConfig), rank 0 of ranks sharing
         them: it labels them "-1" at start and pushes for all; "follows" (FollowerConfig): a rank > 0, it
-        writes nothing, and loading waits for rank 0's push."""
+        writes nothing, and loading waits for rank 0's push. `server_log`: the log of a server another rank
+        launched, for this engine's errors."""
         c = self.config = config if config is not None else VLLMServerConfig()
-        self.role = role
+        self.role, self.server_log = role, server_log
         self.model_path, self.version, self.closed = str(model_path), 0, False
         self.startup_seconds, self.pushes = 0.0, 0
         self.weights_path: str | None = None       # the folder the servers loaded last
@@ -581,7 +584,7 @@ class VLLMServerEngine(RolloutEngine):
 
     def _where(self, url: str) -> str:
         if self.server is None or self.server.url != url:
-            return f"vLLM server {url}"
+            return f"vLLM server {url}" + (f" (launched by rank 0; server log: {self.server_log})" if self.server_log else "")
         rc = self.server.proc.poll()
         exited = "" if rc is None else f" (exited with code {rc})"
         return f"vLLM server {url}{exited}; server log: {self.server.log_file}"

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import tempfile
+import uuid
 
 import torch
 
@@ -54,13 +56,16 @@ def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Rank
                              "node, which ranks on other nodes cannot reach: start servers with `python -m "
                              "lit_ess.engines.serve` and list them in engine.urls")
         port = ranks.all_gather((engine.port or free_port()) if ranks.rank == 0 else None)[0]
+        log = engine.log_file or os.path.join(tempfile.gettempdir(), f"lit-ess-vllm-server-{port}-{uuid.uuid4().hex[:6]}.log")
+        log = ranks.all_gather(log)[0]                  # rank 0's: every rank's errors name it
         urls = [f"http://127.0.0.1:{port}"]
-        engine = dataclasses.replace(engine, port=port)
+        engine = dataclasses.replace(engine, port=port, log_file=log)
     fields = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)}
     if ranks.rank == 0:
         return LeaderConfig(**fields)
     return FollowerConfig(**{**fields, "urls": urls, "port": None, "server_args": [], "log_file": None,
-                             "worker_devices": None}, exact=engine.exact_dtype())
+                             "worker_devices": None}, exact=engine.exact_dtype(),
+                          server_log=None if engine.urls else engine.log_file)
 
 
 def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,
