@@ -55,9 +55,9 @@ def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Rank
             raise ValueError("placement: dedicated with a launched vLLM server: it listens on 127.0.0.1 of rank 0's "
                              "node, which ranks on other nodes cannot reach: start servers with `python -m "
                              "lit_ess.engines.serve` and list them in engine.urls")
-        port = ranks.all_gather((engine.port or free_port()) if ranks.rank == 0 else None)[0]
+        port = engine.port or free_port()               # rank 0's port and log, which every rank's errors name
         log = engine.log_file or os.path.join(tempfile.gettempdir(), f"lit-ess-vllm-server-{port}-{uuid.uuid4().hex[:6]}.log")
-        log = ranks.all_gather(log)[0]                  # rank 0's: every rank's errors name it
+        port, log = ranks.all_gather((port, log))[0]
         urls = [f"http://127.0.0.1:{port}"]
         engine = dataclasses.replace(engine, port=port, log_file=log)
     fields = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)}
