@@ -385,10 +385,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     t0 = time.time()
     threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
-    sfts = {}
-    for warm in a.warm_starts:    # each warm start: its SFT model and its own baselines, once
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:    # each warm start's SFT model, once: --jobs at a time
+        sfts = dict(zip(a.warm_starts, pool.map(lambda w: prepare_base(warm_root(out, w), scale, threads, w),
+                                                a.warm_starts)))
+    for warm in a.warm_starts:    # and its own baselines
         w_out, w_sum = warm_root(out, warm), warm_root(summaries, warm)
-        sfts[warm] = prepare_base(w_out, scale, threads, warm)
         for temp in sorted({temperature(c) for w, _, c, _ in todo if w == warm} | {1.0}):
             d = base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
             for name in names:    # beside the experiment's runs too: what its section's baseline was
