@@ -41,6 +41,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -98,6 +99,9 @@ def warm_root(root: Path, warm: int) -> Path:
     return root if warm == 0 else root / f"warm{warm}"
 
 
+_IN_PROCESS = threading.Lock()
+
+
 def prepare_base(out: Path, scale: Scale, threads: int | None = None, warm: int = 0) -> Path:
     """The tiny model, its SFT warm start (30% wrong labels: samples the right sum about half the time).
     `warm`: the SFT seed (initial weights, data order, which labels are wrong); 0 is configs/demo_sft.yaml's."""
@@ -105,9 +109,10 @@ def prepare_base(out: Path, scale: Scale, threads: int | None = None, warm: int 
     sft = base / "sft"
     if (sft / "config.json").exists() and (base / "sft.done").exists():
         return sft
-    from lit_ess.tiny import build_tiny_model
+    with _IN_PROCESS:       # torch's global RNG seeds the init: one warm start's build at a time
+        from lit_ess.tiny import build_tiny_model
 
-    build_tiny_model(base / "init", seed=warm)
+        build_tiny_model(base / "init", seed=warm)
     cfg = yaml.safe_load((ROOT / "configs" / "demo_sft.yaml").read_text())
     if warm:
         apply(cfg, {"seed_everything": warm, "data.init_args.seed": warm})
@@ -385,10 +390,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     t0 = time.time()
     threads = max(1, (os.cpu_count() or 1) // a.jobs) if a.jobs > 1 else None
-    sfts = {}
-    for warm in a.warm_starts:    # each warm start: its SFT model and its own baselines, once
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:    # each warm start's SFT model, once: --jobs at a time
+        sfts = dict(zip(a.warm_starts, pool.map(lambda w: prepare_base(warm_root(out, w), scale, threads, w),
+                                                a.warm_starts)))
+    for warm in a.warm_starts:    # and its own baselines
         w_out, w_sum = warm_root(out, warm), warm_root(summaries, warm)
-        sfts[warm] = prepare_base(w_out, scale, threads, warm)
         for temp in sorted({temperature(c) for w, _, c, _ in todo if w == warm} | {1.0}):
             d = base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
             for name in names:    # beside the experiment's runs too: what its section's baseline was
