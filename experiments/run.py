@@ -6,6 +6,7 @@
     python -m experiments.run all --quick         # 1 seed, 4 steps, the first cell of each: proves the pipeline (CI)
     python -m experiments.run --select decisive --seeds 0-7 --jobs 2          # more seeds where they decide something
     python -m experiments.run --select headline --seeds 0-7 --warm-starts 1,2 # the headline cells from other warm starts
+    python -m experiments.run --select resolved --seeds 0-7 --jobs 2          # more seeds behind every difference called
     python -m experiments.run --cells 'stress_s/p3o_*' --seeds 3,4            # cells by pattern (<experiment>/<cell>)
 
 Runs land in `runs/experiments/<experiment>/<cell>/seed<k>/` (`--quick`: runs/experiments-quick): the
@@ -51,7 +52,7 @@ import yaml
 from lit_ess.console import quiet_console
 
 from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, base_folder, temperature
-from .report import decisive, read_csv, write_report
+from .report import decisive, read_csv, resolved, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "experiments" / "results"
@@ -286,13 +287,16 @@ REMEDY = "temperature/p3o_T*_processed_k4*"
 def selection(name: str, summaries: Path, scale: Scale) -> list[str]:
     """A named set of cells (`<experiment>/<cell>` patterns). `headline`: HEADLINE. `decisive`: every
     stress line's breaking level and the level below, from the stored summaries (report.decisive; rerun
-    after new seeds, a break may move), the headline cells and the remedy cells at every temperature."""
+    after new seeds, a break may move), the headline cells and the remedy cells at every temperature.
+    `resolved`: both cells of every difference the page calls resolved (report.resolved)."""
     if name == "headline":
         return list(HEADLINE)
+    if name == "resolved":
+        return [f"{e}/{c}" for e, c in resolved(summaries, scale)]
     return [f"{e}/{c}" for e, c in decisive(summaries, scale)] + HEADLINE + [REMEDY]
 
 
-SELECTIONS = ("decisive", "headline")
+SELECTIONS = ("decisive", "headline", "resolved")
 
 
 def plan(names: list[str], include: list[str], only: list[str], scale: Scale, seeds: list[int],
@@ -355,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="only cells matching <experiment>/<cell> (fnmatch, repeatable): 'stress_s/p3o_lr5e-4_*'")
     p.add_argument("--select", action="append", default=[], choices=SELECTIONS,
                    help="a named set of cells: decisive (breaking levels and the level below, the headline and "
-                        "remedy cells), headline (P3O vs GRPO at S = 4 and 8, the remedy at T = 1.5)")
+                        "remedy cells), headline (P3O vs GRPO at S = 4 and 8, the remedy at T = 1.5), resolved "
+                        "(both cells of every difference the page calls resolved)")
     p.add_argument("--dry-run", action="store_true", help="no run: how many runs are to make and how long they take")
     p.add_argument("--out", default=None, help="runs folder (default runs/experiments, or runs/experiments-quick)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each with cores / jobs threads")

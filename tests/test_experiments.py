@@ -402,6 +402,21 @@ def test_selections_name_existing_cells_and_decisive_follows_the_breaks(tmp_path
         f"p3o_T{t}_processed_k4{a}" for t in (0.6, 1.2, 1.5) for a in ("", "_anchor")}
 
 
+def test_resolved_selects_both_cells_of_every_difference_the_page_calls(tmp_path):
+    """resolved: a pair whose means' (or collapse counts') intervals are apart, both cells; not a pair
+    whose intervals overlap, nor a cell without a partner."""
+    from experiments.run import plan, selection
+
+    _summary(tmp_path / "_base" / "val", 0.5)
+    for s, (hi, lo, near) in enumerate([(0.80, 0.30, 0.79), (0.81, 0.31, 0.70), (0.82, 0.32, 0.81)]):
+        _summary(tmp_path / "clip" / "p3o" / f"seed{s}", hi)
+        _summary(tmp_path / "clip" / "grpo_eps0.2" / f"seed{s}", lo)        # apart from p3o
+        _summary(tmp_path / "clip" / "grpo_eps0.4" / f"seed{s}", near)      # overlaps p3o
+    assert selection("resolved", tmp_path, FULL) == ["clip/p3o", "clip/grpo_eps0.2"]
+    chosen = plan([], selection("resolved", tmp_path, FULL), [], FULL, list(range(8)), [0])
+    assert {(n, c.label) for _, n, c, _ in chosen} == {("clip", "p3o"), ("clip", "grpo_eps0.2")} and len(chosen) == 16
+
+
 # --- the page's intervals and sentences ---------------------------------------------------------------
 
 def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp_path):
@@ -421,7 +436,9 @@ def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp
     assert "| 0.610 [0.600, 0.620] |" in next(line for line in page.splitlines() if line.startswith("| p3o | 3/3"))
     assert "**Not resolved** (the means' intervals overlap): `p3o` vs `grpo_eps0.2`" in page
     claims = page.split("## What this evidence says about the paper's claims")[1]
-    assert "T = 1.5: 0.735 vs 0.235, resolved above" in claims and "not resolved in 1 (clip/`p3o`)" in claims
+    assert "T = 1.5: 0.735 vs 0.235, resolved above" in claims and "not resolved in 1 (of 1 settings)" in claims
+    assert "| clip/`p3o` | 0.610 [0.600, 0.620] (3) | `grpo_eps0.2` 0.620 [0.610, 0.630] (3) | **not resolved** |" \
+        in claims
     assert "## Warm starts" not in page
     # a second warm start: its own section, each difference per warm start
     _summary(tmp_path / "warm1" / "_base" / "val", 0.6)
