@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--select", action="append", default=[], choices=SELECTIONS,
                    help="a named set of cells: decisive (breaking levels and the level below, the headline and "
                         "remedy cells), headline (P3O vs GRPO at S = 4 and 8, the remedy at T = 1.5), resolved "
-                        "(both cells of every difference the page calls resolved)")
+                        "(both cells of every pair a section tests whose intervals are apart)")
     p.add_argument("--dry-run", action="store_true", help="no run: how many runs are to make and how long they take")
     p.add_argument("--out", default=None, help="runs folder (default runs/experiments, or runs/experiments-quick)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each with cores / jobs threads")
@@ -387,6 +387,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"results: {write_report(summaries, results, scale, command)}", flush=True)
         return
     include = [q for sel in a.select for q in selection(sel, summaries, scale)]
+    if a.select and not include:          # an empty selection is nothing to make, never every cell
+        print(f"--select {' '.join(a.select)}: no cell selected from the summaries in {summaries}: nothing to make",
+              flush=True)
+        return
     todo = plan(names, include, a.cells, scale, seeds, a.warm_starts)
     if not todo:
         p.error(f"no cell matches --cells {' '.join(a.cells)} (fnmatch on <experiment>/<cell>)")

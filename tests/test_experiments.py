@@ -417,6 +417,39 @@ def test_resolved_selects_both_cells_of_every_difference_the_page_calls(tmp_path
     assert {(n, c.label) for _, n, c, _ in chosen} == {("clip", "p3o"), ("clip", "grpo_eps0.2")} and len(chosen) == 16
 
 
+def test_an_empty_selection_makes_nothing(tmp_path, capsys):
+    """No difference resolved: `--select resolved` makes nothing (an empty include must not mean every cell)."""
+    from experiments.run import main
+
+    _summary(tmp_path / "_base" / "val", 0.5)
+    for s, (a, b) in enumerate([(0.70, 0.69), (0.72, 0.73), (0.71, 0.70)]):
+        _summary(tmp_path / "clip" / "p3o" / f"seed{s}", a)
+        _summary(tmp_path / "clip" / "grpo_eps0.2" / f"seed{s}", b)
+    main(["--select", "resolved", "--seeds", "0-7", "--summaries", str(tmp_path), "--out", str(tmp_path / "runs"),
+          "--dry-run"])
+    out = capsys.readouterr().out
+    assert "no cell selected" in out and "nothing to make" in out and "runs planned" not in out
+
+
+def test_claims_verdict_agrees_with_every_baselines_interval():
+    """The claims row tests P3O against every baseline, not only the highest mean: above the highest but
+    overlapping a wide lower one is 'above some'; below a narrow lower one is 'below some' even when the
+    highest mean's wide interval overlaps P3O's."""
+    from experiments.report import CellStats, claims
+
+    def row(p3o, eps02, eps04):
+        stats = {("clip", c): CellStats(v, 0, 3) for c, v in (("p3o", p3o), ("grpo_eps0.2", eps02),
+                                                                ("grpo_eps0.4", eps04))}
+        return next(line for line in claims(stats, FULL) if line.startswith("| clip/`p3o` |"))
+
+    a = row([0.80, 0.81, 0.82], [0.70, 0.705, 0.71], [0.20, 0.85, 0.30])
+    assert "| `grpo_eps0.2` 0.705 [0.700, 0.710] (3) | **above some, below none** (above `grpo_eps0.2`) |" in a
+    b = row([0.50, 0.52, 0.54], [0.68, 0.69, 0.70], [0.40, 0.95, 0.90])
+    assert "`grpo_eps0.4`" in b and "**below some** (below `grpo_eps0.2`) |" in b
+    assert "**above every baseline** |" in row([0.90, 0.91, 0.92], [0.50, 0.51, 0.52], [0.60, 0.61, 0.62])
+    assert "**not resolved against any** |" in row([0.60, 0.70, 0.80], [0.65, 0.70, 0.75], [0.62, 0.66, 0.70])
+
+
 # --- the page's intervals and sentences ---------------------------------------------------------------
 
 def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp_path):
@@ -436,8 +469,8 @@ def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp
     assert "| 0.610 [0.600, 0.620] |" in next(line for line in page.splitlines() if line.startswith("| p3o | 3/3"))
     assert "**Not resolved** (the means' intervals overlap): `p3o` vs `grpo_eps0.2`" in page
     claims = page.split("## What this evidence says about the paper's claims")[1]
-    assert "T = 1.5: 0.735 vs 0.235, resolved above" in claims and "not resolved in 1 (of 1 settings)" in claims
-    assert "| clip/`p3o` | 0.610 [0.600, 0.620] (3) | `grpo_eps0.2` 0.620 [0.610, 0.630] (3) | **not resolved** |" \
+    assert "T = 1.5: 0.735 vs 0.235, resolved above" in claims and "not resolved against any in 1 (of 1 settings)" in claims
+    assert "| clip/`p3o` | 0.610 [0.600, 0.620] (3) | `grpo_eps0.2` 0.620 [0.610, 0.630] (3) | **not resolved against any** |" \
         in claims
     assert "## Warm starts" not in page
     # a second warm start: its own section, each difference per warm start
