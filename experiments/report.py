@@ -535,9 +535,10 @@ def _stress_differences(name: str, exp, stats: dict[tuple[str, str], CellStats],
     return out + [""]
 
 
-def claims(stats: dict[tuple[str, str], CellStats], scale: Scale) -> list[str]:
+def claims(stats: dict[tuple[str, str], CellStats], scale: Scale, more: list[str] = ()) -> list[str]:
     """What the intervals support about the paper's claims, made from the same tests as the sections:
-    P3O against the best baseline in every setting where both ran, where each method breaks, the remedy."""
+    P3O against the best baseline in every setting where both ran, where each method breaks, the remedy;
+    `more`: bullets made elsewhere (whether a conclusion holds from other warm starts)."""
     rows, verdicts = [], {"above every baseline": 0, "above some, below none": 0, "below some": 0,
                           "not resolved against any": 0}
     for name, exp in EXPERIMENTS.items():
@@ -605,15 +606,16 @@ def claims(stats: dict[tuple[str, str], CellStats], scale: Scale) -> list[str]:
     if text:
         lines.append("- **The KL anchor at the trainer's temperature** (`kl_anchor: behavior_at_train_temperature` "
                      "against the paper's anchor pi_b, 4 steps per rollout): " + "; ".join(text) + ".")
-    return lines + [""]
+    return lines + list(more) + [""]
 
 
-def _warm_starts(summaries: Path, scale: Scale, base: float) -> list[str]:
+def _warm_starts(summaries: Path, scale: Scale, base: float) -> tuple[list[str], list[str]]:
     """The cells run from other warm starts (`warm<w>/` beside warm start 0's summaries): each cell's
-    mean and collapses per warm start, and whether each tested difference comes out the same."""
+    mean and collapses per warm start, and whether each tested difference comes out the same; and the
+    claims section's bullet on it (empty without other warm starts)."""
     roots = {0: summaries} | {int(d.name[4:]): d for d in sorted(summaries.glob("warm*")) if d.name[4:].isdigit()}
     if len(roots) == 1:
-        return []
+        return [], []
     bases = {w: _base(root, 1.0) for w, root in roots.items()}
     stats = {w: cell_stats(root, b, scale) for w, root in roots.items() if (b := bases[w]) is not None}
     shown = sorted({key for w, st in stats.items() if w for key in st},
@@ -629,7 +631,7 @@ def _warm_starts(summaries: Path, scale: Scale, base: float) -> list[str]:
     for name, label in shown:
         lines.append(f"| {name}/`{label}` | " + " | ".join(stats[w].get((name, label), CellStats([], 0, 0)).text()
                                                           for w in ws) + " |")
-    verdicts = []
+    verdicts, same_all, depends = [], [], []
     for name, exp in EXPERIMENTS.items():
         for a, b in pairs(name, exp):
             if (name, a) not in shown or (name, b) not in shown:
@@ -642,10 +644,17 @@ def _warm_starts(summaries: Path, scale: Scale, base: float) -> list[str]:
                 d = apart(sa.mean_ci(), sb.mean_ci())
                 per.append((w, "above" if d > 0 else "below" if d < 0 else "not resolved"))
             if len(per) > 1:
-                same = "the same from every warm start" if len({v for _, v in per}) == 1 else "depends on the warm start"
+                alike = len({v for _, v in per}) == 1
+                same = "the same from every warm start" if alike else "depends on the warm start"
                 verdicts.append(f"- {name}/`{a}` against `{b}`: " + ", ".join(f"warm start {w} {v}" for w, v in per)
                                 + f": {same}.")
-    return lines + [""] + (verdicts + [""] if verdicts else [])
+                (same_all if alike else depends).append(
+                    f"`{a}` vs `{b}` ({', '.join(v for _, v in per)})")
+    claim = [f"- **Does a conclusion depend on the starting policy?** From {len(ws)} warm starts (held-out pass@1 "
+             f"{', '.join(f'{bases[w]:.3f}' for w in ws)}; section above), the same from every one: "
+             f"{'; '.join(same_all) or 'none'}; depends on the warm start: {'; '.join(depends) or 'none'}."
+             ] if verdicts else []
+    return lines + [""] + (verdicts + [""] if verdicts else []), claim
 
 
 def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> Path:
@@ -701,8 +710,8 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
                       f"held-out pass@1 at T = 1.0 is **{own_base:.3f}**, the collapse line {own_base - COLLAPSE:.3f}.", ""]
         section = _stress_section if exp.axis else _section
         lines += section(name, exp, summaries, results, scale, own_base, stats)
-    lines += _warm_starts(summaries, scale, base)
-    lines += claims(stats, scale)
+    warm, warm_claim = _warm_starts(summaries, scale, base)
+    lines += warm + claims(stats, scale, warm_claim)
     page = results / "results.md"
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")

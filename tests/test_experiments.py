@@ -482,3 +482,7 @@ def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp
     warm = page.split("## Warm starts")[1]
     assert "warm start 1 (from 0.600)" in warm
     assert ("warm start 0 above, warm start 1 not resolved: depends on the warm start" in warm)
+    claim = page.split("## What this evidence says about the paper's claims")[1]
+    assert ("**Does a conclusion depend on the starting policy?** From 2 warm starts (held-out pass@1 0.500, "
+            "0.600; section above), the same from every one: none; depends on the warm start: "
+            "`p3o_T1.5_processed_k4_anchor` vs `p3o_T1.5_processed_k4` (above, not resolved).") in claim
