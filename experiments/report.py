@@ -375,12 +375,13 @@ def breaking(by_level: dict[int, CellStats], levels: list[int], letter: str, see
     for i, lv in enumerate(levels):
         s = by_level.get(lv, CellStats([], 0, 0))
         if s.collapsed >= BREAK * max(seeds, s.n):
-            where = f"{letter} = {lv} ({s.collapsed}/{s.n})"
+            where = f"{letter} = {lv} ({_count_ci(s.collapsed, s.n)})"
             return (where + ", on-policy: the learning rate breaks" if lv == ON_POLICY[letter] else where), lv
         if s.n < seeds:
             below = f"none up to {letter} = {levels[i - 1]}, " if i else ""
             return f"{below}{letter} = {lv} incomplete ({s.n}/{seeds} seeds)", None
-    return f"none up to {letter} = {levels[-1]}", None
+    top = by_level.get(levels[-1], CellStats([], 0, 0))
+    return f"none up to {letter} = {levels[-1]} ({_count_ci(top.collapsed, top.n)} there)", None
 
 
 def _lines(name: str, exp, stats: dict[tuple[str, str], CellStats], scale: Scale):

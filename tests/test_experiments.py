@@ -137,7 +137,7 @@ def test_multiturn_page_tables_turns_and_reward_per_staleness(tmp_path):
     section = page.split("## Multi-turn")[1]
     assert "another warm start" in section and "**0.630**" in section and "another warm start" not in \
         page.split("## Multi-turn")[0]
-    assert "| p3o | S = 8 (3/3) |" in section and "| grpo_tis | none up to S = 8 |" in section
+    assert "| p3o | S = 8 (3/3 [0.44, 1.00]) |" in section and "| grpo_tis | none up to S = 8 (0/3 [0.00, 0.56] there) |" in section
     turns = section.split("Policy turns per episode, last 10% of steps, lr 2e-4")[1].splitlines()
     assert "| p3o | 1.300 +- 0.100 | 1.300 +- 0.100 | 1.300 +- 0.100 |" in turns
     ess = section.split("Mean ESS e_B, lr 2e-4")[1].splitlines()
@@ -170,8 +170,8 @@ def test_breaking_point_is_the_first_level_where_two_of_three_seeds_collapse(tmp
     for line in page.splitlines():                  # the first table with a method's row: breaking points
         if line.startswith("| "):
             rows.setdefault(line.split(" | ")[0][2:], line)
-    assert f"| k = {top} (2/3) |" in rows["p3o"]
-    assert "k = 1 (3/3), on-policy: the learning rate breaks" in rows["grpo_tis"]
+    assert f"| k = {top} (2/3 [0.21, 0.94]) |" in rows["p3o"]
+    assert "k = 1 (3/3 [0.44, 1.00]), on-policy: the learning rate breaks" in rows["grpo_tis"]
     assert f"| none up to k = 1, k = {top} incomplete (0/3 seeds) |" in rows["decoupled"]
     assert "| k = 1 incomplete (1/3 seeds) |" in rows["p3o_no_kl"]      # not k = 48: k = 1 may break first
     assert "## Stress: staleness S" in page and "Not run yet" in page
@@ -233,7 +233,7 @@ def test_quick_suite_makes_the_plots_and_the_results_page(tmp_path):
         for cell in exp.cells[:QUICK.cells]:
             if exp.axis:                                                   # stress: a row per method
                 row = next(line for line in section if line.startswith(f"| {cell.method} |"))
-                assert "none up to" in row or "(1/1)" in row, row          # its seed finished
+                assert "none up to" in row or "(1/1 [" in row, row          # its seed finished
             else:
                 row = next(line for line in section if line.startswith(f"| {cell.label} |"))
                 assert "| 1/1 |" in row, row                               # its seed finished
