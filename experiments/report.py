@@ -393,14 +393,19 @@ def _lines(name: str, exp, stats: dict[tuple[str, str], CellStats], scale: Scale
     return by_line, sorted({c.level for c in exp.cells[:scale.cells]})
 
 
+def _stored_stats(summaries: Path, scale: Scale) -> dict[tuple[str, str], CellStats]:
+    """Every cell's stats from the stored summaries, against warm start 0's line: what selections read."""
+    base = _base(summaries, 1.0)
+    if base is None:
+        raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: nothing to select from")
+    return cell_stats(summaries, base, scale)
+
+
 def decisive(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
     """The stress cells that decide a breaking point, from the stored summaries: on each experiment and
     learning rate, every method at each level where some method breaks and at the level below it, and
     each method that breaks nowhere at the top level."""
-    base = _base(summaries, 1.0)
-    if base is None:
-        raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: nothing to select from")
-    stats, chosen = cell_stats(summaries, base, scale), []
+    stats, chosen = _stored_stats(summaries, scale), []
     for name, exp in EXPERIMENTS.items():
         if not exp.axis:
             continue
@@ -418,11 +423,9 @@ def decisive(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
 
 def resolved(summaries: Path, scale: Scale) -> list[tuple[str, str]]:
     """Both cells of every pair a section tests (`pairs`) whose means' or collapse counts' intervals are
-    apart, from the stored summaries: at 3 seeds an interval is the seeds' min..max, so these are the calls to back with more."""
-    base = _base(summaries, 1.0)
-    if base is None:
-        raise SystemExit(f"{summaries}/_base/val holds no summary of the warm start: nothing to select from")
-    stats, chosen = cell_stats(summaries, base, scale), []
+    apart, from the stored summaries: at 3 seeds an interval is the seeds' min..max, so these are the calls
+    to back with more."""
+    stats, chosen = _stored_stats(summaries, scale), []
     for name, exp in EXPERIMENTS.items():
         for a, b in pairs(name, exp):
             sa, sb = stats.get((name, a)), stats.get((name, b))
