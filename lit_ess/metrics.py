@@ -106,6 +106,14 @@ RULES: dict[str, str | PooledStd] = {
     "train/approx_kl": TOKEN_MEAN,
     "train/ess": TOKEN_MEAN,                   # equal parts in scope step; the diagnostic ESS is global
     "train/capped_frac": TOKEN_MEAN,
+    "train/ess_b": TOKEN_MEAN,                 # P4O: the ESS of each anchor and their min (equal parts in scope step)
+    "train/ess_prox": TOKEN_MEAN,
+    "train/ess_mix": TOKEN_MEAN,
+    "train/mix_w_b": TOKEN_MEAN,               # P4O: the mixture's normalised weights, from those ESS
+    "train/mix_w_prox": TOKEN_MEAN,
+    "train/kl_b": SUM,                         # P4O: k3 to each anchor and to the mixture, aggregated as the loss
+    "train/kl_prox": SUM,
+    "train/kl_mix": SUM,
     "train/clip_ratio": TOKEN_MEAN,
     "train/clip_ratio_low": TOKEN_MEAN,
     "train/clip_ratio_high": TOKEN_MEAN,

@@ -6,9 +6,10 @@ losses are normalised by the token count of the *whole step* (all micro-batches,
 update does not depend on how the step is cut (`micro_batch_size` or `micro_batch_tokens`).
 
 The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with several micro-batches a
-no-grad pre-pass collects its statistics first. `ess_scope: micro` reproduces the authors' reference,
-which computes it per micro-batch. Every objective logs the step's ESS (`train/ess`), as a diagnostic
-of how off-policy its data was; only P3O uses it in the loss.
+no-grad pre-pass collects its statistics first (for P4O those of pi_theta / pi_prox too).
+`ess_scope: micro` reproduces the authors' reference, which computes it per micro-batch. Every objective
+logs the step's ESS (`train/ess`), as a diagnostic of how off-policy its data was; P3O and P4O use it in
+the loss.
 
 Data parallel (W ranks, DDP or FSDP2): each rank holds its share of the step's rows. Losses are
 normalised by the global counts, and DDP/FSDP *average* gradients over ranks, so each rank's loss is
@@ -46,7 +47,7 @@ from .logprobs import sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
-from .objectives import P3O, Objective, ess_stats, ratio_metrics
+from .objectives import P3O, ESSStats, Objective, ess_stats, ratio_metrics
 from .packing import packed_logprobs, plan_micro_batches, plan_ranks
 from .engines import SamplingConfig
 from .rollout import Proximal, RolloutBatch, RolloutData
@@ -70,7 +71,7 @@ class PolicyModule(L.LightningModule):
     Args:
         model_path: Hugging Face causal LM folder or name.
         objective: the objective and its hyper-parameters, a class of lit_ess.objectives: P3O (default),
-            GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE. ref_kl_coef > 0 loads a frozen reference.
+            P4O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE. ref_kl_coef > 0 loads a frozen reference.
         ref_model_path: reference model for ref_kl_coef; default model_path.
         lr: AdamW learning rate, > 0.
         weight_decay: AdamW weight decay, >= 0 (0 = none).
@@ -463,37 +464,53 @@ class PolicyModule(L.LightningModule):
         sampling = batch.sampling
         mbs, passes = self.rank_passes(batch)
         counts = self._step_counts(mbs)
-        step_ess = None
+        step_ess = None                        # {"ess": e_B} (P4O: and "proximal_ess": e_prox) of the whole step
         if self.objective.needs_ess and self.hparams.ess_scope == "step" and (len(mbs) > 1 or self._world()):
             step_ess = self.ess_prepass(passes, sampling)
         metrics, log_ratio, mask = self.gradient_pass(passes, sampling, counts, step_ess)
-        return self.step_metrics(metrics, log_ratio, mask, counts, step_ess, several=len(mbs) > 1)
+        cap = None if step_ess is None else min(step_ess.values())     # the weight's cap: e_B; P4O's e_mix
+        return self.step_metrics(metrics, log_ratio, mask, counts, cap, several=len(mbs) > 1)
 
     @torch.no_grad()
-    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig) -> Tensor:
+    def ess_prepass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig) -> dict[str, Tensor]:
         """e_B of the whole step, before any gradient: a no-grad forward of every micro-batch.
 
             rho_t = exp(lp_t - lb_t)                   lp, lb: [b, T] of each micro-batch
             e_B   = (sum_t rho_t)^2 / (N sum_t rho_t^2)   over the valid tokens of all micro-batches and ranks
 
+        and for P4O (`objective.needs_proximal_ess`) e_prox of exp(lp_t - lprox_t) alike (`ess_stats_of`).
         Kept as mergeable log-space sums (lit_ess.objectives.ESSStats: max m, sum e^(lr - m),
         sum e^(2 (lr - m)), n), merged over micro-batches, then all-reduced over ranks. Padding passes
-        (weight 0) run the forward (a collective under FSDP) and add nothing. Returns a float64 scalar.
+        (weight 0) run the forward (a collective under FSDP) and add empty statistics, so a rank with
+        nothing of its own still joins the all-reduce. Returns the objective's keywords, float64 scalars:
+        {"ess": e_B} (P4O: and "proximal_ess": e_prox).
         """
-        stats = None
+        stats: dict[str, ESSStats] = {}
         for mb, weight in passes:
             lp = self._forward(mb, sampling, False)[0]
-            if weight:
-                s = ess_stats(lp - mb.behavior_logprobs, finite_mask(mb.completion_mask, mb.behavior_logprobs, lp))
-                stats = s if stats is None else stats.merge(s)
-        return (stats.all_reduce() if self._world() else stats).value()
+            valid = finite_mask(mb.completion_mask, mb.behavior_logprobs, lp)
+            part = self.ess_stats_of(mb, lp, valid if weight else torch.zeros_like(valid))
+            stats = {k: stats[k].merge(s) if k in stats else s for k, s in part.items()}
+        return {k: (s.all_reduce() if self._world() else s).value() for k, s in stats.items()}
+
+    def ess_stats_of(self, mb: RolloutBatch, lp: Tensor, valid: Tensor) -> dict[str, ESSStats]:
+        """Partial ESS statistics of a micro-batch's `valid` tokens ([b, T]), by the objective keyword they
+        become: "ess" of lp - lb, and for P4O "proximal_ess" of lp - lprox (its proximal logprobs,
+        `_proximal`; a non-finite one drops the token, as the objective's NaN masking does)."""
+        lp = lp.detach()
+        out = {"ess": ess_stats(lp - mb.behavior_logprobs, valid)}
+        if self.objective.needs_proximal_ess:
+            prox = self._proximal(mb, lp)
+            out["proximal_ess"] = ess_stats(lp - prox, valid & torch.isfinite(prox))
+        return out
 
     def gradient_pass(self, passes: list[tuple[RolloutBatch, float]], sampling: SamplingConfig, counts: StepCounts,
-                      step_ess: Tensor | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+                      step_ess: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], Tensor, Tensor]:
         """Forward, objective and backward of each micro-batch; gradients add up in .grad.
 
             lp, entropy [b, T] = policy(mb)                  ref [b, T] = reference(mb) (ref_kl_coef > 0)
-            e_B = step_ess, else this micro-batch's (one micro-batch; or scope micro, over ranks)
+            e_B = step_ess, else this micro-batch's (one micro-batch; or scope micro, over ranks); P4O's
+                  e_prox alike
             L_mb = objective(lp, lb, A, mask; e_B, N, N_seqs)    aggregated over the step's N tokens, so
                                                                  sum_mb L_mb = the step's loss
             backward(W * weight * L_mb)      W: DDP/FSDP average gradients over W ranks; weight 0: padding
@@ -509,11 +526,12 @@ class PolicyModule(L.LightningModule):
             lp, ent = self._forward(mb, sampling, True)
             ref = self._reference(mb, sampling)
             valid = finite_mask(mb.completion_mask, mb.behavior_logprobs, lp)
-            ess = step_ess
-            if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope
-                st = ess_stats(lp.detach() - mb.behavior_logprobs, valid if weight else torch.zeros_like(valid))
-                ess = (st.all_reduce() if self._world() and self.hparams.ess_scope == "micro" else st).value()
-            out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, ess=ess,
+            ess = step_ess or {}
+            if self.objective.needs_ess and step_ess is None:                  # one micro-batch, or micro scope
+                over_ranks = self._world() and self.hparams.ess_scope == "micro"
+                parts = self.ess_stats_of(mb, lp, valid if weight else torch.zeros_like(valid))
+                ess = {k: (st.all_reduce() if over_ranks else st).value() for k, st in parts.items()}
+            out = self.objective(lp, mb.behavior_logprobs, mb.advantages, mb.completion_mask, **ess,
                                  proximal_logprobs=self._proximal(mb, lp), ref_logprobs=ref, entropy=ent,
                                  num_tokens=counts.tokens, num_seqs=counts.seqs, norm_len=sampling.max_new_tokens)
             loss = out.loss * (scale * weight)
@@ -531,7 +549,8 @@ class PolicyModule(L.LightningModule):
 
     def step_metrics(self, local: dict[str, Tensor], log_ratio: Tensor, mask: Tensor, counts: StepCounts,
                      step_ess: Tensor | None, several: bool) -> tuple[dict[str, float], Tensor | None]:
-        """The step's metrics over all ranks, and its ESS. `log_ratio`, `mask`: [n], this rank's tokens.
+        """The step's metrics over all ranks, and its ESS (the one that caps the weight: e_B; P4O's e_mix).
+        `log_ratio`, `mask`: [n], this rank's tokens.
 
         With several micro-batches the ratio statistics (mean, min, max, quantiles, KL to pi_b, capped
         fraction) are taken again over all of this rank's tokens at once: the parameters did not change

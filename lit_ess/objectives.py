@@ -19,7 +19,9 @@ and P3O ("Trust the Batch, On- or Off-Policy", arXiv 2605.12380) minimises
     k3_t = exp(lb_t - lp_t) - 1 - (lb_t - lp_t)            (estimator of KL(pi_theta || pi_b))
 
 Fresh data gives e_B = 1 and plain REINFORCE; stale or mismatched data lowers e_B, which tightens the
-cap and strengthens the pull toward pi_b. There is no clip range.
+cap and strengthens the pull toward pi_b. There is no clip range. P4O (the authors' follow-up) adds the
+proximal policy as a second anchor: cap min(rho, e_b, e_prox) and a KL toward a mixture of pi_b and
+pi_prox; with one optimizer step per rollout it is exactly P3O.
 
 Aggregation ("token-mean" by default) is over the masked tokens of the *whole optimizer step*: when a
 step is split into micro-batches pass `num_tokens` (and `num_seqs`) of the full step so that the
@@ -28,7 +30,7 @@ micro-batch losses add up to the step loss.
 `proximal_logprobs` (log pi_prox, [B, T]) are the trainer's own logprobs of the tokens with the weights
 that start the rollout phase (verl's and TRL's "old" logprobs; PolicyModule scores them once per phase,
 `PolicyModule.score_phase`). Objectives that use them (`needs_proximal`: DecoupledPPO, GRPO/DAPO/GSPO
-with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`, any objective with a
+with `old: proximal`, P3O with `kl_anchor: behavior_at_train_temperature`, P4O, any objective with a
 `correction`) take a call without them to be the first step on its data, where pi_prox is the current
 policy: lp.detach().
 
@@ -358,6 +360,8 @@ class Objective:
 
     name: ClassVar[str] = "base"
     needs_ess: ClassVar[bool] = False
+    # also weighs by the ESS of pi_theta / pi_prox (P4O): PolicyModule then passes `proximal_ess` as well
+    needs_proximal_ess: ClassVar[bool] = False
     # with a correction, take the objective's ratio against pi_prox (the correction's weight carries
     # pi_prox / pi_b), so the mismatch is not counted twice; P3O keeps its ratio against pi_b
     rebase_on_correction: ClassVar[bool] = True
@@ -395,6 +399,7 @@ class Objective:
         mask: Tensor,
         *,
         ess: Tensor | float | None = None,
+        proximal_ess: Tensor | float | None = None,
         proximal_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
         entropy: Tensor | None = None,
@@ -419,14 +424,16 @@ class Objective:
             return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, norm_len)
 
         if self.correction is None:
-            loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_logprobs=prox)
+            loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_ess=proximal_ess,
+                                             proximal_logprobs=prox)
         else:
             base = lp.detach() if prox is None else prox
             weight, correction = self.correction(base - lb, valid)
             # the mismatch pi_prox / pi_b is carried by the weight alone: the objective's own ratio is
             # taken against pi_prox (its clip then acts around the trainer's policy, as in TRL and verl)
             rebased = base if self.rebase_on_correction else lb
-            loss, metrics = self.policy_loss(lp, rebased, adv * weight, valid, agg, ess=ess, proximal_logprobs=prox)
+            loss, metrics = self.policy_loss(lp, rebased, adv * weight, valid, agg, ess=ess, proximal_ess=proximal_ess,
+                                             proximal_logprobs=prox)
             if self.rebase_on_correction:
                 metrics.update(ratio_metrics(lp - lb, valid))      # the ratio statistics stay against pi_b
             metrics.update(correction)
@@ -519,8 +526,7 @@ class P3O(Objective):
 
     def policy_loss(self, lp, lb, adv, mask, agg, ess=None, proximal_logprobs=None, **_):
         log_ratio = lp - lb
-        e = batch_ess(log_ratio, mask) if ess is None else torch.as_tensor(ess, dtype=torch.float64)
-        e = e.to(device=lp.device, dtype=lp.dtype).detach()
+        e = _given_or_batch_ess(ess, log_ratio, mask)
         if self.ess_cap:
             weight = torch.minimum(log_ratio.detach().exp(), e)       # exp(800) = inf -> min gives e
         else:
@@ -533,6 +539,81 @@ class P3O(Objective):
         if not self.ess_cap:
             metrics.pop("train/capped_frac", None)                     # nothing is capped
         metrics["train/kl_term"] = kl.detach()
+        return loss, metrics
+
+
+def _given_or_batch_ess(ess: Tensor | float | None, log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """The ESS passed (the step's, over micro-batches and ranks), else this call's, of exp(log_ratio) [B, T]:
+    a detached scalar in log_ratio's dtype."""
+    e = batch_ess(log_ratio, mask) if ess is None else torch.as_tensor(ess, dtype=torch.float64)
+    return e.to(device=log_ratio.device, dtype=log_ratio.dtype).detach()
+
+
+# P4O's mixture KL term is skipped when its weight 1 - e_mix is at most this (the authors' eps_gate)
+P4O_KL_GATE = 1e-6
+
+
+@dataclass
+class P4O(Objective):
+    """P3O with two anchors, the sampler pi_b and the proximal policy pi_prox, as the P3O paper's authors
+    define it in their code (FeynRL, algs/P4O/p4o.py):
+
+        rho_b = pi_theta / pi_b,   rho_prox = pi_theta / pi_prox                [B, T] each
+        e_b, e_prox = the normalised ESS of rho_b, rho_prox (over the step),   e_mix = min(e_b, e_prox)
+        w_b = 1 - e_b,   w_prox = 1 - e_prox                                    the staler anchor weighs more
+        log pi_mix = logsumexp(log w_b + lb, log w_prox + lprox) - log(w_b + w_prox)
+        L = -agg[ sg(min(rho_b, e_mix)) lp A ] + (1 - e_mix) agg[ k3(lp - log pi_mix) ]
+
+    The KL term is skipped when 1 - e_mix <= P4O_KL_GATE (1e-6): both anchors are then fresh, and
+    w_b + w_prox = 0, where the mixture is undefined, can only happen there. An anchor of weight 0 drops
+    out of the mixture exactly (log 0 = -inf in the logsumexp).
+
+    pi_prox is the trainer's policy with the weights that start the rollout phase (PolicyModule scores it
+    once per phase, `score_phase`; `needs_proximal`); a call without `proximal_logprobs` is the phase's
+    first step, pi_prox = lp.detach(). `ess` and `proximal_ess` may be passed precomputed (the step's,
+    over micro-batches and ranks: PolicyModule's pre-pass); otherwise they are this call's.
+
+    What it reduces to: at a phase's first step pi_prox is the current policy, so e_prox = 1, w_prox = 0,
+    pi_mix = pi_b and e_mix = e_b: the loss is exactly P3O's. With one optimizer step per rollout every
+    step is a first step, so P4O is P3O; it differs only with several steps per rollout, where the cap
+    also tightens with the drift from pi_prox and the KL pulls toward the mixture of the two anchors.
+
+    Metrics: `train/ess` is e_mix (the ESS the loss uses; `train/capped_frac` counts rho_b > e_mix),
+    `train/ess_b`, `train/ess_prox`, `train/ess_mix`, the normalised mixture weights `train/mix_w_b` and
+    `train/mix_w_prox` (w / (w_b + w_prox); both 0 when the term is skipped with w_b + w_prox = 0), and the
+    k3 estimates `train/kl_b`, `train/kl_prox`, `train/kl_mix` (0 when the term is skipped), aggregated
+    as the loss is.
+    """
+
+    name: ClassVar[str] = "p4o"
+    needs_ess: ClassVar[bool] = True
+    needs_proximal_ess: ClassVar[bool] = True
+    rebase_on_correction: ClassVar[bool] = False      # as P3O: rho_b stays against pi_b, a correction multiplies
+
+    @property
+    def needs_proximal(self) -> bool:
+        return True
+
+    def policy_loss(self, lp, lb, adv, mask, agg, ess=None, proximal_ess=None, proximal_logprobs=None, **_):
+        prox = _old_logprobs("proximal", lp, lb, proximal_logprobs)                  # [B, T], detached
+        lr_b = lp - lb                                                               # [B, T]
+        e_b = _given_or_batch_ess(ess, lr_b, mask)
+        e_prox = _given_or_batch_ess(proximal_ess, lp - prox, mask)
+        e_mix = torch.minimum(e_b, e_prox)
+        pg = agg(-torch.minimum(lr_b.detach().exp(), e_mix) * lp * adv)             # exp(800) = inf -> e_mix
+        w = torch.stack([1 - e_b, 1 - e_prox]).clamp(min=0)                         # [2]: w_b, w_prox
+        share = w / w.sum() if w.sum() > 0 else torch.zeros_like(w)                 # normalised weights
+        kl_mix, loss = torch.zeros_like(pg), pg
+        if 1 - e_mix > P4O_KL_GATE:                                                  # then w.sum() > 1e-6
+            log_mix = torch.logsumexp(torch.stack([lb, prox]) + share.log()[:, None, None], dim=0)   # [B, T]
+            kl_mix = agg(k3(lp - log_mix))
+            loss = pg + (1 - e_mix) * kl_mix
+        metrics = ratio_metrics(lr_b, mask, e_mix)
+        with torch.no_grad():
+            metrics.update({"train/ess_b": e_b, "train/ess_prox": e_prox, "train/ess_mix": e_mix,
+                            "train/mix_w_b": share[0], "train/mix_w_prox": share[1],
+                            "train/kl_b": agg(k3(lr_b.detach())), "train/kl_prox": agg(k3(lp.detach() - prox)),
+                            "train/kl_mix": kl_mix.detach()})
         return loss, metrics
 
 
@@ -747,7 +828,7 @@ class REINFORCE(Objective):
 
 
 # Every objective of this module, in the order the docs list them.
-OBJECTIVE_CLASSES: tuple[type[Objective], ...] = (P3O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE)
+OBJECTIVE_CLASSES: tuple[type[Objective], ...] = (P3O, P4O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE)
 
 # Objectives are saved in checkpoints' hyper-parameters: let torch.load(weights_only=True) rebuild them.
 torch.serialization.add_safe_globals([*OBJECTIVE_CLASSES, ISCorrection])

@@ -51,6 +51,36 @@ def rl_config(model_path: str, out: Path, *, engine="VLLMConfig", max_steps=4, s
     }
 
 
+def sampled_batch(model_dir: str):
+    """The first batch (16 rows) of one phase sampled by the transformers engine: 4 arithmetic prompts x 4
+    samples, at most 6 new tokens, seeded."""
+    from lit_ess.datamodules import Arithmetic, RolloutDataModule
+    from lit_ess.engines import HFConfig, SamplingConfig
+
+    dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=4,
+                           sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
+                           reward="e2e_utils:digit_fraction")
+    dm.setup("fit")
+    return dm.generate_phase()[0]
+
+
+def off_policy(batch):
+    """`batch` made off-policy toward both anchors, in place: behaviour logprobs moved by N(0, 0.3) (ESS < 1),
+    proximal logprobs (scored at step 0) by another N(0, 0.2) from those, neither the policy's, and
+    non-degenerate advantages."""
+    import torch
+
+    from lit_ess.rollout import Proximal
+
+    g = torch.Generator().manual_seed(0)
+    m = batch.completion_mask
+    batch.behavior_logprobs = torch.where(m, batch.behavior_logprobs + 0.3 * torch.randn(m.shape, generator=g), 0.0)
+    batch.prox_logprobs = torch.where(m, batch.behavior_logprobs + 0.2 * torch.randn(m.shape, generator=g), 0.0)
+    batch.proximal = Proximal(0, "scored")
+    batch.advantages = torch.randn(m.shape[0], generator=g)
+    return batch
+
+
 def write_config(cfg: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))

@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from e2e_utils import spawn_ranks
-from lit_ess.datamodules import Arithmetic, RolloutDataModule
-from lit_ess.engines import HFConfig, SamplingConfig
+from e2e_utils import off_policy, sampled_batch, spawn_ranks
+from lit_ess.engines import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import AGGREGATIONS, GRPO, OBJECTIVE_CLASSES, P3O
 from lit_ess.rollout import Proximal, Row, collate
@@ -25,25 +24,14 @@ CUTS = {"rows": {"micro_batch_size": 2}, "budget": {"micro_batch_tokens": BUDGET
 def stale_batch(tiny_model_dir):
     """16 rows of different lengths, behaviour logprobs perturbed (ESS < 1) and proximal logprobs that are
     neither the behaviour's nor the policy's (for the objectives that use them)."""
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=4,
-                           sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
-                           reward="e2e_utils:digit_fraction")
-    dm.setup("fit")
-    batch = dm.generate_phase()[0]
+    batch = sampled_batch(tiny_model_dir)
     cut = {k: getattr(batch, k).clone() for k in ("attention_mask", "completion_mask")}
     ends = batch.attention_mask.sum(-1)
     for r in range(batch.rows):           # completions of different lengths: row r ends r % 5 tokens early
         drop = min(r % 5, int(batch.completion_mask[r].sum()) - 1)
         for k in cut:
             cut[k][r, int(ends[r]) - drop:] = 0
-    batch = replace(batch, **cut)
-    g = torch.Generator().manual_seed(0)
-    m = batch.completion_mask
-    batch.behavior_logprobs = torch.where(m, batch.behavior_logprobs + 0.3 * torch.randn(m.shape, generator=g), 0.0)
-    batch.prox_logprobs = torch.where(m, batch.behavior_logprobs + 0.2 * torch.randn(m.shape, generator=g), 0.0)
-    batch.proximal = Proximal(0, "scored")
-    batch.advantages = torch.randn(m.shape[0], generator=g)
-    return batch
+    return off_policy(replace(batch, **cut))
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ PRINTED = [(), ("--model.init_args.packing", "true", "--model.init_args.micro_ba
 OLD_ARGS = [
     (["--model.init_args.objective", "grpo"], "old string form; write `objective: {class_path: lit_ess.objectives.GRPO}`"),
     (["--data.init_args.engine", "hf"], "old string form; write `engine: {class_path: lit_ess.engines.HFConfig}`"),
-    (["--model.init_args.objective", "PPO9000"], "choose one of P3O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE"),
+    (["--model.init_args.objective", "PPO9000"], "choose one of P3O, P4O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE"),
     (["--model.init_args.objective_kwargs", "{clip_eps: 0.3}"], "objective_kwargs is gone"),
 ]
 OLD_FILES = [

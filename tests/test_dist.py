@@ -12,8 +12,8 @@ import torch
 
 from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, spawn_ranks, write_config
 from lit_ess.engines import SamplingConfig
-from lit_ess.objectives import P3O, ess_stats
-from lit_ess.rollout import Row, collate
+from lit_ess.objectives import P3O, P4O, ess_stats
+from lit_ess.rollout import Proximal, Row, collate
 
 pytestmark = pytest.mark.dist
 
@@ -32,6 +32,15 @@ def _batch(rows: int = 6):
                        advantage=float(torch.randn((), generator=g)), reward=0.0, version=0, prompt_id=i,
                        prompt_text="", completion_text=""))
     return collate(out, pad_id=0, sampling=SAMPLING)
+
+
+def _p4o_batch():
+    """_batch() with proximal logprobs of other weights, away from both the policy's and pi_b."""
+    b = _batch()
+    g = torch.Generator().manual_seed(1)
+    m = b.completion_mask
+    b.prox_logprobs, b.proximal = torch.where(m, -5.3 + 0.3 * torch.randn(m.shape, generator=g), 0.0), Proximal(0, "scored")
+    return b
 
 
 class RecordingP3O(P3O):
@@ -81,6 +90,13 @@ def _rank_main(rank, world, port, model_dir, out):
                 alone = ess_stats(lp - mb.behavior_logprobs, mb.completion_mask).value()
             got[name] = {"grads": grads, "metrics": metrics, "ess": ess, "seen": m.objective.seen, "alone": float(alone)}
 
+        m = PolicyModule(model_dir, objective=P4O(), micro_batch_size=2)        # both ESS all-reduced
+        m.configure_model()
+        FSDP2().shard(m.policy, mesh)
+        metrics, ess = m.accumulate_gradients(_p4o_batch().select([0, 1, 2, 3] if rank == 0 else [4, 5]))
+        got["p4o"] = {"grads": {n: p.grad.full_tensor() for n, p in m.policy.named_parameters()},
+                      "metrics": metrics, "ess": ess}
+
         m = PolicyModule(model_dir, micro_batch_size=2)
         m.configure_model()
         FSDP2().shard(m.policy, mesh)
@@ -113,12 +129,34 @@ def test_fsdp2_step_with_unequal_micro_batches_equals_one_process(tiny_model_dir
     ref = _module(tiny_model_dir, cut=CUTS[cut])
     ref_metrics, ref_ess = ref.accumulate_gradients(_batch())
     assert float(ref_ess) < 0.99                                   # off-policy: the ESS is doing something
+    _same_step(got, ref, ref_metrics, ref_ess, ("train/loss", "train/policy_loss", "train/kl_term", "train/ess",
+                                                "train/tokens", "train/ratio_max", "train/ratio_min", "train/ratio_mean",
+                                                "train/kl_behavior", "train/capped_frac"))
+
+
+def _same_step(got: dict, ref, ref_metrics: dict, ref_ess, keys: tuple[str, ...]) -> None:
+    """Rank 0's sharded step (`got`) equals one process's (`ref` after its step): the ESS, every gradient, the
+    metrics `keys`."""
     assert torch.allclose(got["ess"].double(), ref_ess.double(), atol=1e-6)
     for n, p in ref.policy.named_parameters():
         assert torch.allclose(got["grads"][n], p.grad, atol=1e-6, rtol=1e-4), n
-    for k in ("train/loss", "train/policy_loss", "train/kl_term", "train/ess", "train/tokens", "train/ratio_max",
-              "train/ratio_min", "train/ratio_mean", "train/kl_behavior", "train/capped_frac"):
+    for k in keys:
         assert got["metrics"][k] == pytest.approx(ref_metrics[k], rel=1e-5, abs=1e-6), k
+
+
+def test_fsdp2_p4o_step_equals_one_process(tiny_model_dir, two_ranks):
+    """P4O on 2 ranks (4 rows against 2): e_b and e_prox are each all-reduced over the ranks, so the sharded
+    step's gradients, cap e_mix and metrics equal one process's on all 6 rows."""
+    from lit_ess.module import PolicyModule
+
+    got = two_ranks["p4o"]
+    ref = PolicyModule(tiny_model_dir, objective=P4O(), micro_batch_size=2)
+    ref.configure_model()
+    ref_metrics, ref_ess = ref.accumulate_gradients(_p4o_batch())
+    assert ref_metrics["train/ess_b"] < 0.99 and ref_metrics["train/ess_prox"] < 0.99     # both anchors act
+    _same_step(got, ref, ref_metrics, ref_ess, ("train/loss", "train/ess_b", "train/ess_prox", "train/ess_mix",
+                                                "train/mix_w_b", "train/mix_w_prox", "train/kl_b", "train/kl_prox",
+                                                "train/kl_mix", "train/capped_frac"))
 
 
 def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model_dir, two_ranks):

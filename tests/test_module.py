@@ -5,6 +5,7 @@ import lightning as L
 import pytest
 import torch
 
+from e2e_utils import sampled_batch
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig, SamplingConfig
 from lit_ess.module import PolicyModule
@@ -13,11 +14,7 @@ from lit_ess.objectives import GRPO, GSPO, P3O
 
 @pytest.fixture(scope="module")
 def stale_batch(tiny_model_dir):
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=4,
-                           sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
-                           reward="e2e_utils:digit_fraction")
-    dm.setup("fit")
-    batch = dm.generate_phase()[0]
+    batch = sampled_batch(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
     m = batch.completion_mask
     batch.behavior_logprobs = torch.where(m, batch.behavior_logprobs + 0.3 * torch.randn(m.shape, generator=g), 0.0)
