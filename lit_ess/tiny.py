@@ -106,7 +106,7 @@ FAMILIES = {
 def family_config(family: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
                   intermediate_size: int, max_position_embeddings: int, **extra):
     """A transformers config of `family` (FAMILIES) at the given shape, fp32. kv heads = heads / the
-    family's GQA ratio (at least 1)."""
+    family's GQA ratio (at least 1) unless `num_key_value_heads` is given."""
     import transformers
 
     if family not in FAMILIES:
@@ -116,7 +116,8 @@ def family_config(family: str, vocab_size: int, hidden_size: int, num_layers: in
     if traits.get("rope_parameters", {}).get("rope_type") == "llama3":
         traits["rope_parameters"] = {**traits["rope_parameters"],
                                      "original_max_position_embeddings": max(max_position_embeddings // 16, 1)}
-    kv = max(num_heads // traits.pop("kv_ratio", 1), 1)
+    kv = extra.pop("num_key_value_heads", None) or max(num_heads // traits.pop("kv_ratio", 1), 1)
+    traits.pop("kv_ratio", None)
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}")
     config_cls = getattr(transformers, f"{name}Config")
