@@ -66,10 +66,50 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0, to
     return lp, ent
 
 
+class ProcessedLogprob(torch.autograd.Function):
+    """token_logprobs with its gradient written out, so the backward holds ~4 copies of [c, V] (the processed
+    logits x, p, one work tensor, the gradient) where autograd's graph of the same ops holds ~8.
+
+    With x = process(logits) / T (-inf where top-k / top-p drop a token), p = softmax(x), lse = logsumexp(x),
+    H = lse - sum_j p_j x_j:
+
+        lp = x[y] - lse                   d lp / d x_j = [j = y] - p_j
+        H                                 d H  / d x_j = -p_j (x_j - lse + H)
+        d / d logits_j = (d / d x_j) / T  on kept tokens; 0 on dropped ones (the masks carry no gradient)
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float,
+                with_entropy: bool) -> Tensor:
+        x = process_logits(logits, temperature, top_k, top_p)             # [c, V] fp32
+        lse = torch.logsumexp(x, dim=-1)                                  # [c]
+        lp = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        ent = lse - (torch.softmax(x, -1) * x.nan_to_num(neginf=0.0)).sum(-1) if with_entropy else None
+        ctx.save_for_backward(x, lse, targets, ent if with_entropy else lse)
+        ctx.temperature, ctx.with_entropy, ctx.dtype = temperature, with_entropy, logits.dtype
+        return torch.stack((lp, ent), -1) if with_entropy else lp.unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, lse, targets, ent = ctx.saved_tensors
+        g_lp = grad[:, 0:1]                                               # [c, 1]
+        p = (x - lse[:, None]).exp_()                                     # [c, V], 0 where dropped
+        if ctx.with_entropy:                                              # w = g_lp + g_H (x - lse + H)
+            w = (x - lse[:, None] + ent[:, None]).nan_to_num_(neginf=0.0).mul_(grad[:, 1:2]).add_(g_lp)
+        else:
+            w = g_lp
+        d = p.mul_(w).neg_()                                              # -p_j w_j
+        kept = x.gather(-1, targets.unsqueeze(-1)).isfinite()              # a dropped target: lp = -inf, no gradient
+        d.scatter_add_(-1, targets.unsqueeze(-1), g_lp * kept)            # + [j = y] g_lp
+        return d.div_(ctx.temperature).to(ctx.dtype), None, None, None, None, None
+
+
 def _chunk(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float, top_k: int, top_p: float,
            with_entropy: bool) -> Tensor:
     """[c, H] hidden states -> [c, 1] logprobs (or [c, 2] with the entropy) through the head's own forward."""
     logits = type(head).forward(head, hidden)                           # [c, V], freed on return
+    if torch.is_grad_enabled():
+        return ProcessedLogprob.apply(logits, targets, temperature, top_k, top_p, with_entropy)
     lp, ent = token_logprobs(logits, targets, temperature, top_k, top_p, with_entropy)
     return torch.stack((lp, ent), -1) if with_entropy else lp.unsqueeze(-1)
 
@@ -150,9 +190,13 @@ def check_chunked_head(model, chunk: int, where: str = "model_path") -> None:
     V = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
     ids = torch.arange(6, device=model.device).remainder(V).unsqueeze(0)
     mask, comp = torch.ones_like(ids), torch.ones_like(ids).bool()
-    with torch.no_grad():
-        want, _ = sequence_logprobs(model, ids, mask, comp, chunk=None)
-        got, _ = sequence_logprobs(model, ids, mask, comp, chunk=min(chunk, 2))
+    training = model.training
+    try:
+        with torch.no_grad():                             # eval: a model with dropout gives two draws otherwise
+            want, _ = sequence_logprobs(model.eval(), ids, mask, comp, chunk=None)
+            got, _ = sequence_logprobs(model, ids, mask, comp, chunk=min(chunk, 2))
+    finally:
+        model.train(training)
     diff = float((want - got).abs().max())
     if not diff <= 1e-3:
         raise ValueError(f"model.logprob_chunk={chunk}: {where}'s {type(model).__name__} changes its LM head's output "

@@ -202,3 +202,24 @@ def test_hf_engine_behaviour_logprobs_equal_the_trainers(tiny_model_dir):
             with torch.no_grad():
                 lp, _ = sequence_logprobs(model, ids, torch.ones_like(ids), comp, s.temperature, s.top_k, s.top_p, chunk=2)
             torch.testing.assert_close(lp[0, len(prompt):], torch.tensor(c.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("s", SAMPLING, ids=lambda s: "T{temperature}-k{top_k}-p{top_p}".format(**s))
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_hand_written_gradient_equals_autograd(s, with_entropy):
+    """ProcessedLogprob's backward against autograd through token_logprobs, targets dropped by top-k / top-p
+    included (their logprob is -inf: no gradient)."""
+    from lit_ess.logprobs import ProcessedLogprob, token_logprobs
+
+    g = torch.Generator().manual_seed(1)
+    logits = (3 * torch.randn(9, 40, generator=g)).requires_grad_()
+    targets = torch.randint(0, 40, (9,), generator=g)
+    out = ProcessedLogprob.apply(logits, targets, *s.values(), with_entropy)
+    lp, ent = token_logprobs(logits, targets, *s.values(), with_entropy)
+    want = torch.stack((lp, ent), -1) if with_entropy else lp.unsqueeze(-1)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    w = torch.where(want.isfinite(), torch.randn(want.shape, generator=g), 0)
+    got_grad, = torch.autograd.grad(torch.where(out.isfinite(), out * w, 0).sum(), logits)
+    want_grad, = torch.autograd.grad(torch.where(want.isfinite(), want * w, 0).sum(), logits)
+    assert (~want.isfinite()).any() or s["top_k"] < 0 and s["top_p"] == 1.0       # some targets were dropped
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
