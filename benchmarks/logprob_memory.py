@@ -90,7 +90,14 @@ def measure(cfg: dict) -> dict:
     q = ctx.Queue()
     p = ctx.Process(target=_worker, args=(cfg, q))
     p.start()
-    res = q.get()
+    while True:
+        try:
+            res = q.get(timeout=5)
+            break
+        except Exception:                       # queue.Empty: is the worker still there?
+            if not p.is_alive():
+                raise RuntimeError(f"the worker of {cfg} ended with exit code {p.exitcode} before reporting "
+                                   f"(-9: killed, e.g. out of memory)") from None
     p.join()
     return res
 
