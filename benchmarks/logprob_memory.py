@@ -9,9 +9,10 @@ logprobs (and the entropy), and backward. Each configuration runs in a fresh pro
 
   peak:  the process's resident high-water mark (VmHWM) during the step, reset to the current RSS just
          before it (/proc/self/clear_refs 5), minus that RSS: what the step adds over the model and the
-         runtime. One warm-up step first (allocator, first-call costs), then `--steps` timed steps; the
-         peak is the largest of the timed steps, the time their median.
-  time:  wall seconds of forward + backward.
+         runtime; the largest over the rounds.
+  time:  wall seconds of forward + backward. The settings compared share one process and one model and
+         take turns, step by step (one warm-up step each, then `--steps` rounds, the order alternating):
+         the ratio is the median of the rounds' paired ratios, robust to the load of a shared machine.
 
 Configurations: chunked (model.logprob_chunk, default lit_ess.logprobs.DEFAULT_CHUNK) against unchunked
 (logprob_chunk: null, the model's full logits of the completion span), each with activation
@@ -52,6 +53,8 @@ def _reset_peak() -> int:
 
 
 def _worker(cfg: dict, out) -> None:
+    """One model and micro-batch; for each round, one step with each chunk setting of cfg["chunks"], in an
+    order that alternates between rounds (the machine's load drifts; paired steps cancel most of it)."""
     from lit_ess.logprobs import sequence_logprobs
     from lit_ess.tiny import family_config
     from transformers import Qwen2ForCausalLM
@@ -70,19 +73,26 @@ def _worker(cfg: dict, out) -> None:
     comp = torch.zeros(B, L, dtype=torch.bool)
     comp[:, L // 4:] = True
     adv = torch.randn(B, 1, generator=g)
-    peaks, times = [], []
-    for i in range(cfg["steps"] + 1):
+
+    def step(chunk) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
         base = _reset_peak()
         t0 = time.perf_counter()
-        lp, ent = sequence_logprobs(model, ids, att, comp, temperature=0.9, with_entropy=True, chunk=cfg["chunk"])
-        loss = -((lp * adv + 1e-3 * ent) * comp).sum() / comp.sum()
-        loss.backward()
-        dt = time.perf_counter() - t0
-        if i:                                   # step 0 warms up
-            peaks.append(_kib("VmHWM") - base)
-            times.append(dt)
-    out.put({**cfg, "peak_mib": max(peaks) / 1024, "time_s": statistics.median(times), "times_s": times})
+        lp, _ = sequence_logprobs(model, ids, att, comp, temperature=0.9, chunk=chunk)
+        (-(lp * adv * comp).sum() / comp.sum()).backward()
+        return (_kib("VmHWM") - base) / 1024, time.perf_counter() - t0
+
+    chunks = cfg["chunks"]
+    for c in chunks:                            # warm-up: allocator, first calls
+        step(c)
+    res = {str(c): {"peak_mib": [], "time_s": []} for c in chunks}
+    for r in range(cfg["steps"]):
+        for c in (chunks if r % 2 == 0 else chunks[::-1]):
+            peak, dt = step(c)
+            res[str(c)]["peak_mib"].append(peak)
+            res[str(c)]["time_s"].append(dt)
+    out.put({**cfg, "by_chunk": {c: {"peak_mib": max(v["peak_mib"]), "time_s": statistics.median(v["time_s"]),
+                                     "peaks_mib": v["peak_mib"], "times_s": v["time_s"]} for c, v in res.items()}})
 
 
 def measure(cfg: dict) -> dict:
@@ -112,7 +122,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=QWEN25_VOCAB)
     ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="rounds of paired steps")
     ap.add_argument("--lengths", default="512,1024,2048,4096", help="row lengths of the length sweep")
     ap.add_argument("--max-unchunked", type=int, default=2048,
                     help="longest row of the length sweep run unchunked (4,096 unchunked needs ~20 GB here)")
@@ -121,7 +131,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.quick:
-        a.vocab, a.tokens, a.hidden, a.layers, a.chunk, a.steps = 4096, 256, 64, 1, 64, 1
+        a.vocab, a.tokens, a.hidden, a.layers, a.chunk, a.steps = 4096, 256, 64, 1, 64, 2
         a.lengths, a.chunks = "128,256", "32"
     out = Path(a.out) if a.out else (None if a.quick else RESULTS)
     base = dict(rows=a.rows, tokens=a.tokens, hidden=a.hidden, layers=a.layers, vocab=a.vocab, steps=a.steps,
@@ -131,28 +141,28 @@ def main(argv=None) -> dict:
     def run(group: str, **cfg) -> dict:
         r = measure({**base, **cfg})
         runs[group].append(r)
-        print(f"  {group:8s} chunk {str(r['chunk']):>5s} checkpointing {str(r['checkpointing']):5s} rows {r['rows']} x "
-              f"{r['tokens']:5d}: peak {r['peak_mib']:8.1f} MiB, {r['time_s']:7.2f} s", flush=True)
+        for c, v in r["by_chunk"].items():
+            print(f"  {group:8s} chunk {c:>5s} checkpointing {str(r['checkpointing']):5s} rows {r['rows']} x "
+                  f"{r['tokens']:5d}: peak {v['peak_mib']:8.1f} MiB, {v['time_s']:7.2f} s (median of {len(v['times_s'])})",
+                  flush=True)
         return r
 
     print(f"Qwen2.5 family, vocabulary {a.vocab:,}, width {a.hidden}, {a.layers} layers, {a.rows} rows x {a.tokens} "
           f"tokens, chunk {a.chunk}", flush=True)
+    ratios = {}
     for ckpt in (False, True):
-        run("main", chunk=a.chunk, checkpointing=ckpt)
-        run("main", chunk=None, checkpointing=ckpt)
+        r = run("main", chunks=[a.chunk, None], checkpointing=ckpt)
+        c, u = r["by_chunk"][str(a.chunk)], r["by_chunk"]["None"]
+        paired = [x / y for x, y in zip(c["times_s"], u["times_s"])]
+        ratios[f"checkpointing_{ckpt}"] = {"peak": c["peak_mib"] / u["peak_mib"], "time": statistics.median(paired),
+                                           "time_paired": paired}
     for n in map(int, a.lengths.split(",")):
         if n != a.tokens:
-            run("lengths", chunk=a.chunk, tokens=n)
-            if n <= a.max_unchunked:
-                run("lengths", chunk=None, tokens=n)
-    for c in map(int, a.chunks.split(",")):
-        run("chunks", chunk=c)
-    pick = lambda chunk, ckpt: next(r for r in runs["main"] if r["chunk"] == chunk and r["checkpointing"] == ckpt)   # noqa: E731
-    ratios = {f"checkpointing_{ckpt}": {"peak": pick(a.chunk, ckpt)["peak_mib"] / pick(None, ckpt)["peak_mib"],
-                                        "time": pick(a.chunk, ckpt)["time_s"] / pick(None, ckpt)["time_s"]}
-              for ckpt in (False, True)}
+            run("lengths", chunks=[a.chunk, None] if n <= a.max_unchunked else [a.chunk], tokens=n)
+    run("chunks", chunks=[int(c) for c in a.chunks.split(",")] + [a.chunk])
     for k, v in ratios.items():
-        print(f"chunked / unchunked, {k}: peak {v['peak']:.3f} (goal <= 0.3), time {v['time']:.3f} (goal <= 1.15)")
+        print(f"chunked / unchunked, {k}: peak {v['peak']:.3f} (goal <= 0.3), time {v['time']:.3f} (goal <= 1.15; "
+              f"median of the paired rounds)")
     result = {"benchmark": "logprob_memory", "device": "cpu (this 2-core machine, 1 thread)", "torch": torch.__version__,
               "shape": {k: v for k, v in base.items() if k != "checkpointing"} | {"chunk": a.chunk},
               "ratios_chunked_over_unchunked": ratios, "runs": runs}

@@ -17,8 +17,10 @@ the decoder's hidden states of the K positions that predict a completion token a
 
     hidden [K, H] --chunk--> head -> logits [c, V] -> process -> (lp [c], entropy [c]) -> cat -> [K]
 
-each chunk under a non-reentrant activation checkpoint, so its [c, V] logits are freed at once and
-recomputed in the backward. Peak memory grows with chunk x V, not with B x L x V. The LM head is still
+each chunk but the last under a non-reentrant activation checkpoint, so its [c, V] logits are freed at
+once and recomputed in the backward (`ProcessedLogprob` writes the gradient of the processed
+log-softmax out by hand, which keeps fewer [c, V] copies than autograd's graph). Peak memory grows with
+chunk x V, not with B x L x V; the price is one more head forward for every chunk but the last. The LM head is still
 called through the model's own forward, so FSDP2 gathers its weight, LoRA and tied embeddings behave as
 in any forward, and a family that post-processes the head's output (e.g. Gemma's logit soft-capping) is
 caught by `check_chunked_head` before training. `chunk=None` is the plain path: the model's logits of
@@ -117,13 +119,18 @@ def _chunk(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: 
 def head_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float = 1.0, top_k: int = -1,
                   top_p: float = 1.0, with_entropy: bool = False, chunk: int = DEFAULT_CHUNK) -> Tensor:
     """Log-probabilities of `targets` ([K]) from `hidden` ([K, H]) through `head`, `chunk` rows at a time:
-    [K, 1], or [K, 2] (logprob, entropy). With grad enabled each chunk is checkpointed (recomputed in the
-    backward), so no [K, V] tensor is ever alive."""
+    [K, 1], or [K, 2] (logprob, entropy).
+
+    With grad enabled every chunk but the last is checkpointed (its logits recomputed in the backward).
+    The last chunk keeps its processed logits for the backward instead: the backward runs it first and
+    frees them before any other chunk is recomputed, so the peak is the same and one chunk's head
+    forward is saved (a micro-batch of at most `chunk` tokens recomputes nothing)."""
     args = (temperature, top_k, top_p, with_entropy)
+    starts = range(0, max(len(targets), 1), chunk)         # an empty K still makes one (empty) call: a graph
     out = []
-    for s in range(0, max(len(targets), 1), chunk):       # an empty K still makes one (empty) call: a graph
+    for s in starts:
         h, t = hidden[s:s + chunk], targets[s:s + chunk]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and s != starts[-1]:
             out.append(checkpoint(_chunk, head, h, t, *args, use_reentrant=False))
         else:
             out.append(_chunk(head, h, t, *args))
