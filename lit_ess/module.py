@@ -47,7 +47,7 @@ from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_ada
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, Objective, ess_stats, ratio_metrics
-from .packing import packed_logprobs, plan_micro_batches, plan_ranks
+from .packing import check_packed_forward, packed_logprobs, plan_micro_batches, plan_ranks
 from .engines import SamplingConfig
 from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
@@ -248,12 +248,15 @@ class PolicyModule(L.LightningModule):
 
     def _check_packing(self, model, where: str) -> None:
         """With packing, refuse an attention implementation that does not turn restarting position ids into
-        a block-diagonal mask (transformers.masking_utils.find_packed_sequence_indices): rows would attend
+        a block-diagonal mask (transformers.masking_utils.find_packed_sequence_indices), and a family whose
+        packed forward is not its padded forward (lit_ess.packing.check_packed_forward): rows would attend
         to each other."""
         impl = model.config._attn_implementation
         if self.hparams.packing and impl not in PACKED_ATTENTION:
             raise ValueError(f"model.packing=true needs attn_implementation in {sorted(PACKED_ATTENTION)} ({where}'s "
                              f"model uses {impl!r}): packed rows would attend to each other; set model.packing=false")
+        if self.hparams.packing:
+            check_packed_forward(model, where)
 
     def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights with Hugging Face names, gathered one tensor at a time (FSDP2:
