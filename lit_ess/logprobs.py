@@ -139,34 +139,54 @@ def head_logprobs(head: torch.nn.Module, hidden: Tensor, targets: Tensor, temper
 
 def score_positions(model, inputs: dict, hidden_at: Tensor, targets: Tensor, temperature: float = 1.0,
                     top_k: int = -1, top_p: float = 1.0, with_entropy: bool = False,
-                    chunk: int | None = DEFAULT_CHUNK) -> tuple[Tensor, Tensor | None]:
+                    chunk: int | None = DEFAULT_CHUNK, columns: int | None = None) -> tuple[Tensor, Tensor | None]:
     """(lp [K], entropy [K] or None) of `targets` predicted at the positions `hidden_at` ([K], indices into
-    the flattened [R * c] positions the model's forward hands its LM head, c set by `logits_to_keep` in
-    `inputs`).
+    the flattened [R * c] positions the model's forward hands its LM head, c = `columns`, set by
+    `logits_to_keep` in `inputs`; a model that ignores `logits_to_keep` is refused, as its c differs).
 
     chunk=None: the model's logits [R, c, V], then `token_logprobs`. Otherwise the LM head's forward is
     replaced for this one call by `head_logprobs` on the K selected hidden states: the model's `.logits`
-    come back as [K, 1 or 2] and no vocabulary-sized tensor outlives a chunk.
+    come back as [K, 1 or 2] and no vocabulary-sized tensor outlives a chunk. The first chunked call on a
+    model checks once that its forward returns what its head computes (`check_chunked_head`).
     """
     if chunk is None:
         logits = model(**inputs).logits
+        _check_columns(model, logits.shape[-2], columns)
         return token_logprobs(logits.reshape(-1, logits.shape[-1])[hidden_at], targets, temperature, top_k, top_p,
                               with_entropy)
+    if not getattr(model, "_lit_ess_head_checked", False):
+        model._lit_ess_head_checked = True                 # before: the check itself scores chunked
+        check_chunked_head(model, chunk)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None): "
                          f"chunked log-probabilities need the LM head; set model.logprob_chunk: null")
+    calls = []
 
     def forward(hidden: Tensor) -> Tensor:               # [R, c, H], what the model hands its LM head
+        _check_columns(model, hidden.shape[-2], columns)
+        calls.append(1)
         return head_logprobs(head, hidden.reshape(-1, hidden.shape[-1])[hidden_at], targets, temperature, top_k,
                              top_p, with_entropy, chunk)
 
+    own = head.__dict__.get("forward")                   # an instance forward already there (e.g. a hook's)
     head.forward = forward                               # an instance attribute: nn.Module.__call__ finds it first
     try:
         out = model(**inputs).logits                     # [K, 1] or [K, 2]
     finally:
         del head.forward
+        if own is not None:
+            head.forward = own
+    if len(calls) != 1 or out.dim() != 2:
+        raise ValueError(f"{type(model).__name__}'s forward does not call its LM head (get_output_embeddings()) once "
+                         f"and return its output: chunked log-probabilities cannot score it; set model.logprob_chunk: null")
     return out[:, 0], (out[:, 1] if with_entropy else None)
+
+
+def _check_columns(model, got: int, want: int | None) -> None:
+    if want is not None and got != want:
+        raise ValueError(f"{type(model).__name__} ignores logits_to_keep (its LM head got {got} positions a row, not "
+                         f"{want}): lit-ess cannot score it")
 
 
 def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
@@ -185,27 +205,39 @@ def sequence_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completi
     keep = L - first + 1                                 # positions first - 1 .. L - 1
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=keep)
     lp, ent = score_positions(model, inputs, rows * keep + (cols - first), input_ids[rows, cols], temperature,
-                              top_k, top_p, with_entropy, chunk)
+                              top_k, top_p, with_entropy, chunk, columns=keep)
     scatter = lambda v: v.new_zeros(B, L).index_put((rows, cols), v)       # noqa: E731
     return scatter(lp), (scatter(ent) if ent is not None else None)
 
 
 def check_chunked_head(model, chunk: int, where: str = "model_path") -> None:
     """Refuse, in one line, a model whose forward changes its LM head's output before returning it (e.g.
-    logit soft-capping, a logit scale): chunked scoring would skip that step. Compares chunked and plain
-    log-probabilities of a 6-token row once; no grad."""
-    V = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else model.config.vocab_size
-    ids = torch.arange(6, device=model.device).remainder(V).unsqueeze(0)
-    mask, comp = torch.ones_like(ids), torch.ones_like(ids).bool()
+    logit soft-capping, a logit scale): chunked scoring would skip that step. Structural: the plain
+    forward's `.logits` must be exactly what the head returned (a forward hook); then chunked and plain
+    log-probabilities of a probe row with a prompt must agree. No grad, eval mode."""
+    V = model.config.get_text_config().vocab_size
+    ids = torch.arange(8, device=model.device).mul(37).add(5).remainder(V).unsqueeze(0)
+    mask, comp = torch.ones_like(ids), torch.arange(8, device=model.device).unsqueeze(0) >= 3
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"model.logprob_chunk={chunk}: {where}'s {type(model).__name__} has no output embeddings "
+                         f"(get_output_embeddings() is None); set model.logprob_chunk: null")
+    seen = []
+    hook = head.register_forward_hook(lambda mod, args, out: seen.append(out))
     training = model.training
+    model._lit_ess_head_checked = True
     try:
         with torch.no_grad():                             # eval: a model with dropout gives two draws otherwise
-            want, _ = sequence_logprobs(model.eval(), ids, mask, comp, chunk=None)
+            logits = model.eval()(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            hook.remove()
+            same = len(seen) == 1 and seen[0].shape == logits.shape and torch.equal(seen[0].to(logits.dtype), logits)
+            want, _ = sequence_logprobs(model, ids, mask, comp, chunk=None)
             got, _ = sequence_logprobs(model, ids, mask, comp, chunk=min(chunk, 2))
     finally:
+        hook.remove()
         model.train(training)
-    diff = float((want - got).abs().max())
-    if not diff <= 1e-3:
-        raise ValueError(f"model.logprob_chunk={chunk}: {where}'s {type(model).__name__} changes its LM head's output "
-                         f"before returning logits (chunked and plain log-probabilities differ by {diff:.3g}); "
-                         f"set model.logprob_chunk: null")
+    diff = float((want - got)[comp].abs().max())
+    if not same or not diff <= (1e-3 if logits.dtype == torch.float32 else 5e-2):
+        why = "changes its LM head's output before returning logits" if not same else \
+            f"gives other log-probabilities chunked (they differ by {diff:.3g})"
+        raise ValueError(f"model.logprob_chunk={chunk}: {where}'s {type(model).__name__} {why}; set model.logprob_chunk: null")

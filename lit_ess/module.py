@@ -525,8 +525,8 @@ class PolicyModule(L.LightningModule):
         log_ratios, masks = [], []
         scale = self._grad_scale()
         for mb, weight in passes:
+            ref = self._reference(mb, sampling)         # first: its forward's transients never meet the policy's graph
             lp, ent = self._forward(mb, sampling, True)
-            ref = self._reference(mb, sampling)
             valid = finite_mask(mb.completion_mask, mb.behavior_logprobs, lp)
             ess = step_ess
             if self.objective.needs_ess and ess is None:                       # one micro-batch, or micro scope

@@ -197,7 +197,7 @@ def packed_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion
                   logits_to_keep=cols)
     hidden_at = (target_at // W) * len(cols) + torch.searchsorted(cols, target_at % W - 1)      # [K] in [R * c]
     lp, ent = score_positions(model, inputs, hidden_at, p.input_ids.reshape(-1)[target_at], temperature, top_k,
-                              top_p, with_entropy, chunk)
+                              top_p, with_entropy, chunk, columns=len(cols))
     dest = p.batch_index[keep]
     out = lp.new_zeros(B * T).index_put((dest,), lp).view(B, T)
     if ent is not None:

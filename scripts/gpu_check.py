@@ -4,7 +4,7 @@ A Qwen2.5-0.5B-shaped model (its config: 24 layers, width 896, 14 heads / 2 kv h
 151,936, tied embeddings) with random weights, built here (nothing downloaded), trained in bf16 through
 lit-ess's own PolicyModule and hf engine. It measures, per optimizer step (forward + backward + AdamW):
 
-  train     tokens/s and peak GPU memory at 1k- and 4k-token rows (8k tokens a micro-batch), with the
+  train     tokens/s and peak GPU memory (above what the case started with) at 1k- and 4k-token rows (8k tokens a micro-batch), with the
             chunked LM head (model.logprob_chunk, default) and without it (null);
   fsdp2     the same step sharded by lit_ess.callbacks.FSDP2 over a 1-rank NCCL group (mixed precision
             bf16 params, fp32 reduce);
@@ -79,9 +79,17 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def peak_reset(device) -> None:
+def free(device) -> None:
+    """Free what finished cases left: PolicyModule sits in reference cycles, so only a collection frees it."""
+    import gc
+
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def peak_reset(device) -> None:
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
 
@@ -89,10 +97,16 @@ def peak_gib(device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
+def allocated_gib(device) -> float | None:
+    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
 def train_steps(module, batch, device, steps: int, shard=None) -> dict:
     """`steps` optimizer steps of `module` on `batch` after one warm-up: tokens/s, s/step, peak GPU memory."""
     from lit_ess.step import build_optimizer, clip_gradients
 
+    free(device)
+    before = allocated_gib(device)                   # what the case starts with (its batch, a 1-rank group)
     module.configure_model()
     module.policy.to(device)
     if shard is not None:
@@ -115,8 +129,9 @@ def train_steps(module, batch, device, steps: int, shard=None) -> dict:
         metrics = step()
     sync(device)
     dt = (time.perf_counter() - t0) / steps
-    return {"tokens_per_step": tokens, "s_per_step": dt, "tokens_per_s": tokens / dt, "peak_gib": peak_gib(device),
-            "loss": metrics["train/loss"]}
+    peak = peak_gib(device)
+    return {"tokens_per_step": tokens, "s_per_step": dt, "tokens_per_s": tokens / dt, "loss": metrics["train/loss"],
+            "peak_gib": None if peak is None else peak - before}
 
 
 def run_case(results: dict, name: str, fn) -> None:
@@ -130,8 +145,7 @@ def run_case(results: dict, name: str, fn) -> None:
         results[name] = {"error": f"{type(e).__name__}: {e}"[:500], "trace": traceback.format_exc()[-1500:]}
         print(f"  {name}: FAILED {results[name]['error']}", flush=True)
     finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def one_rank_group(device):

@@ -223,3 +223,20 @@ def test_hand_written_gradient_equals_autograd(s, with_entropy):
     want_grad, = torch.autograd.grad(torch.where(want.isfinite(), want * w, 0).sum(), logits)
     assert (~want.isfinite()).any() or s["top_k"] < 0 and s["top_p"] == 1.0       # some targets were dropped
     torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_that_ignores_logits_to_keep_is_refused(tiny_model_dir):
+    """A forward that swallows logits_to_keep hands its head every position: the indices of the completion
+    tokens would point at other positions. Refused in one line, chunked or not."""
+    from transformers import Qwen2ForCausalLM
+
+    class Ignores(Qwen2ForCausalLM):
+        def forward(self, *a, logits_to_keep=0, **k):
+            return super().forward(*a, **k)
+
+    model = Ignores.from_pretrained(tiny_model_dir)
+    ids, mask, comp = (x[[0, 1, 3, 4]] for x in batch(model.config.vocab_size))      # prompts of 3 tokens or more
+    for chunk in (None, 4):
+        with pytest.raises(ValueError, match=r"^Ignores ignores logits_to_keep \(its LM head got \d+ positions a row, "
+                                             r"not \d+\): lit-ess cannot score it$"):
+            sequence_logprobs(model, ids, mask, comp, chunk=chunk)
