@@ -189,12 +189,26 @@ def _lora(j):
                 None, None)]
 
 
+def _logprob_memory(j):
+    sh = j["shape"]
+    where = f"vocabulary {sh['vocab']:,}, {sh['rows']} x {sh['tokens']}-token rows, chunk {sh['chunk']}"
+    out = []
+    for key, q in j["ratios_chunked_over_unchunked"].items():
+        ckpt = "on" if key.endswith("True") else "off"
+        out.append(row(f"peak memory of a step, chunked / full logits ({where}; checkpointing {ckpt})", q["peak"],
+                       "<= 0.3", q["peak"] <= 0.3))
+        out.append(row(f"time of a step, chunked / full logits ({where}; checkpointing {ckpt})", q["time"],
+                       "<= 1.15", q["time"] <= 1.15))
+    return out
+
+
 BENCHMARKS = [
     Bench("objectives", ["--repeats", "50"], ["--repeats", "30"], _objectives),
     Bench("step", ["--steps", "30", "--rounds", "3"], ["--steps", "8", "--rounds", "1"], _step, needs=["vllm"]),
     Bench("overhead", ["--steps", "20", "--rounds", "2", "--syncs", "20"],
           ["--steps", "10", "--rounds", "2", "--syncs", "5"], _overhead, needs=["vllm"]),
     Bench("memory", ["--steps", "3"], ["--steps", "2"], _memory),
+    Bench("logprob_memory", ["--steps", "2"], ["--quick"], _logprob_memory),
     Bench("proximal", ["--steps", "16", "--rounds", "2"], ["--steps", "8", "--rounds", "1"], _proximal),
     Bench("async", ["--steps", "25", "--rounds", "2"], ["--steps", "8", "--rounds", "1"], _async, needs_model=True,
           needs=["vllm"]),

@@ -69,7 +69,7 @@ from lit_ess.engines.vllm_server import SHARED_ADAPTERS  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
-from lit_ess.lifetime import Peers, alive, die_with_parent  # noqa: E402
+from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
 
 # the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
@@ -239,8 +239,9 @@ def _stop_on_sigterm() -> None:
 
     def on_sigterm(signum, frame):
         if launcher is not None and not alive(launcher):
-            print(f"lit-ess: error: rank 0 (the launcher, pid {launcher}) died: rank {os.environ.get('RANK', '?')} stops",
-                  file=sys.stderr, flush=True)
+            who = (f"the torchrun launcher of node {node_rank()} (pid {launcher})" if "TORCHELASTIC_RUN_ID" in os.environ
+                   else f"rank 0 (the launcher, pid {launcher})")
+            print(f"lit-ess: error: {who} died: rank {os.environ.get('RANK', '?')} stops", file=sys.stderr, flush=True)
             os._exit(1)
         if not stopping:               # once: a second SIGTERM during the shutdown changes nothing
             stopping.append(signum)
@@ -258,8 +259,9 @@ _SIGTERM: list = [None]         # the SIGTERM handler of this process (_stop_on_
 
 
 def _dead_peer(error: BaseException) -> str | None:
-    """'rank R (pid P) died: <the backend's error>' when a collective failed because a rank on this host
-    is gone (waiting up to 2 s for it to be reaped), else None."""
+    """'[node N] rank R (pid P) died: <the backend's error>' when a collective failed because a rank is gone:
+    on this host its process (waiting up to 2 s for it to be reaped), on another node its heartbeat
+    (lit_ess.lifetime.Peers.dead); else None."""
     import time
 
     if not Peers.ranks:

@@ -43,12 +43,12 @@ from torchmetrics import MeanMetric
 
 from .health import ESSAlarm, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
 from .knobs import check
-from .logprobs import sequence_logprobs
+from .logprobs import DEFAULT_CHUNK, check_chunked_head, sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, ESSStats, Objective, ess_stats, ratio_metrics
-from .packing import packed_logprobs, plan_micro_batches, plan_ranks
+from .packing import check_packed_forward, packed_logprobs, plan_micro_batches, plan_ranks
 from .engines import SamplingConfig
 from .rollout import Proximal, RolloutBatch, RolloutData
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
@@ -110,6 +110,14 @@ class PolicyModule(L.LightningModule):
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
         gradient_checkpointing: trade compute for memory in the policy.
+        logprob_chunk: tokens per LM-head chunk of every scoring forward (gradient pass, ESS pre-pass,
+            proximal and reference scoring, packed or padded), >= 1 (lit_ess.logprobs): the hidden states of
+            the completion tokens go through the LM head this many at a time, each chunk reduced to the
+            sampled token's log-probability (and entropy) and recomputed in the backward, so no
+            [rows, tokens, vocabulary] logits exist; peak memory grows with logprob_chunk x vocabulary
+            (1,024 x 151,936 fp32 = 0.62 GB per copy). null = the plain path: the model's full logits of the
+            completion span (what a model whose forward post-processes its logits needs; such a model is
+            refused at start with chunking on).
         model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
         disable_dropout: set every dropout probability of the base model to 0 (TRL's `disable_dropout`).
             With dropout on, the trainer scores tokens with a random sub-network: on-policy ESS is not 1
@@ -150,6 +158,7 @@ class PolicyModule(L.LightningModule):
         ess_scope: Literal["step", "micro"] = "step",
         train_temperature: float | None = None,
         gradient_checkpointing: bool = False,
+        logprob_chunk: int | None = DEFAULT_CHUNK,
         model_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         disable_dropout: bool = True,
         lora: LoRA | None = None,
@@ -173,6 +182,8 @@ class PolicyModule(L.LightningModule):
         if not isinstance(packing, bool):
             raise ValueError(f"model.packing must be true or false, got {packing!r}")
         check("model.train_temperature", train_temperature, gt=0, null=True)
+        check("model.logprob_chunk", logprob_chunk, ge=1, integer=True, null=True,
+              hint=": tokens per LM-head chunk, or null for the full logits")
         self.save_hyperparameters()
         check_model_path(model_path)
         if ref_model_path is not None:
@@ -214,6 +225,8 @@ class PolicyModule(L.LightningModule):
         dtype = getattr(torch, self.hparams.model_dtype)
         self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=dtype).train()
         self._check_packing(self.policy, "model_path")
+        if self.hparams.logprob_chunk is not None:
+            check_chunked_head(self.policy, self.hparams.logprob_chunk, "model_path")
         if self.hparams.disable_dropout:
             disable_dropout(self.policy)
         if self.hparams.gradient_checkpointing:
@@ -230,16 +243,21 @@ class PolicyModule(L.LightningModule):
         if self.objective.ref_kl_coef and (self.lora is None or self.hparams.ref_model_path):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
             self._check_packing(ref, "ref_model_path")
+            if self.hparams.logprob_chunk is not None:
+                check_chunked_head(ref, self.hparams.logprob_chunk, "ref_model_path")
             self.ref_policy = ref.eval().requires_grad_(False)
 
     def _check_packing(self, model, where: str) -> None:
         """With packing, refuse an attention implementation that does not turn restarting position ids into
-        a block-diagonal mask (transformers.masking_utils.find_packed_sequence_indices): rows would attend
+        a block-diagonal mask (transformers.masking_utils.find_packed_sequence_indices), and a family whose
+        packed forward is not its padded forward (lit_ess.packing.check_packed_forward): rows would attend
         to each other."""
         impl = model.config._attn_implementation
         if self.hparams.packing and impl not in PACKED_ATTENTION:
             raise ValueError(f"model.packing=true needs attn_implementation in {sorted(PACKED_ATTENTION)} ({where}'s "
                              f"model uses {impl!r}): packed rows would attend to each other; set model.packing=false")
+        if self.hparams.packing:
+            check_packed_forward(model, where)
 
     def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The policy's full weights with Hugging Face names, gathered one tensor at a time (FSDP2:
@@ -285,10 +303,11 @@ class PolicyModule(L.LightningModule):
         """
         T = sampling.temperature if self.hparams.train_temperature is None else self.hparams.train_temperature
         args = (model, mb.input_ids, mb.attention_mask, mb.completion_mask, T, sampling.top_k, sampling.top_p)
+        chunk = self.hparams.logprob_chunk
         with torch.enable_grad() if with_grad else torch.no_grad():
             if self.hparams.packing:        # lines as wide as the micro-batch's longest row (it is trimmed to it)
-                return packed_logprobs(*args, with_entropy=with_entropy, width=mb.input_ids.shape[1])
-            return sequence_logprobs(*args, with_entropy=with_entropy)
+                return packed_logprobs(*args, with_entropy=with_entropy, width=mb.input_ids.shape[1], chunk=chunk)
+            return sequence_logprobs(*args, with_entropy=with_entropy, chunk=chunk)
 
     def _forward(self, mb: RolloutBatch, sampling: SamplingConfig, with_grad: bool) -> tuple[Tensor, Tensor | None]:
         """(logprobs, entropy or None) of the policy on the micro-batch."""
@@ -523,8 +542,8 @@ class PolicyModule(L.LightningModule):
         log_ratios, masks = [], []
         scale = self._grad_scale()
         for mb, weight in passes:
+            ref = self._reference(mb, sampling)         # first: its forward's transients never meet the policy's graph
             lp, ent = self._forward(mb, sampling, True)
-            ref = self._reference(mb, sampling)
             valid = finite_mask(mb.completion_mask, mb.behavior_logprobs, lp)
             ess = step_ess or {}
             if self.objective.needs_ess and step_ess is None:                  # one micro-batch, or micro scope

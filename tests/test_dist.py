@@ -60,7 +60,10 @@ def _module(model_dir, ess_scope="step", cut=None):
 
 
 CUTS = {"rows": {"micro_batch_size": 2}, "tokens": {"micro_batch_tokens": 20},
-        "packed": {"micro_batch_tokens": 20, "packing": True}}
+        "packed": {"micro_batch_tokens": 20, "packing": True},
+        # the LM head 3 tokens at a time (chunk boundaries inside rows), padded and packed
+        "chunked": {"micro_batch_size": 2, "logprob_chunk": 3},
+        "chunked_packed": {"micro_batch_tokens": 20, "packing": True, "logprob_chunk": 3}}
 STEPS = {**{name: ("step", cut) for name, cut in CUTS.items()}, "micro": ("micro", CUTS["rows"])}   # (ess_scope, cut)
 
 

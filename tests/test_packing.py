@@ -152,3 +152,30 @@ def test_plan_invariants(lengths, budget, world, packed):
     assert plan_ranks(lengths, budget, world, packed) == plans                  # deterministic
     single = plan_micro_batches(lengths, budget, packed)
     assert sorted(i for mb in single for i in mb) == list(range(len(lengths)))
+
+
+def test_packing_is_refused_for_a_family_whose_attention_ignores_position_ids(tmp_path):
+    """OPT (as Bloom and MPT) builds its causal mask without position_ids: packed rows would attend to the
+    rows before them, and a run trained on leaky rows with an ESS of 0.9997 (above the alarm). The module's
+    packed forward is checked against its padded forward once at start: one line."""
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    from lit_ess.module import PolicyModule
+    from lit_ess.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=2,
+                             max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=tok.pad_token_id,
+                             dropout=0.0, attention_dropout=0.0)).save_pretrained(tmp_path / "opt")
+    tok.save_pretrained(tmp_path / "opt")
+    with pytest.raises(ValueError, match=r"^model.packing=true: model_path's OPTForCausalLM does not keep packed rows "
+                                         r"apart .*set model.packing: false$"):
+        PolicyModule(str(tmp_path / "opt"), packing=True).configure_model()
+    PolicyModule(str(tmp_path / "opt"), packing=False).configure_model()          # padded rows are fine
+
+
+def test_packing_check_passes_the_families_that_keep_rows_apart(tiny_model_dir):
+    from lit_ess.module import PolicyModule
+
+    PolicyModule(tiny_model_dir, packing=True).configure_model()

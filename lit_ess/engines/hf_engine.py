@@ -1,7 +1,9 @@
 """transformers `generate` as a rollout engine: slower than vLLM, no extra dependency, same meaning.
 
 The behaviour logprob of each sampled token is recomputed from the logits `generate` sampled from,
-with the same temperature / top-k / top-p processing as the trainer (lit_ess.logprobs).
+with the same temperature / top-k / top-p processing as the trainer (lit_ess.logprobs). A logits
+processor (`StepLogprobs`) scores each step's token at the next step, so only one step's [N, V]
+scores are kept, never the [N, T, V] logits of the whole generation.
 
 It samples with exactly those three processors. A model folder's `generation_config.json` may carry
 others (repetition_penalty, min_p, no_repeat_ngram_size, ... which several instruct models ship);
@@ -21,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..health import NonFiniteError, first_nonfinite
-from ..logprobs import token_logprobs
+from ..logprobs import process_logits
 from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
 from ..lora import is_adapter_payload
 from ..knobs import check
@@ -95,18 +97,19 @@ class HFEngine(RolloutEngine):
         for r, p in enumerate(prompts):                      # left padding for generation
             ids[r, width - len(p):] = torch.tensor(p)
             att[r, width - len(p):] = 1
+        scorer = StepLogprobs(self._finite_scores, *((1.0, -1, 1.0) if self.raw else (s.temperature, s.top_k, s.top_p)))
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=att.to(self.device), do_sample=True,
                 temperature=s.temperature, top_k=s.top_k if s.top_k > 0 else 0, top_p=s.top_p,
-                max_new_tokens=s.max_new_tokens, return_dict_in_generate=True, output_logits=True,
+                max_new_tokens=s.max_new_tokens, return_dict_in_generate=True,
                 pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
-                logits_processor=[self._finite_scores])
-        new = out.sequences[:, width:].cpu()                              # [N, T]
-        logits = torch.stack(out.logits, dim=1).cpu()                     # [N, T, V], before processing
-        lps, _ = token_logprobs(logits, new) if self.raw else token_logprobs(logits, new, s.temperature, s.top_k, s.top_p)
+                logits_processor=[scorer])
+        new = out.sequences[:, width:]                                    # [N, T]
+        lps = scorer.finish(new).cpu()                                    # [N, T]
+        new = new.cpu()
         result = []
         for r in range(len(prompts)):
             toks = new[r].tolist()
@@ -114,15 +117,14 @@ class HFEngine(RolloutEngine):
             result.append(Completion(toks[:keep], lps[r, :keep].tolist(), reason, self.version))
         return result
 
-    def _finite_scores(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        """A logits processor: next-token scores [N, V] with a NaN or +inf cannot be sampled from (torch.multinomial
-        would raise a bare error); stop with one line naming the first non-finite weight, if any."""
+    def _finite_scores(self, scores: Tensor) -> None:
+        """Next-token scores [N, V] with a NaN or +inf cannot be sampled from (torch.multinomial would raise a
+        bare error): stop with one line naming the first non-finite weight, if any."""
         if bool(scores.isnan().any()) or bool(scores.isposinf().any()):
             bad = first_nonfinite(self.model.named_parameters())
             why = f"weight {bad} is not finite" if bad else f"the logits overflow in {self.model.dtype}"
             raise NonFiniteError(f"hf engine: the next-token probabilities of the weights of step {self.version} are "
                                  f"not finite ({why}): nothing can be sampled")
-        return scores
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)     # as vLLM matches stop strings
@@ -136,6 +138,38 @@ class HFEngine(RolloutEngine):
         if real_missing or unexpected:
             raise ValueError(f"HFEngine.load_weights: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
         self.version = version
+
+
+class StepLogprobs:
+    """A logits processor that records the behaviour logprob of every sampled token, one step late.
+
+    `generate` calls it with the raw next-token scores [N, V] before its own temperature / top-k / top-p
+    warpers (custom processors run first). At step t it processes the scores as the trainer does
+    (lit_ess.logprobs.process_logits) and keeps them, [N, V]; at step t + 1 the ids end with the token
+    sampled from them, whose logprob it gathers, [N]. `finish` gathers the last step's."""
+
+    def __init__(self, check, temperature: float, top_k: int, top_p: float):
+        self.check, self.processing = check, (temperature, top_k, top_p)
+        self.x: Tensor | None = None                # [N, V] processed scores of the last step
+        self.lse: Tensor | None = None              # [N]
+        self.out: list[Tensor] = []                 # [N] per generated token
+
+    def _gather(self, tokens: Tensor) -> None:
+        self.out.append(self.x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - self.lse)
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        self.check(scores)
+        if self.x is not None:
+            self._gather(input_ids[:, -1])
+        self.x = process_logits(scores, *self.processing)
+        self.lse = torch.logsumexp(self.x, dim=-1)
+        return scores
+
+    def finish(self, new: Tensor) -> Tensor:
+        """[N, T] logprobs of the generated tokens `new` ([N, T])."""
+        if self.x is not None and len(self.out) < new.shape[1]:
+            self._gather(new[:, len(self.out)])
+        return torch.stack(self.out, 1) if self.out else new.new_zeros(new.shape, dtype=torch.float32)
 
 
 def _reset_generation_config(model, tokenizer) -> dict:
