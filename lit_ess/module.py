@@ -131,6 +131,12 @@ class PolicyModule(L.LightningModule):
             almost surely not sampling with the trainer's weights: check the weight sync).
     """
 
+    # knobs a resume may change (the CLI refuses a resume whose other knobs differ from the checkpoint's):
+    # how a step is split in memory, and the alarms; what a step computes stays the checkpoint's run's. `lora`
+    # is judged by check_checkpoint_settings (its shape must match; `sync` is only how weights travel)
+    RESUME_FREE = frozenset({"micro_batch_size", "micro_batch_tokens", "packing", "gradient_checkpointing",
+                             "ess_alarm", "ess_alarm_error", "max_consecutive_skipped_steps", "lora"})
+
     def __init__(
         self,
         model_path: str,
