@@ -1,5 +1,7 @@
 """Faults of the newer surfaces (issue 38): resume with other knobs or another model, config files that do
 not parse, servers by URL that do not answer as vLLM does, timeouts named by their knob."""
+import re
+
 import pytest
 import torch
 
@@ -42,3 +44,26 @@ def test_a_resume_with_other_knobs_is_refused_for_a_path_and_last(p3o_run):
     assert res.returncode == 0, res.stderr[-3000:]
     saved = torch.load(next((tmp / "ckpt").glob("*step=3.ckpt")), weights_only=False)["hyper_parameters"]
     assert saved["micro_batch_size"] == 8 and saved["lr"] == 1e-3
+
+
+@pytest.mark.e2e
+def test_a_resume_on_a_model_of_another_width_names_the_shape_and_the_checkpoint(tmp_path):
+    """The model folder rebuilt wider after a 1-step run (the same model_path): the resume stops in one line
+    naming a tensor, both shapes and the checkpoint (main: a bare `Error(s) in loading state_dict` traceback)."""
+    import shutil
+
+    from lit_ess.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=96, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    cfg = rl_config(str(model), tmp_path, engine="HFConfig", max_steps=1, ckpt_every=1)
+    path = str(write_config(cfg, tmp_path / "c.yaml"))
+    assert cli(["fit", "--config", path], timeout=300).returncode == 0
+    shutil.rmtree(model)
+    build_tiny_model(model, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)
+    ckpt = next((tmp_path / "ckpt").glob("*step=1.ckpt"))
+    cfg["trainer"]["max_steps"] = 2
+    line = fault_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c2.yaml")), "--ckpt_path", str(ckpt)],
+                          timeout=300), code=2)
+    assert f"the checkpoint {ckpt} holds a model of another shape than model_path={str(model)!r}" in line, line
+    assert re.search(r"resume with the model it was trained from \(policy\.\S+: \[\d+, 96\] in the checkpoint, "
+                     r"\[\d+, 128\] in the model; \d+ tensor\(s\) differ\)$", line), line
