@@ -7,6 +7,10 @@ import torch
 
 from e2e_utils import cli, cli_each, rl_config, write_config
 from test_faults_state import fault_line
+from test_server import FakeVLLM, fake_server  # noqa: F401  (a fixture)
+
+from lit_ess.engines import SamplingConfig, VLLMServerConfig
+from lit_ess.engines.vllm_server import ServerError
 
 
 # ---------------------------------------------------------------- resume
@@ -67,3 +71,42 @@ def test_a_resume_on_a_model_of_another_width_names_the_shape_and_the_checkpoint
     assert f"the checkpoint {ckpt} holds a model of another shape than model_path={str(model)!r}" in line, line
     assert re.search(r"resume with the model it was trained from \(policy\.\S+: \[\d+, 96\] in the checkpoint, "
                      r"\[\d+, 128\] in the model; \d+ tensor\(s\) differ\)$", line), line
+
+
+# ---------------------------------------------------------------- servers by URL (answers faked: tests/test_server.py)
+
+@pytest.mark.parametrize("route, answer", [
+    ("/version", []), ("/version", {"detail": "Not Found"}), ("/server_info", []), ("/server_info", {"vllm_config": []}),
+    ("/v1/models", []), ("/v1/models", {"data": {}}), ("/weight_info", []), ("/weight_info", {})])
+def test_a_url_that_does_not_answer_as_vllm_is_one_line_naming_it(route, answer, fake_server, tiny_model_dir):
+    """A service by URL answering what vLLM does not (main: AttributeError or TypeError tracebacks, or a
+    'runs vLLM ?' that blames the version): one line naming the URL, the call and its answer."""
+    FakeVLLM.answers = {route: (200, answer)}
+    with pytest.raises(ServerError, match=rf"vLLM server {fake_server}: GET {re.escape(route)}\S* answered .*, not what "
+                                          rf"vLLM 0\.32\.x answers: is {fake_server} a vLLM server") as e:
+        VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("answer", [{"choices": []}, {"choices": [{"token_ids": None}]}, []])
+def test_a_generate_answer_that_is_not_vllms_is_one_line_naming_the_url(answer, fake_server, tiny_model_dir):
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    FakeVLLM.answers = {"/inference/v1/generate": (200, answer)}
+    try:
+        with pytest.raises(ServerError, match=rf"vLLM server {fake_server}: POST /inference/v1/generate \(prompt 0 "
+                                              rf"sample 0[^)]*\) answered .*, not what vLLM 0\.32\.x answers") as e:
+            engine.generate([[1, 2]], 1, SamplingConfig(seed=0))
+        assert "\n" not in str(e.value)
+    finally:
+        engine.close()
+
+
+@pytest.mark.e2e
+def test_fit_on_a_url_answering_empty_lists_is_one_line(fake_server, tiny_model_dir, tmp_path):
+    """`lit-ess fit` with engine.urls at a service answering `[]` to everything (main: `AttributeError: 'list'
+    object has no attribute 'get'`, a bare traceback)."""
+    FakeVLLM.answers = {route: (200, []) for route in FakeVLLM.defaults}
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="VLLMServerConfig", max_steps=1)
+    cfg["data"]["init_args"]["engine"]["init_args"] = {"urls": [fake_server], "startup_timeout": 10}
+    line = fault_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300))
+    assert f"vLLM server {fake_server}: GET /version answered [], not what vLLM 0.32.x answers" in line, line

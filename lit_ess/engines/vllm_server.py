@@ -644,19 +644,43 @@ class VLLMServerEngine(RolloutEngine):
         except json.JSONDecodeError:
             raise ServerError(f"{self._where(url)}: {call} answered no JSON: {text[:300]!r}") from None
 
+    async def _ask(self, url: str, method: str, route: str, body: dict | None = None, **kwargs) -> tuple[int, dict]:
+        """`_call` for an answer lit-ess reads: a JSON object, else one line naming the URL and the answer."""
+        status, answer = await self._call(url, method, route, body, **kwargs)
+        if not isinstance(answer, dict):
+            raise self._not_vllm(url, kwargs.get("what") or f"{method} {route}", answer)
+        return status, answer
+
+    def _not_vllm(self, url: str, call: str, answer) -> ServerError:
+        return ServerError(f"{self._where(url)}: {call} answered {json.dumps(answer)[:200]}, not what vLLM {VLLM_SERIES}x "
+                           f"answers: is {url} a vLLM server (python -m lit_ess.engines.serve)?")
+
+    def _field(self, url: str, call: str, answer: dict, key: str, kind: type = dict):
+        """answer[key], which vLLM answers as a `kind`; else one line naming the URL and the answer."""
+        value = answer.get(key)
+        if not isinstance(value, kind):
+            raise self._not_vllm(url, call, answer)
+        return value
+
+    async def _label(self, url: str) -> str:
+        """The label of the weights the server holds (GET /weight_info)."""
+        _, answer = await self._ask(url, "GET", "/weight_info")
+        return str(self._field(url, "GET /weight_info", answer, "weight_version", (str, int)))
+
     async def _check_server(self, url: str) -> None:
         """Refuse a server lit-ess cannot use, with the flag to add."""
         fix = "start it with `python -m lit_ess.engines.serve --model MODEL_DIR`, or add"
-        version = (await self._call(url, "GET", "/version", timeout=self.config.startup_timeout))[1].get("version", "?")
+        _, answer = await self._ask(url, "GET", "/version", timeout=self.config.startup_timeout)
+        version = self._field(url, "GET /version", answer, "version", str)
         if not str(version).startswith(VLLM_SERIES):
             raise ServerError(f"{self._where(url)} runs vLLM {version}; lit-ess speaks the routes of vLLM "
                               f"{VLLM_SERIES}x: install that release there (pyproject.toml pins it)")
-        status, info = await self._call(url, "GET", "/server_info?config_format=json", ok=(200, 404))
+        status, info = await self._ask(url, "GET", "/server_info?config_format=json", ok=(200, 404))
         if status == 404:
             raise ServerError(f"{self._where(url)} has no dev routes (GET /server_info: 404): {fix} the environment "
                               f"variable VLLM_SERVER_DEV_MODE=1 to its start")
-        vc = info["vllm_config"]
-        m = vc["model_config"]
+        vc = self._field(url, "GET /server_info", info, "vllm_config")
+        m = self._field(url, "GET /server_info", vc, "model_config")
         if (vc.get("device_config") or {}).get("device") == "cpu" and (vc.get("scheduler_config") or {}).get("enable_chunked_prefill"):
             raise ServerError(f"{self._where(url)} splits prefills on CPU, where vLLM 0.32 crashes on seeded requests "
                               f"so split: {fix} --no-enable-chunked-prefill")
@@ -677,13 +701,14 @@ class VLLMServerEngine(RolloutEngine):
                                   f"engine.max_lora_rank is {self.config.max_lora_rank}: {fix} --enable-lora "
                                   f"--max-lora-rank {self.config.lora_rank_flag()}")
             # an unknown adapter: vLLM's handler answers {"error": ...}; without the route FastAPI's {"detail": "Not Found"}
-            _, answer = await self._call(url, "POST", "/v1/unload_lora_adapter", {"lora_name": "lit-ess-probe"},
-                                         ok=(400, 404))
+            _, answer = await self._ask(url, "POST", "/v1/unload_lora_adapter", {"lora_name": "lit-ess-probe"},
+                                        ok=(400, 404))
             if "error" not in answer:
                 raise ServerError(f"{self._where(url)} has no /v1/load_lora_adapter route: {fix} the environment "
                                   f"variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to its start")
         want = served_model_name(self.model_path)
-        names = [str(d.get("id")) for d in (await self._call(url, "GET", "/v1/models"))[1].get("data", [])]
+        models = self._field(url, "GET /v1/models", (await self._ask(url, "GET", "/v1/models"))[1], "data", list)
+        names = [str(d.get("id")) for d in models if isinstance(d, dict)]
         if not any(same_model(name, want) for name in names):
             raise ServerError(f"{self._where(url)} serves {names}, whose config.json and tokenizer are not those of "
                               f"{self.model_path} (or cannot be read here): {fix} --served-model-name {want}")
@@ -693,7 +718,7 @@ class VLLMServerEngine(RolloutEngine):
         if status == 403:
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
-        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        label = await self._label(url)
         if self.role == "follows":             # rank 0 labels the servers (LeaderConfig)
             return
         if self.role == "leads":               # no step yet: a label of an earlier run never passes for this run's
@@ -735,7 +760,7 @@ class VLLMServerEngine(RolloutEngine):
                     body = {"token_ids": prompt, "sampling_params": params}
                     if adapter is not None:
                         body["model"] = adapter[0]
-                    _, out = await self._watched(url, self._call(
+                    _, out = await self._watched(url, self._ask(
                         url, "POST", "/inference/v1/generate", body, timeout=self.config.request_timeout,
                         what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)"))
                     break
@@ -743,9 +768,7 @@ class VLLMServerEngine(RolloutEngine):
                     self._put_out(url, e)
                 finally:
                     self.outstanding[url] -= 1
-        choice = out["choices"][0]
-        ids = list(choice["token_ids"])
-        lps = [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+        choice, ids, lps = self._sampled(url, f"POST /inference/v1/generate ({what})", out)
         if len(lps) != len(ids):
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
                               f"with {len(lps)} logprobs")
@@ -761,6 +784,17 @@ class VLLMServerEngine(RolloutEngine):
             versions = [adapter[1]] * len(ids)
         return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
                           min(versions, default=self.version), token_versions=versions)
+
+    def _sampled(self, url: str, call: str, out: dict) -> tuple[dict, list[int], list[float]]:
+        """The first choice of a generate answer, its token ids and their logprobs; one line naming the URL
+        for an answer that is not vLLM's."""
+        try:
+            choice = out["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise self._not_vllm(url, call, out) from None
+        return choice, ids, lps
 
     # ---- weights ----
 
@@ -801,7 +835,7 @@ class VLLMServerEngine(RolloutEngine):
             behind = {}
             for url in self._live():
                 try:
-                    label = str((await self._call(url, "GET", "/weight_info"))[1].get("weight_version"))
+                    label = await self._label(url)
                 except ServerGone as e:
                     self._put_out(url, e)
                     continue
@@ -907,14 +941,14 @@ class VLLMServerEngine(RolloutEngine):
                              {"method": "reload_weights", "kwargs": {"weights_path": folder}},
                              what=f"POST /collective_rpc reload_weights from {folder}")
             await self._call(url, "POST", "/update_weight_version", {"new_version": str(version)})
-            _, reset = await self._call(url, "POST", "/reset_prefix_cache?reset_running_requests=true" if keep
-                                        else "/reset_prefix_cache")
+            _, reset = await self._ask(url, "POST", "/reset_prefix_cache?reset_running_requests=true" if keep
+                                       else "/reset_prefix_cache")
             if reset.get("success") is not True:
                 raise ServerError(f"{self._where(url)}: POST /reset_prefix_cache answered {reset}: the prefix cache of "
                                   f"the old weights would be reused")
         finally:
             await self._call(url, "POST", "/resume")
-        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        label = await self._label(url)
         if label != str(version):
             raise ServerError(f"{self._where(url)}: GET /weight_info says version {label!r} after pushing {version}: "
                               f"another client updates this server")
