@@ -110,3 +110,24 @@ def test_fit_on_a_url_answering_empty_lists_is_one_line(fake_server, tiny_model_
     cfg["data"]["init_args"]["engine"]["init_args"] = {"urls": [fake_server], "startup_timeout": 10}
     line = fault_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300))
     assert f"vLLM server {fake_server}: GET /version answered [], not what vLLM 0.32.x answers" in line, line
+
+
+# ---------------------------------------------------------------- config files
+
+def test_a_config_that_is_not_yaml_names_the_file_the_line_and_the_cause(tiny_model_dir, tmp_path):
+    """A tab in the indentation, and an unclosed bracket (main: `Problems parsing config: while scanning for the
+    next token`, neither the file nor the line)."""
+    good = write_config(rl_config(tiny_model_dir, tmp_path, engine="HFConfig"), tmp_path / "good.yaml").read_text()
+    lines = good.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("max_steps:"))
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("\n".join(lines[:at] + ["\t" + lines[at].lstrip()] + lines[at + 1:]) + "\n")
+    bracket = tmp_path / "bracket.yaml"
+    bracket.write_text(good.replace("max_steps: 4", "max_steps: [4", 1))
+    runs = cli_each({k: (["fit", "--config", str(p)], tmp_path) for k, p in (("tab", tab), ("bracket", bracket))})
+    line = fault_line(runs["tab"], code=2)
+    assert line == (f"lit-ess: error: {tab} line {at + 1}: a tab in the indentation (YAML indents with spaces only): "
+                    f"replace it with spaces"), line
+    line = fault_line(runs["bracket"], code=2)
+    assert re.fullmatch(rf"lit-ess: error: {re.escape(str(bracket))} line {at + 2} column \d+: expected ',' or ']', .*"
+                        rf"\(while parsing a flow sequence at line {at + 1}\)", line), line
