@@ -10,7 +10,7 @@ from test_faults_state import fault_line
 from test_server import FakeVLLM, fake_server  # noqa: F401  (a fixture)
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
-from lit_ess.engines.vllm_server import ServerError
+from lit_ess.engines.vllm_server import ServerError, ServerGone
 
 
 # ---------------------------------------------------------------- resume
@@ -131,3 +131,48 @@ def test_a_config_that_is_not_yaml_names_the_file_the_line_and_the_cause(tiny_mo
     line = fault_line(runs["bracket"], code=2)
     assert re.fullmatch(rf"lit-ess: error: {re.escape(str(bracket))} line {at + 2} column \d+: expected ',' or ']', .*"
                         rf"\(while parsing a flow sequence at line {at + 1}\)", line), line
+
+
+# ---------------------------------------------------------------- timeouts
+
+def test_a_silent_url_at_start_names_startup_timeout(tiny_model_dir):
+    """A service that accepts connections and never answers: the start-up check gives up after startup_timeout
+    and says so (main: `(engine.control_timeout)`)."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(ServerGone, match=rf"vLLM server {url}: GET /version got no answer in 2 s "
+                                             rf"\(engine\.startup_timeout\)") as e:
+            VLLMServerConfig(urls=[url], startup_timeout=2, control_timeout=30).build(tiny_model_dir)
+    assert "\n" not in str(e.value)
+
+
+class SlowPause(FakeVLLM):
+    """A faked server whose POST /pause answers after 6 s (a drain that waits for long requests)."""
+
+    def do_POST(self):
+        if self.path.startswith("/pause"):
+            import time
+
+            time.sleep(6)
+        self._answer()
+
+
+def test_a_drained_pause_names_request_timeout(fake_server, tiny_model_dir):
+    """weight_update: drain waits up to request_timeout for the running requests: a pause not answered in that
+    time names request_timeout (main: `(engine.control_timeout)`)."""
+    from test_server import start_fake, stop_fake
+    from transformers import AutoModelForCausalLM
+
+    url, httpd = start_fake(SlowPause)
+    engine = VLLMServerConfig(urls=[url], startup_timeout=10, request_timeout=2, control_timeout=30).build(tiny_model_dir)
+    try:
+        with pytest.raises(ServerGone, match=rf"vLLM server {url}: POST /pause\?mode=wait got no answer in 2 s "
+                                             rf"\(engine\.request_timeout\)"):
+            engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items(), version=1)
+    finally:
+        engine.close()
+        stop_fake(httpd)
