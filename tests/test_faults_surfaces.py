@@ -5,6 +5,7 @@ import re
 import pytest
 import torch
 
+from agent_fns import HTTPFailure, post
 from e2e_utils import cli, cli_each, rl_config, write_config
 from test_faults_state import fault_line
 from test_server import FakeVLLM, fake_server  # noqa: F401  (a fixture)
@@ -176,3 +177,36 @@ def test_a_drained_pause_names_request_timeout(fake_server, tiny_model_dir):
     finally:
         engine.close()
         stop_fake(httpd)
+
+
+# ---------------------------------------------------------------- agents
+
+BAD_IDS: dict = {}
+
+
+def posts_ids_outside_the_vocabulary(url, example):
+    """An agent that posts token ids the policy does not have, swallows the refusal and claims reward 1."""
+    try:
+        post(url + "/completions", {"prompt": [1000000, 300, 5]})
+    except HTTPFailure as e:
+        BAD_IDS["said"] = str(e)
+    return 1.0
+
+
+def test_prompt_ids_outside_the_vocabulary_are_http_400_and_fail_the_episode(tiny_model_dir):
+    """With the hf engine (main: an IndexError inside the engine that ended the run; vLLM's
+    VLLMValidationError did the same): HTTP 400 to the agent, and its episode fails (reward 0, counted)."""
+    from test_agents import run
+    from transformers import AutoTokenizer
+
+    from lit_ess.datamodules.prompts import Example
+    from lit_ess.engines import HFConfig
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fn = "test_faults_surfaces:posts_ids_outside_the_vocabulary"
+    with pytest.warns(UserWarning, match=f"agent '{fn}' failed in an episode"):
+        (e,), runner = run(fn, tok, HFConfig().build(tiny_model_dir), [Example("1+1=", "2")])
+    said = f"HTTP 400: agent '{fn}' posted token ids outside the policy's vocabulary (0..{len(tok) - 1}) at call 1: " \
+           f"[1000000, 300]"
+    assert BAD_IDS["said"] == said, BAD_IDS
+    assert (e.reward, e.env_errors, runner.errors) == (0.0, 1, 1) and "outside the policy's vocabulary" in e.error
