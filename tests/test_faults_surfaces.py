@@ -210,3 +210,25 @@ def test_prompt_ids_outside_the_vocabulary_are_http_400_and_fail_the_episode(tin
            f"[1000000, 300]"
     assert BAD_IDS["said"] == said, BAD_IDS
     assert (e.reward, e.env_errors, runner.errors) == (0.0, 1, 1) and "outside the policy's vocabulary" in e.error
+
+
+# ---------------------------------------------------------------- environments
+
+@pytest.mark.e2e
+def test_a_long_first_observation_is_cut_to_max_prompt_tokens_and_counted(tiny_model_dir, tmp_path):
+    """An environment whose reset returns 5,000 tokens for about half the examples, max_prompt_tokens 64 (hf
+    engine): those episodes are not played, their rows hold at most 64 prompt tokens, and they are counted in
+    rollout/truncated_prompts (main: 5,000-token rows, trained on whole)."""
+    from e2e_utils import scalars
+
+    env = {"env": "e2e_utils:LongFirstObservation", "kwargs": {"length": 5000}, "max_turns": 2}
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, prompts=8, samples=2,
+                    extra_data={"env": env, "max_prompt_tokens": 64, "max_reward_error_rate": 1.0})
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordRowLengths",
+                                        "init_args": {"path": str(tmp_path / "rows.txt")}})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    widest = [int(x) for x in (tmp_path / "rows.txt").read_text().split()]
+    assert len(widest) == 2 and max(widest) <= 64, widest
+    cut = [v for _, v in scalars(tmp_path)["rollout/truncated_prompts"]]
+    assert len(cut) == 2 and all(v % 2 == 0 for v in cut) and sum(cut) >= 2, cut     # whole groups of 2

@@ -334,8 +334,8 @@ class AgentRunner(EpisodeRunner):
     at once, each in its own thread with its own base URL, timed by `config.step_timeout`; then each
     episode from its recorded calls. Counters and failure handling are EpisodeRunner's."""
 
-    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5):
-        super().__init__(config, tokenizer, max_error_rate)
+    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5, prompt_limit: int | None = None):
+        super().__init__(config, tokenizer, max_error_rate, prompt_limit)
         self.agent = config.make()
         if not isinstance(self.agent, Agent):
             raise ValueError(f"environment {config.env!r} is not an Agent: EpisodeRunner plays it")
@@ -396,8 +396,9 @@ class AgentRunner(EpisodeRunner):
             self.proxy = None
 
 
-def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5) -> EpisodeRunner:
+def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5, prompt_limit: int | None = None) -> EpisodeRunner:
     """The runner of `config`'s environment: AgentRunner for a user's agent (Agent), which plays whole
-    episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner."""
+    episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner. `prompt_limit`: the
+    longest first observation played (data.max_prompt_tokens, as for source prompts)."""
     cls = AgentRunner if issubclass(resolve_env(config.env), Agent) else EpisodeRunner
-    return cls(config, tokenizer, max_error_rate=max_error_rate)
+    return cls(config, tokenizer, max_error_rate=max_error_rate, prompt_limit=prompt_limit)
