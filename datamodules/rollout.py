@@ -172,7 +172,9 @@ class RolloutDataModule(L.LightningDataModule):
         drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). When too
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
             every step has a row; `rollout/dropped_groups` counts the groups really dropped.
-        max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`); >= 1.
+        max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`); >= 1. With
+            `env`, an episode whose first observation (the environment's reset) is longer is not played: its
+            row holds the observation cut to this many tokens and no turn (`rollout/truncated_prompts`).
             None = the room the engine's model length leaves (engine.max_model_len, else the model's
             max_position_embeddings, minus sampling.max_new_tokens); a value whose sum with
             max_new_tokens exceeds that length is refused at start.
@@ -339,7 +341,8 @@ class RolloutDataModule(L.LightningDataModule):
             reward_timeout=self.reward_timeout, samples_per_prompt=self.samples_per_prompt,
             steps_per_rollout=self.steps_per_rollout, advantage=self.advantage, drop_degenerate=self.drop_degenerate,
             seed=self.seed, max_staleness=self.max_staleness, reward_counters=dict(self.reward_counters),
-            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker, env=self.env)
+            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker, env=self.env,
+            prompt_limit=self.prompt_limit)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:

@@ -316,3 +316,52 @@ def resolve_resume(ckpt_path: str, dirs: list[Path]) -> tuple[str | None, str | 
         if all(q != p for q, _ in skipped):
             skipped.append((p, reason))
     raise ValueError("--ckpt_path last: no readable checkpoint: " + "; ".join(f"{q} ({r})" for q, r in skipped))
+
+
+def saved_settings(ckpt_path: str | None) -> dict | None:
+    """The non-tensor part of a local checkpoint (a file, read through mmap so its weights are not read; or a
+    folder of shards' meta.pt); None for no path or a remote one."""
+    if not ckpt_path or "://" in str(ckpt_path):
+        return None
+    path = Path(ckpt_path)
+    if path.is_dir():
+        meta = path / SHARDED_META
+        return torch.load(meta, map_location="cpu", weights_only=False) if meta.is_file() else None
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False) if path.is_file() else None
+
+
+def resume_changes(saved: dict, now: dict, free: frozenset[str] = frozenset(), prefix: str = "model") -> list[str]:
+    """'model.KNOB OLD -> NEW' for each hyper-parameter in `now` (the module's, from the config) that differs
+    from its value in `saved` (the checkpoint's `hyper_parameters`); the knobs in `free`, Lightning's own
+    (`_...`) and those the checkpoint does not hold are left out. A dataclass knob of the same class (an
+    objective) is compared field by field."""
+    out = []
+    for key in sorted(now):
+        if not key.startswith("_") and key not in free and key in saved:
+            out += _differences(f"{prefix}.{key}", saved[key], now[key])
+    return out
+
+
+def _differences(name: str, old: Any, new: Any) -> list[str]:
+    """The differences of one knob: a typed config (a dataclass, or its {class_path, init_args} as LightningCLI
+    saves it) of the same class field by field, another class by its name."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(old) and type(old) is type(new):
+        old, new = dataclasses.asdict(old), dataclasses.asdict(new)
+    if isinstance(old, dict) and isinstance(new, dict):
+        if old.get("class_path") != new.get("class_path"):
+            return [f"{name} {_shown(old)} -> {_shown(new)}"]
+        old, new = ({**d.get("init_args", {}), **{k: v for k, v in d.items() if k not in ("class_path", "init_args")}}
+                    for d in (old, new))
+        return [d for k in sorted(set(old) | set(new)) for d in _differences(f"{name}.{k}", old.get(k), new.get(k))]
+    same = list(old) == list(new) if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) else old == new
+    return [] if same else [f"{name} {_shown(old)} -> {_shown(new)}"]
+
+
+def _shown(value: Any) -> str:
+    import dataclasses
+
+    if isinstance(value, dict) and "class_path" in value:
+        return str(value["class_path"]).rsplit(".", 1)[-1]
+    return type(value).__name__ if dataclasses.is_dataclass(value) else repr(value)

@@ -32,8 +32,9 @@ torch, transformers, Lightning and vLLM, which took 5-7 s of every `lit-ess fit`
 a profiler's output under `python -m cProfile`) does not run: LIT_ESS_FULL_EXIT=1 keeps the whole exit.
 `main` is the command without it, for callers that keep their process.
 
-Note (upstream LightningCLI behaviour): with `--ckpt_path FILE`, hyper-parameters saved in the
-checkpoint override those given on the command line for the model.
+Resume (`--ckpt_path last` or a path): the config's knobs are the run's. LightningCLI would merge a
+checkpoint file's model hyper-parameters over the config (not for `last`); lit-ess does not, and refuses in
+one line a resume whose model knobs differ from the checkpoint's, naming each (`_check_checkpoint`).
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ import lit_ess.datamodules  # noqa: E402,F401
 import lit_ess.module  # noqa: E402,F401
 import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
-from lit_ess.checkpoint import AtomicCheckpointIO, candidates, lock_folder, resolve_resume  # noqa: E402
+from lit_ess.checkpoint import (AtomicCheckpointIO, candidates, lock_folder, resolve_resume, resume_changes,  # noqa: E402
+                                saved_settings)
 from lit_ess.config_check import check_inputs  # noqa: E402
 from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig, EngineFault  # noqa: E402
@@ -161,8 +163,10 @@ class LitESSCLI(LightningCLI):
         return trainer
 
     def _parse_ckpt_path(self) -> None:
-        """A torn checkpoint named by --ckpt_path is one line (before LightningCLI reads its
-        hyper-parameters, where torch.load would raise a PytorchStreamReader traceback)."""
+        """A torn checkpoint named by --ckpt_path is one line. LightningCLI's own step (merging a checkpoint
+        file's hyper-parameters over the config, for a path but not for `last`) is left out: the config's
+        knobs are the run's, and a resume whose knobs differ from the checkpoint's is refused in before_fit
+        (`_check_checkpoint`), the same for `last` and a path."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
         if path and path not in ("last", "best", "hpc") and "://" not in path and not path.startswith("registry"):
@@ -172,14 +176,13 @@ class LitESSCLI(LightningCLI):
                 resolve_resume(path, [])                   # a torn one, with the readable ones beside it
             except (ValueError, FileNotFoundError) as e:
                 _fail(str(e))
-        super()._parse_ckpt_path()
 
     def before_fit(self) -> None:
         """Hold the ModelCheckpoint folders for this run (a second run into one refuses to start).
         `--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
         (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over. Then the checks
-        that must come before the run starts: a folder of shards against the module (`_check_shards`),
-        the engine against lora.sync: adapter (`_check_adapter_sync`)."""
+        that must come before the run starts: the checkpoint's settings against the module's
+        (`_check_checkpoint`), the engine against lora.sync: adapter (`_check_adapter_sync`)."""
         args = self.config_init[self.subcommand]
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
@@ -197,11 +200,11 @@ class LitESSCLI(LightningCLI):
                 _fail(str(e))
             if notice and self.trainer.is_global_zero:
                 print(f"lit-ess: {notice}", file=sys.stderr)
-        self._check_shards(args.get("ckpt_path"))
+        self._check_checkpoint(args.get("ckpt_path"), resuming=True)
         self._check_adapter_sync()
 
     def before_validate(self) -> None:
-        self._check_shards(self.config_init[self.subcommand].get("ckpt_path"))
+        self._check_checkpoint(self.config_init[self.subcommand].get("ckpt_path"), resuming=False)
         self._check_adapter_sync()
 
     def _check_adapter_sync(self) -> None:
@@ -217,17 +220,23 @@ class LitESSCLI(LightningCLI):
         if error is not None:
             raise ValueError(error)
 
-    def _check_shards(self, ckpt_path) -> None:
-        """A folder of shards (ModelParallelStrategy): check the lit_ess block of its meta.pt against the
-        module (PolicyModule.check_checkpoint_settings) before Lightning loads the shards, which it does
-        before on_load_checkpoint (a LoRA or settings mismatch would be a long CheckpointException)."""
-        meta = Path(ckpt_path) / "meta.pt" if ckpt_path else None
-        if meta is None or not meta.is_file() or not isinstance(self.model, lit_ess.module.PolicyModule):
+    def _check_checkpoint(self, ckpt_path, resuming: bool) -> None:
+        """Before the engine starts and Lightning loads the weights (a folder of shards: before DCP loads
+        them, where a mismatch is a long CheckpointException): the checkpoint's lit_ess block against the
+        module (PolicyModule.check_checkpoint_settings: LoRA, base model); when resuming a fit, the model's
+        hyper-parameters against the checkpoint's: one line naming each knob that differs, except those
+        the module lets a resume change (`RESUME_FREE`). A ValueError: main() prints its one line."""
+        saved = saved_settings(ckpt_path)
+        if saved is None:
             return
-        import torch
-
-        saved = torch.load(meta, map_location="cpu", weights_only=False).get("lit_ess", {})
-        self.model.check_checkpoint_settings(saved)       # a ValueError: main() prints its one line
+        if isinstance(self.model, lit_ess.module.PolicyModule):
+            self.model.check_checkpoint_settings(saved.get("lit_ess", {}))
+        free = getattr(self.model, "RESUME_FREE", frozenset())
+        changed = resume_changes(saved.get("hyper_parameters") or {}, dict(self.model.hparams), free) if resuming else []
+        if changed:
+            raise ValueError(f"--ckpt_path {ckpt_path} was trained with other settings than the config's: "
+                             f"{', '.join(changed)}: resume with the checkpoint's values, or start a new run from its "
+                             f"weights (lit-ess-export {ckpt_path} DIR, then model_path: DIR)")
 
 
 def _stop_on_sigterm() -> None:

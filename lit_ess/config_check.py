@@ -5,7 +5,9 @@ for string objectives/engines, `*_kwargs` keys and lit-ess class names that do n
 one line that names the value and gives the form to write instead. jsonargparse would report these in
 its own terms ("Option 'objective_kwargs' is not accepted", "Expected a dot import path string: grpo"),
 or worse, run from a checkout's root, import the folders callbacks/ and datamodules/ under
-top-level names and go on with a second copy of every class.
+top-level names and go on with a second copy of every class. A config file that YAML cannot scan or parse
+is one line naming the file, the line and the cause (a tab in the indentation by name), where jsonargparse
+says `Problems parsing config: while scanning a plain scalar`.
 """
 from __future__ import annotations
 
@@ -42,11 +44,18 @@ def check_inputs(args: list[str], moved: dict[str, list[str]]) -> str | None:
         lit_ess.datamodules) by folder; `callbacks.WeightSync` is refused, a class of the user's own
         module named callbacks is not.
     """
-    for where, key, value in _inputs(args):
-        problem = _check(key, value, moved)
-        if problem:
-            return where + problem
+    try:
+        for where, key, value in _inputs(args):
+            problem = _check(key, value, moved)
+            if problem:
+                return where + problem
+    except ConfigSyntaxError as e:
+        return str(e)
     return None
+
+
+class ConfigSyntaxError(ValueError):
+    """A config file that is not YAML: its file, line and cause (`_config_file`)."""
 
 
 def _inputs(args: list[str]) -> Iterator[tuple[str, str, object]]:
@@ -63,10 +72,35 @@ def _inputs(args: list[str]) -> Iterator[tuple[str, str, object]]:
             value, i = args[i], i + 1
         if key in ("c", "config"):
             if os.path.isfile(value):
-                with open(value) as f:
-                    yield f"{value}: ", "", _yaml(f.read())
+                yield f"{value}: ", "", _config_file(value)
         else:
             yield "--", key, _yaml(value)
+
+
+def _config_file(path: str) -> object:
+    """The content of the config file `path`; a ConfigSyntaxError naming the file, the line and the cause
+    when YAML cannot scan or parse it (jsonargparse says `Problems parsing config: while scanning ...`)."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return yaml.safe_load(text)
+    except (yaml.scanner.ScannerError, yaml.parser.ParserError) as e:
+        raise ConfigSyntaxError(_syntax_error(path, text, e)) from None
+    except yaml.YAMLError:
+        return text                                   # left for jsonargparse to report
+
+
+def _syntax_error(path: str, text: str, error: yaml.MarkedYAMLError) -> str:
+    """'FILE line L: cause', naming a tab in the indentation where one is at or before the error."""
+    lines, mark = text.splitlines(), error.problem_mark
+    near = [m.line for m in (mark, error.context_mark) if m is not None]
+    tabs = [i for i in [*near, *range(max(near, default=0), -1, -1)] if i < len(lines) and
+            "\t" in lines[i][:len(lines[i]) - len(lines[i].lstrip())]]
+    if tabs:
+        return (f"{path} line {tabs[0] + 1}: a tab in the indentation (YAML indents with spaces only): replace it "
+                f"with spaces")
+    context = f" ({error.context} at line {error.context_mark.line + 1})" if error.context and error.context_mark else ""
+    return f"{path} line {mark.line + 1} column {mark.column + 1}: {error.problem}{context}"
 
 
 def _yaml(text: str) -> object:

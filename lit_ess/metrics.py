@@ -152,6 +152,7 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/tool_calls": RANK_MEAN,           # tool calls per episode
     "rollout/truncated_turns": SUM,            # episodes of the phase stopped by env.max_turns
     "rollout/truncated_tokens": SUM,           # ... by env.max_episode_tokens
+    "rollout/truncated_prompts": SUM,          # ... not played: a first observation over max_prompt_tokens
     "rollout/env_errors": SUM,                 # cumulative, each rank's own environments
     "rollout/env_timeouts": SUM,
     # datamodules/rollout.py: the data stream, each rank its own buffer over the same prompt order

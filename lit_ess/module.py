@@ -140,6 +140,12 @@ class PolicyModule(L.LightningModule):
             almost surely not sampling with the trainer's weights: check the weight sync).
     """
 
+    # knobs a resume may change (the CLI refuses a resume whose other knobs differ from the checkpoint's):
+    # how a step is split in memory, and the alarms; what a step computes stays the checkpoint's run's. `lora`
+    # is judged by check_checkpoint_settings (its shape must match; `sync` is only how weights travel)
+    RESUME_FREE = frozenset({"micro_batch_size", "micro_batch_tokens", "packing", "gradient_checkpointing",
+                             "ess_alarm", "ess_alarm_error", "max_consecutive_skipped_steps", "lora"})
+
     def __init__(
         self,
         model_path: str,
@@ -730,6 +736,7 @@ class PolicyModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         saved = checkpoint.get("lit_ess", {})
         self.check_checkpoint_settings(saved)
+        self.check_shapes(checkpoint.get("state_dict") or {})
         self.skipped_steps = saved.get("skipped_steps", 0)
         self.ess_alarm.count = saved.get("ess_alarms", 0)
         if self.lora is not None:
@@ -739,6 +746,23 @@ class PolicyModule(L.LightningModule):
             if missing:
                 raise ValueError(f"this LoRA checkpoint's adapter tensors differ from the model's: {missing[:3]} "
                                  f"(another rank or target_modules?)")
+
+    def check_shapes(self, state: dict[str, Tensor]) -> None:
+        """Stop with one line naming a tensor and its two shapes, and the checkpoint, when the checkpoint's
+        weights are those of a model of another shape (width, vocabulary; with full weights also another
+        depth), instead of load_state_dict's list of mismatches."""
+        ours = self.state_dict()
+        other = [n for n, t in state.items() if n in ours and tuple(t.shape) != tuple(ours[n].shape)]
+        where = f"the checkpoint {self._trainer.ckpt_path if self._trainer is not None else ''}".rstrip()
+        fix = f"than model_path={self.hparams.model_path!r}: resume with the model it was trained from"
+        if other:
+            n = other[0]
+            raise ValueError(f"{where} holds a model of another shape {fix} ({n}: {list(state[n].shape)} in the "
+                             f"checkpoint, {list(ours[n].shape)} in the model; {len(other)} tensor(s) differ)")
+        missing, extra = sorted(set(ours) - set(state)), sorted(set(state) - set(ours))
+        if self.strict_loading and state and (missing or extra):
+            raise ValueError(f"{where} holds a model of another shape {fix} ({len(missing)} of the model's tensors "
+                             f"missing, e.g. {missing[:1]}; {len(extra)} unknown to it, e.g. {extra[:1]})")
 
     def check_checkpoint_settings(self, saved: dict) -> None:
         """Stop with one line when a checkpoint's `lit_ess` block (on_save_checkpoint) does not fit this

@@ -469,3 +469,27 @@ def server_weight_label(url: str) -> str:
 
     with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
         return json.load(r)["weight_version"]
+
+
+class LongFirstObservation(RetryArithmetic):
+    """RetryArithmetic whose first observation is the question after `length` characters of preamble for
+    the examples whose prompt's character codes sum to an even number (about half of them)."""
+
+    def __init__(self, length: int = 5000, **kwargs):
+        super().__init__(**kwargs)
+        self.length = length
+
+    def reset(self, example) -> str:
+        prompt = super().reset(example)
+        return "x" * self.length + prompt if sum(map(ord, prompt)) % 2 == 0 else prompt
+
+
+class RecordRowLengths(L.Callback):
+    """Appends each trained batch's longest row (prompt and completion tokens) to the file `path`, one a line."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        with open(self.path, "a") as f:
+            f.write(f"{int(batch.attention_mask.sum(-1).max())}\n")

@@ -37,8 +37,9 @@ start, with the vLLM version, processed logprobs, the dtype and the model (`mode
 server that fails a check is refused with the flag to add. The dev routes are not guarded by
 `--api-key`: bind servers to a private interface (a launched server listens on 127.0.0.1).
 
-Faults: a server that refuses connections, resets them, gives no answer within request_timeout
-(generation) or control_timeout (the rest), or answers HTTP 5xx is out of the run (ServerGone): the
+Faults: a server that refuses connections, resets them, gives no answer within its timeout
+(startup_timeout for a server by URL's first answer, request_timeout for generation and a drain's pause,
+control_timeout for the rest; the error names the knob), or answers HTTP 5xx is out of the run (ServerGone): the
 request goes again, with its seed, to the server with the fewest outstanding requests among the
 others, and weight pushes skip it. When none is left the call fails with one line naming the URL, the
 request and, for a launched server, its exit code and log (an EngineFault: the CLI prints that line).
@@ -108,7 +109,8 @@ class VLLMServerConfig(EngineConfig):
             a server that does not answer it within heartbeat_timeout (stopped, hung, cut off) is out of the
             run at once, and its requests go to the others, instead of after request_timeout. None = off.
         heartbeat_timeout: seconds a server may take to answer GET /health.
-        control_timeout: seconds one control call (pause, reload, version, reset, resume) may take.
+        control_timeout: seconds one control call (reload, version, reset, resume; a pause of
+            weight_update: in_flight; a drain's pause may take request_timeout) may take.
         max_concurrency: requests in flight over all servers at once.
         weights_dir: where pushed weights are written as safetensors; every server must read it at the
             same path (a shared filesystem for servers on other machines). None = a folder of this
@@ -497,7 +499,7 @@ class VLLMServerEngine(RolloutEngine):
         t0 = time.monotonic()
         while True:
             try:
-                if (await self._request(url, "GET", "/health", None, 10.0, "GET /health"))[0] == 200:
+                if (await self._request(url, "GET", "/health", None, "startup_timeout", "GET /health", 10.0))[0] == 200:
                     return
             except ServerGone:
                 pass
@@ -517,7 +519,7 @@ class VLLMServerEngine(RolloutEngine):
             await asyncio.sleep(c.heartbeat_seconds)
             busy = [u for u in self._live() if self.outstanding[u] > 0]
             t0 = time.monotonic()
-            answers = await asyncio.gather(*(self._request(u, "GET", "/health", None, c.heartbeat_timeout,
+            answers = await asyncio.gather(*(self._request(u, "GET", "/health", None, "heartbeat_timeout",
                                                            "GET /health (heartbeat)") for u in busy),
                                            return_exceptions=True)
             for url, a in zip(busy, answers):
@@ -603,10 +605,13 @@ class VLLMServerEngine(RolloutEngine):
             raise ServerGone(f"{error}; no other server is left ({len(self.urls)} in engine.urls)" if len(self.urls) > 1
                              else str(error)) from None
 
-    async def _request(self, url: str, method: str, route: str, body: dict | None, timeout: float,
-                       call: str) -> tuple[int, str]:
-        """One HTTP call: its status and text, or a ServerError naming the URL and the call."""
+    async def _request(self, url: str, method: str, route: str, body: dict | None, knob: str, call: str,
+                       seconds: float | None = None) -> tuple[int, str]:
+        """One HTTP call: its status and text, or a ServerError naming the URL and the call. It may take the
+        seconds of the engine knob `knob` (`seconds` when given), which a timeout names."""
         import aiohttp
+
+        timeout = getattr(self.config, knob) if seconds is None else seconds
 
         async def once():
             async with self.client.request(method, url + route, json=body,
@@ -621,19 +626,18 @@ class VLLMServerEngine(RolloutEngine):
                 # (every call here may run twice: a seeded sample comes back the same, a reload loads the same)
                 return await once()
         except asyncio.TimeoutError:
-            raise ServerGone(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s "
-                             f"(engine.{'request' if call.startswith('POST /inference') else 'heartbeat' if '(heartbeat)' in call else 'control'}_timeout)") from None
+            raise ServerGone(f"{self._where(url)}: {call} got no answer in {timeout:.0f} s (engine.{knob})") from None
         except aiohttp.ClientError as e:
             raise ServerGone(f"{self._where(url)}: {call} failed: {type(e).__name__}: {e}") from None
 
-    async def _call(self, url: str, method: str, route: str, body: dict | None = None, timeout: float | None = None,
+    async def _call(self, url: str, method: str, route: str, body: dict | None = None, knob: str = "control_timeout",
                     what: str | None = None, ok: tuple[int, ...] = (200,), text_ok: bool = False,
                     gone_on_5xx: bool = True) -> tuple[int, dict]:
-        """One HTTP call whose status must be in `ok`: its status and JSON body ({} when empty; {"text": ...}
-        for a plain-text answer where `text_ok`). HTTP 5xx puts the server out (`gone_on_5xx`), or is an error
-        of the call (a load that failed inside: the server is fine)."""
+        """One HTTP call whose status must be in `ok`, within the seconds of the engine knob `knob`: its status
+        and JSON body ({} when empty; {"text": ...} for a plain-text answer where `text_ok`). HTTP 5xx puts the
+        server out (`gone_on_5xx`), or is an error of the call (a load that failed inside: the server is fine)."""
         call = what or f"{method} {route}"
-        status, text = await self._request(url, method, route, body, timeout or self.config.control_timeout, call)
+        status, text = await self._request(url, method, route, body, knob, call)
         if status not in ok:
             error = ServerGone if status >= 500 and gone_on_5xx else ServerError
             raise error(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")
@@ -644,19 +648,43 @@ class VLLMServerEngine(RolloutEngine):
         except json.JSONDecodeError:
             raise ServerError(f"{self._where(url)}: {call} answered no JSON: {text[:300]!r}") from None
 
+    async def _ask(self, url: str, method: str, route: str, body: dict | None = None, **kwargs) -> tuple[int, dict]:
+        """`_call` for an answer lit-ess reads: a JSON object, else one line naming the URL and the answer."""
+        status, answer = await self._call(url, method, route, body, **kwargs)
+        if not isinstance(answer, dict):
+            raise self._not_vllm(url, kwargs.get("what") or f"{method} {route}", answer)
+        return status, answer
+
+    def _not_vllm(self, url: str, call: str, answer) -> ServerError:
+        return ServerError(f"{self._where(url)}: {call} answered {json.dumps(answer)[:200]}, not what vLLM {VLLM_SERIES}x "
+                           f"answers: is {url} a vLLM server (python -m lit_ess.engines.serve)?")
+
+    def _field(self, url: str, call: str, answer: dict, key: str, kind: type = dict):
+        """answer[key], which vLLM answers as a `kind`; else one line naming the URL and the answer."""
+        value = answer.get(key)
+        if not isinstance(value, kind):
+            raise self._not_vllm(url, call, answer)
+        return value
+
+    async def _label(self, url: str) -> str:
+        """The label of the weights the server holds (GET /weight_info)."""
+        _, answer = await self._ask(url, "GET", "/weight_info")
+        return str(self._field(url, "GET /weight_info", answer, "weight_version", (str, int)))
+
     async def _check_server(self, url: str) -> None:
         """Refuse a server lit-ess cannot use, with the flag to add."""
         fix = "start it with `python -m lit_ess.engines.serve --model MODEL_DIR`, or add"
-        version = (await self._call(url, "GET", "/version", timeout=self.config.startup_timeout))[1].get("version", "?")
+        _, answer = await self._ask(url, "GET", "/version", knob="startup_timeout")
+        version = self._field(url, "GET /version", answer, "version", str)
         if not str(version).startswith(VLLM_SERIES):
             raise ServerError(f"{self._where(url)} runs vLLM {version}; lit-ess speaks the routes of vLLM "
                               f"{VLLM_SERIES}x: install that release there (pyproject.toml pins it)")
-        status, info = await self._call(url, "GET", "/server_info?config_format=json", ok=(200, 404))
+        status, info = await self._ask(url, "GET", "/server_info?config_format=json", ok=(200, 404))
         if status == 404:
             raise ServerError(f"{self._where(url)} has no dev routes (GET /server_info: 404): {fix} the environment "
                               f"variable VLLM_SERVER_DEV_MODE=1 to its start")
-        vc = info["vllm_config"]
-        m = vc["model_config"]
+        vc = self._field(url, "GET /server_info", info, "vllm_config")
+        m = self._field(url, "GET /server_info", vc, "model_config")
         if (vc.get("device_config") or {}).get("device") == "cpu" and (vc.get("scheduler_config") or {}).get("enable_chunked_prefill"):
             raise ServerError(f"{self._where(url)} splits prefills on CPU, where vLLM 0.32 crashes on seeded requests "
                               f"so split: {fix} --no-enable-chunked-prefill")
@@ -677,23 +705,24 @@ class VLLMServerEngine(RolloutEngine):
                                   f"engine.max_lora_rank is {self.config.max_lora_rank}: {fix} --enable-lora "
                                   f"--max-lora-rank {self.config.lora_rank_flag()}")
             # an unknown adapter: vLLM's handler answers {"error": ...}; without the route FastAPI's {"detail": "Not Found"}
-            _, answer = await self._call(url, "POST", "/v1/unload_lora_adapter", {"lora_name": "lit-ess-probe"},
-                                         ok=(400, 404))
+            _, answer = await self._ask(url, "POST", "/v1/unload_lora_adapter", {"lora_name": "lit-ess-probe"},
+                                        ok=(400, 404))
             if "error" not in answer:
                 raise ServerError(f"{self._where(url)} has no /v1/load_lora_adapter route: {fix} the environment "
                                   f"variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to its start")
         want = served_model_name(self.model_path)
-        names = [str(d.get("id")) for d in (await self._call(url, "GET", "/v1/models"))[1].get("data", [])]
+        models = self._field(url, "GET /v1/models", (await self._ask(url, "GET", "/v1/models"))[1], "data", list)
+        names = [str(d.get("id")) for d in models if isinstance(d, dict)]
         if not any(same_model(name, want) for name in names):
             raise ServerError(f"{self._where(url)} serves {names}, whose config.json and tokenizer are not those of "
                               f"{self.model_path} (or cannot be read here): {fix} --served-model-name {want}")
         probe = {"token_ids": [0], "sampling_params": {"max_tokens": 1, "logprobs": 0}}
-        status, _ = await self._call(url, "POST", "/inference/v1/generate", probe, self.config.request_timeout,
+        status, _ = await self._call(url, "POST", "/inference/v1/generate", probe, "request_timeout",
                                      ok=(200, 403))
         if status == 403:
             raise ServerError(f"{self._where(url)} refuses token-in token-out requests (POST /inference/v1/generate: "
                               f"403): {fix} --enable-scale-out")
-        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        label = await self._label(url)
         if self.role == "follows":             # rank 0 labels the servers (LeaderConfig)
             return
         if self.role == "leads":               # no step yet: a label of an earlier run never passes for this run's
@@ -735,17 +764,15 @@ class VLLMServerEngine(RolloutEngine):
                     body = {"token_ids": prompt, "sampling_params": params}
                     if adapter is not None:
                         body["model"] = adapter[0]
-                    _, out = await self._watched(url, self._call(
-                        url, "POST", "/inference/v1/generate", body, timeout=self.config.request_timeout,
+                    _, out = await self._watched(url, self._ask(
+                        url, "POST", "/inference/v1/generate", body, knob="request_timeout",
                         what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)"))
                     break
                 except ServerGone as e:
                     self._put_out(url, e)
                 finally:
                     self.outstanding[url] -= 1
-        choice = out["choices"][0]
-        ids = list(choice["token_ids"])
-        lps = [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+        choice, ids, lps = self._sampled(url, f"POST /inference/v1/generate ({what})", out)
         if len(lps) != len(ids):
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
                               f"with {len(lps)} logprobs")
@@ -761,6 +788,17 @@ class VLLMServerEngine(RolloutEngine):
             versions = [adapter[1]] * len(ids)
         return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
                           min(versions, default=self.version), token_versions=versions)
+
+    def _sampled(self, url: str, call: str, out: dict) -> tuple[dict, list[int], list[float]]:
+        """The first choice of a generate answer, its token ids and their logprobs; one line naming the URL
+        for an answer that is not vLLM's."""
+        try:
+            choice = out["choices"][0]
+            ids = [int(t) for t in choice["token_ids"]]
+            lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise self._not_vllm(url, call, out) from None
+        return choice, ids, lps
 
     # ---- weights ----
 
@@ -801,7 +839,7 @@ class VLLMServerEngine(RolloutEngine):
             behind = {}
             for url in self._live():
                 try:
-                    label = str((await self._call(url, "GET", "/weight_info"))[1].get("weight_version"))
+                    label = await self._label(url)
                 except ServerGone as e:
                     self._put_out(url, e)
                     continue
@@ -901,20 +939,20 @@ class VLLMServerEngine(RolloutEngine):
         keep = self.config.updates_in_flight()
         # drain: the requests running finish first (another rank's, on shared servers): up to request_timeout
         await self._call(url, "POST", "/pause?mode=keep" if keep else "/pause?mode=wait",
-                         timeout=None if keep else self.config.request_timeout)
+                         knob="control_timeout" if keep else "request_timeout")
         try:
             await self._call(url, "POST", "/collective_rpc",
                              {"method": "reload_weights", "kwargs": {"weights_path": folder}},
                              what=f"POST /collective_rpc reload_weights from {folder}")
             await self._call(url, "POST", "/update_weight_version", {"new_version": str(version)})
-            _, reset = await self._call(url, "POST", "/reset_prefix_cache?reset_running_requests=true" if keep
-                                        else "/reset_prefix_cache")
+            _, reset = await self._ask(url, "POST", "/reset_prefix_cache?reset_running_requests=true" if keep
+                                       else "/reset_prefix_cache")
             if reset.get("success") is not True:
                 raise ServerError(f"{self._where(url)}: POST /reset_prefix_cache answered {reset}: the prefix cache of "
                                   f"the old weights would be reused")
         finally:
             await self._call(url, "POST", "/resume")
-        label = (await self._call(url, "GET", "/weight_info"))[1].get("weight_version")
+        label = await self._label(url)
         if label != str(version):
             raise ServerError(f"{self._where(url)}: GET /weight_info says version {label!r} after pushing {version}: "
                               f"another client updates this server")

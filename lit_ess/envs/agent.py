@@ -21,7 +21,8 @@ A call continues the conversation when its request only appends to the previous 
                  prompt + the sampled ids + the new text's ids; a prompt of token ids is taken as it is.
 The first call's prompt is rendered (chat template + generation prompt) or encoded (bos + text). A request
 that does not continue (a dropped or edited message or reply, other tools, a conversation of its own)
-cannot be one token sequence: it is refused with HTTP 400 naming the function, and the episode fails.
+cannot be one token sequence: it is refused with HTTP 400 naming the function, and the episode fails; so
+does a prompt of token ids the policy's tokenizer does not have (the engine cannot take them).
 
 Sampling is the run's (data.sampling): a request's temperature, top_p and top_k must be the run's or absent
 (the trainer scores with the run's), penalties, logit_bias, min_p and min_tokens absent or neutral, its max_tokens is capped by sampling.max_new_tokens (the default),
@@ -197,7 +198,7 @@ class Session:
         self.tools: list[dict] | None = None
         self.text: str | None = None                # completions: the prompt text sent last + the reply
         self.truncated: str | None = None
-        self.refused: str | None = None             # why a request broke the conversation (the episode fails)
+        self.refused: str | None = None             # why a request failed the episode (HTTP 400; reward 0)
         self.over = False
         self.engine_error: Exception | None = None
         self.lock = threading.Lock()
@@ -244,6 +245,7 @@ class Session:
             if isinstance(prompt, list):
                 if seq is not None and not continues(seq, prompt):
                     raise self._refuse("its prompt ids do not start with the previous prompt and reply ids")
+                self._check_ids(prompt[len(seq or []):])
                 return list(prompt), tok.decode(prompt[len(seq or []):], skip_special_tokens=True)
             if seq is None:
                 return encode_text(tok, prompt), prompt
@@ -258,10 +260,22 @@ class Session:
         return call
 
     def _refuse(self, why: str) -> RequestError:
-        self.refused = (f"agent {self.runner.agent.name!r} rewrote the conversation at call {len(self.calls) + 1}: "
-                        f"{why}; lit-ess trains one token sequence per episode, so a request may only append to "
-                        f"the previous one")
-        return RequestError(self.refused)
+        return self._failed(f"agent {self.runner.agent.name!r} rewrote the conversation at call {len(self.calls) + 1}: "
+                            f"{why}; lit-ess trains one token sequence per episode, so a request may only append to "
+                            f"the previous one")
+
+    def _check_ids(self, ids: list[int]) -> None:
+        """Token ids an agent added: ids the policy's tokenizer has, else the request fails the episode (the
+        engine would fail on them, and an engine's failure stops the run)."""
+        size = len(self.runner.tokenizer)
+        if bad := [t for t in ids if not 0 <= t < size]:
+            raise self._failed(f"agent {self.runner.agent.name!r} posted token ids outside the policy's vocabulary "
+                               f"(0..{size - 1}) at call {len(self.calls) + 1}: {bad[:5]}")
+
+    def _failed(self, why: str) -> RequestError:
+        """A request that fails the episode (HTTP 400 to the agent; reward 0, counted as its failure)."""
+        self.refused = why
+        return RequestError(why)
 
     def _call(self, prompt, sampling: SamplingConfig) -> Call:
         """Build the prompt (`prompt()` -> ids, added text), check the limits, sample, record."""
@@ -320,8 +334,8 @@ class AgentRunner(EpisodeRunner):
     at once, each in its own thread with its own base URL, timed by `config.step_timeout`; then each
     episode from its recorded calls. Counters and failure handling are EpisodeRunner's."""
 
-    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5):
-        super().__init__(config, tokenizer, max_error_rate)
+    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5, prompt_limit: int | None = None):
+        super().__init__(config, tokenizer, max_error_rate, prompt_limit)
         self.agent = config.make()
         if not isinstance(self.agent, Agent):
             raise ValueError(f"environment {config.env!r} is not an Agent: EpisodeRunner plays it")
@@ -382,8 +396,9 @@ class AgentRunner(EpisodeRunner):
             self.proxy = None
 
 
-def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5) -> EpisodeRunner:
+def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5, prompt_limit: int | None = None) -> EpisodeRunner:
     """The runner of `config`'s environment: AgentRunner for a user's agent (Agent), which plays whole
-    episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner."""
+    episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner. `prompt_limit`: the
+    longest first observation played (data.max_prompt_tokens, as for source prompts)."""
     cls = AgentRunner if issubclass(resolve_env(config.env), Agent) else EpisodeRunner
-    return cls(config, tokenizer, max_error_rate=max_error_rate)
+    return cls(config, tokenizer, max_error_rate=max_error_rate, prompt_limit=prompt_limit)

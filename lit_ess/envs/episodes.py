@@ -52,7 +52,7 @@ from .base import Action, EnvError, Environment, Example, Message, Step, is_obse
 from .config import EnvConfig
 from .tokens import EpisodeTokens, TemplateError
 
-TRUNCATIONS = ("turns", "tokens")
+TRUNCATIONS = ("turns", "tokens", "prompt")
 
 
 @dataclass
@@ -74,7 +74,8 @@ class Episode:
     env_timeouts: int = 0
     env_seconds: float = 0.0
     tool_calls: int = 0
-    truncated: str | None = None       # "turns" (max_turns) or "tokens" (max_episode_tokens)
+    truncated: str | None = None       # "turns" (max_turns), "tokens" (max_episode_tokens) or "prompt" (not played:
+                                       # its first observation was longer than max_prompt_tokens, cut to it)
     error: str | None = None           # the environment's failure that ended the episode
     start_version: int = 0             # the engine's version when the episode started
 
@@ -154,11 +155,14 @@ class EpisodeRunner:
     """Plays episodes of `config`'s environment with an engine; `tokenizer` is the policy's. A run in
     which more than `max_error_rate` of the episodes fail raises EnvError (1.0: never; 0.0: at the first).
 
-    Counters `errors` and `timeouts` add up over runs (kept across a resume: `state_dict`)."""
+    Counters `errors` and `timeouts` add up over runs (kept across a resume: `state_dict`). An episode whose
+    first observation is longer than `prompt_limit` tokens (data.max_prompt_tokens) is not played: its prompt
+    is cut to the limit, it gets no turn, and it is counted (truncated "prompt", rollout/truncated_prompts)."""
 
-    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5):
+    def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5, prompt_limit: int | None = None):
         check("max_reward_error_rate", max_error_rate, ge=0, le=1)
         self.config, self.tokens, self.tokenizer = config, EpisodeTokens(tokenizer), tokenizer
+        self.prompt_limit = prompt_limit
         self.max_error_rate = max_error_rate
         self.errors = self.timeouts = 0
         self.what = f"environment {config.env!r}"        # who failed, in messages
@@ -240,9 +244,14 @@ class EpisodeRunner:
             prompt = self.tokens.prompt(obs, role)
         except TemplateError as e:
             raise TemplateError(f"{self.what}: {e}") from None
+        if self.prompt_limit is not None and len(prompt) > self.prompt_limit:     # never a row of its whole length
+            return LiveEpisode(env, Episode(prompt[:self.prompt_limit], start_version=version, truncated="prompt"),
+                               history, key)
         return LiveEpisode(env, Episode(prompt, start_version=version), history, key)
 
     def _over_budget(self, x: LiveEpisode) -> bool:
+        if x.episode.truncated == "prompt":
+            return True
         b = self.config.max_episode_tokens
         if b is not None and len(x.episode.prompt_ids) >= b:
             x.episode.truncated = "tokens"
@@ -385,6 +394,7 @@ def episode_stats(episodes: list[Episode]) -> dict[str, float]:
         "rollout/tool_calls": sum(e.tool_calls for e in episodes) / n,
         "rollout/truncated_turns": float(sum(e.truncated == "turns" for e in episodes)),
         "rollout/truncated_tokens": float(sum(e.truncated == "tokens" for e in episodes)),
+        "rollout/truncated_prompts": float(sum(e.truncated == "prompt" for e in episodes)),
     }
 
 

@@ -95,6 +95,7 @@ class WorkerConfig:
     max_reward_error_rate: float = 0.5
     reward_in_worker: bool | None = None
     env: EnvConfig | None = None       # episodes of this environment (None: one completion per sample, scored)
+    prompt_limit: int | None = None    # the longest first observation of an episode played (max_prompt_tokens)
 
 
 class RolloutWorker:
@@ -115,7 +116,8 @@ class RolloutWorker:
             env, limit = c.env, c.engine.model_len(c.model_path)
             if env.max_episode_tokens is None and limit is not None:
                 env = replace(env, max_episode_tokens=limit[0])
-            self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate)
+            self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate,
+                                            prompt_limit=c.prompt_limit)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
