@@ -144,7 +144,7 @@ class PolicyModule(L.LightningModule):
     # how a step is split in memory, and the alarms; what a step computes stays the checkpoint's run's. `lora`
     # is judged by check_checkpoint_settings (its shape must match; `sync` is only how weights travel)
     RESUME_FREE = frozenset({"micro_batch_size", "micro_batch_tokens", "packing", "gradient_checkpointing",
-                             "ess_alarm", "ess_alarm_error", "max_consecutive_skipped_steps", "lora"})
+                             "logprob_chunk", "ess_alarm", "ess_alarm_error", "max_consecutive_skipped_steps", "lora"})
 
     def __init__(
         self,
