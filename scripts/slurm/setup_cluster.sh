@@ -67,8 +67,12 @@ fi
 running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 running /run/munge/munged.pid || runuser -u munge -- munged || die "munged did not start (see /var/log/munge/munged.log)"
 if [ -n "${changed:-}" ]; then              # a new config: restart what runs on the old one
-  for pid in /run/slurmd.pid /run/slurmctld.pid; do running $pid && kill "$(cat $pid)"; done
-  sleep 1
+  for pidfile in /run/slurmd.pid /run/slurmctld.pid; do
+    running $pidfile || continue
+    kill "$(cat $pidfile)"
+    for _ in $(seq 100); do running $pidfile || break; sleep 0.1; done
+    running $pidfile && die "$(basename $pidfile .pid) (pid $(cat $pidfile)) did not stop for the new slurm.conf"
+  done
 fi
 running /run/slurmctld.pid || slurmctld || die "slurmctld did not start (see /var/log/slurm/slurmctld.log)"
 running /run/slurmd.pid || slurmd || die "slurmd did not start (see /var/log/slurm/slurmd.log)"
