@@ -278,9 +278,9 @@ def _zip_unreadable(path: Path) -> str | None:
     return None
 
 
-def candidates(dirs: list[Path]) -> list[Path]:
-    """The checkpoints (files and shard folders named *.ckpt) in `dirs`, newest first."""
-    found = {p for d in dirs if d.is_dir() for p in d.glob("*.ckpt")}
+def candidates(dirs: list[Path], extra: list[Path] = ()) -> list[Path]:
+    """The checkpoints (files and shard folders named *.ckpt) in `dirs`, and `extra`, newest first."""
+    found = {p for d in dirs if d.is_dir() for p in d.glob("*.ckpt")} | {p for p in extra if p.exists()}
     return sorted(found, key=lambda p: p.stat().st_mtime_ns, reverse=True)
 
 
@@ -289,11 +289,13 @@ def _is_last(p: Path) -> bool:
     return stem == "last" or (stem.startswith("last-") and stem[5:].lstrip("v").isdigit())
 
 
-def resolve_resume(ckpt_path: str, dirs: list[Path]) -> tuple[str | None, str | None]:
+def resolve_resume(ckpt_path: str, dirs: list[Path], hpc: list[Path] = ()) -> tuple[str | None, str | None]:
     """The checkpoint to resume from and a one-line notice (None when there is nothing to say).
 
-    `ckpt_path` "last": Lightning's choice (the newest last*.ckpt) when it is readable, else the newest
-    readable checkpoint of `dirs`; None when `dirs` hold no checkpoint (a fresh start, as in Lightning).
+    `ckpt_path` "last": Lightning's choice (the newest last*.ckpt) or the newest of `hpc` (checkpoints
+    Lightning's Slurm requeue path names hpc_ckpt_N.ckpt, saved when a job was preempted), whichever is
+    newer, when it is readable; else the newest readable checkpoint of `dirs` and `hpc`; None when there
+    is none (a fresh start, as in Lightning).
     Any other value is a path, returned as is when readable. Raises ValueError, naming the checkpoints
     and why each was passed over, when none can be used."""
     if ckpt_path != "last":
@@ -302,10 +304,10 @@ def resolve_resume(ckpt_path: str, dirs: list[Path]) -> tuple[str | None, str | 
         ok = [str(p) for p in candidates([Path(ckpt_path).parent]) if unreadable(p) is None]
         hint = f"readable beside it: {', '.join(ok)}" if ok else "no readable checkpoint beside it"
         raise ValueError(f"--ckpt_path {ckpt_path}: {reason}; {hint}")
-    found = candidates(dirs)
+    found = candidates(dirs, hpc)
     if not found:
         return None, f"--ckpt_path last: no checkpoint in {', '.join(map(str, dirs)) or 'any ModelCheckpoint folder'}: starting from scratch"
-    ordered = [p for p in found if _is_last(p)][:1] + found
+    ordered = [p for p in found if _is_last(p) or p in hpc][:1] + found
     skipped = []
     for p in ordered:
         if (reason := unreadable(p)) is None:

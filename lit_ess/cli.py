@@ -44,6 +44,7 @@ import io
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -56,6 +57,7 @@ from jsonargparse import set_parsing_settings  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
+from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
 
 import lit_ess.callbacks  # noqa: E402,F401  (registers the classes for short names in configs)
 import lit_ess.datamodules  # noqa: E402,F401
@@ -134,10 +136,62 @@ class _StopNotice(Callback):
         if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or not trainer.is_global_zero:
             return
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
-        found = candidates(dirs)
+        found = candidates(dirs, _hpc_checkpoints(trainer))
         where = (f"last checkpoint: {found[0]}" if found else
                  f"no checkpoint in {', '.join(map(str, dirs))} yet" if dirs else "no checkpoint folder (ModelCheckpoint)")
         print(f"lit-ess: stopped at step {trainer.global_step} (Ctrl-C or SIGTERM); {where}", file=sys.stderr)
+
+
+def _hpc_checkpoints(trainer) -> list[Path]:
+    """The checkpoints Lightning's Slurm requeue path writes (default_root_dir/hpc_ckpt_N.ckpt)."""
+    return sorted(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
+
+
+class _Requeue(Callback):
+    """Slurm preemption, at a step boundary. Under srun Lightning's SLURMEnvironment requeues the job on
+    SIGUSR1 (`sbatch --signal=SIGUSR1@T`), but its handler saves the checkpoint inside the signal handler:
+    mid-step (the step's batch is out of the rollout buffer, its update not in the weights: a resume loses
+    it), and on each rank wherever the signal finds it (a rank still in a collective and another in the
+    checkpoint's all_gather would not match). Here the signal only marks the run; at the end of the step under way the ranks
+    agree (one all-reduce per step), save Lightning's HPC checkpoint (default_root_dir/hpc_ckpt_N.ckpt,
+    which `--ckpt_path last` and a requeued `fit` without --ckpt_path both resume from), rank 0 runs
+    `scontrol requeue`, and every rank waits for the SIGTERM with which Slurm ends the job (a stop, as
+    Ctrl-C). A failed requeue is one line and the run goes on."""
+
+    def __init__(self, signum: int):
+        self.signum, self.signalled = signum, False
+        signal.signal(signum, self._mark)
+
+    def _mark(self, signum, frame) -> None:
+        self.signalled = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        if not trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
+            return
+        self.signalled = False
+        path = trainer.strategy.broadcast(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
+        trainer.save_checkpoint(path, weights_only=False)
+        error = None
+        if trainer.is_global_zero:
+            job = (f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+                   if "SLURM_ARRAY_JOB_ID" in os.environ else os.environ.get("SLURM_JOB_ID", "?"))
+            name = signal.Signals(self.signum).name
+            print(f"lit-ess: preempted ({name}) at step {trainer.global_step}: checkpoint {path}; "
+                  f"scontrol requeue {job}", file=sys.stderr, flush=True)
+            try:
+                res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+                error = None if res.returncode == 0 else _first_line(res.stderr) or f"exit status {res.returncode}"
+            except (OSError, subprocess.TimeoutExpired) as e:
+                error = str(e)
+            if error:
+                print(f"lit-ess: error: scontrol requeue {job} failed ({error}): the run goes on; "
+                      f"resume it later with --ckpt_path last", file=sys.stderr, flush=True)
+        if trainer.strategy.broadcast(error) is None:
+            time.sleep(300)               # Slurm's SIGTERM ends this (KeyboardInterrupt, _stop_on_sigterm)
+            if trainer.is_global_zero:
+                print("lit-ess: error: no SIGTERM 300 s after the requeue: the run goes on", file=sys.stderr, flush=True)
 
 
 class LitESSCLI(LightningCLI):
@@ -160,6 +214,12 @@ class LitESSCLI(LightningCLI):
         trainer = super()._instantiate_trainer(config, callbacks)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        env = trainer._accelerator_connector.cluster_environment
+        if (isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None
+                and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(env.requeue_signal) in (None, signal.SIG_DFL)):   # as Lightning: a handler of the user's stays
+            env.auto_requeue = False          # Lightning's handler stays out: _Requeue takes its place
+            trainer.callbacks.append(_Requeue(env.requeue_signal))
         return trainer
 
     def _parse_ckpt_path(self) -> None:
@@ -193,9 +253,10 @@ class LitESSCLI(LightningCLI):
                 _fail(str(e), traceback=False)
             if notice:
                 print(f"lit-ess: {notice}", file=sys.stderr)
-        if args.get("ckpt_path") == "last" and dirs:      # no dirs: Lightning's own search (the logger's folder)
+        hpc = _hpc_checkpoints(self.trainer)           # saved when Slurm preempted the run (_Requeue)
+        if args.get("ckpt_path") == "last" and (dirs or hpc):   # neither: Lightning's own search (the logger's folder)
             try:
-                args["ckpt_path"], notice = resolve_resume("last", dirs)
+                args["ckpt_path"], notice = resolve_resume("last", dirs, hpc)
             except ValueError as e:
                 _fail(str(e))
             if notice and self.trainer.is_global_zero:

@@ -493,3 +493,24 @@ class RecordRowLengths(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         with open(self.path, "a") as f:
             f.write(f"{int(batch.attention_mask.sum(-1).max())}\n")
+
+
+class HoldStep(L.Callback):
+    """For preemption tests: in step `step`, between backward and optimizer step, every rank of a first
+    start (not a Slurm requeue) waits until the file `release` exists (up to 120 s), then `after` s more;
+    rank 0 first creates `held`. A signal sent once `held` exists lands mid-step."""
+
+    def __init__(self, step: int, held: str, release: str, after: float = 3.0):
+        self.step, self.held, self.release, self.after = step, held, release, after
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        import time
+
+        if trainer.global_step != self.step or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+            return
+        if trainer.is_global_zero:
+            Path(self.held).touch()
+        deadline = time.monotonic() + 120
+        while not Path(self.release).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(self.after)
