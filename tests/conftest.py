@@ -16,7 +16,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # The longest files first: xdist hands each worker a whole file at a time in collection order, and a long
 # file handed out last leaves the other worker idle until it ends (the demo alone takes most of a run).
 LONGEST_FIRST = ("test_demo.py", "test_multiturn.py", "test_dist_async.py", "test_faults_ranks.py", "test_experiments.py",
-                 "test_families.py", "test_slurm.py", "test_dist.py", "test_budget.py", "test_reference.py", "test_lora.py", "test_e2e.py", "test_async_e2e.py", "test_faults_runs.py", "test_server.py",
+                 "test_families.py", "test_nodes.py", "test_slurm.py", "test_dist.py", "test_budget.py", "test_reference.py", "test_lora.py", "test_e2e.py", "test_async_e2e.py", "test_faults_runs.py", "test_server.py",
                  "test_cli.py", "test_faults_state.py", "test_faults_writes.py", "test_async_ranks.py")
 
 
