@@ -113,6 +113,10 @@ def quiet_console() -> None:
             logger.addFilter(_DropKnown(patterns))
     for pattern in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
+    if "SLURM_JOB_ID" not in os.environ:
+        # Lightning hints at `srun` on every machine that has Slurm installed; outside any allocation a run
+        # started without it is meant so. Inside one (an sbatch script that forgot srun) the hint stays.
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
 
 
 @contextlib.contextmanager
