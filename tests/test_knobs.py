@@ -44,6 +44,7 @@ DOCUMENTED = {
     ("PolicyModule", "micro_batch_tokens", None): "None (default) = micro_batch_size decides",
     ("PolicyModule", "train_temperature", None): "None = the rollout's (on-policy)",
     ("PolicyModule", "ess_alarm", None): "None = off",
+    ("PolicyModule", "logprob_chunk", None): "null = the plain path: the model's full logits of the completion span",
     ("SFTModule", "weight_decay", 0): "weight_decay: AdamW weight decay, >= 0 (0 = none)",
     ("SFTModule", "warmup_steps", 0): "then constant; >= 0 (0 = none)",
     ("RolloutDataModule", "max_reward_error_rate", 0): "0.0: stop at the first failure",
