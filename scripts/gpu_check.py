@@ -4,7 +4,7 @@ A Qwen2.5-0.5B-shaped model (its config: 24 layers, width 896, 14 heads / 2 kv h
 151,936, tied embeddings) with random weights, built here (nothing downloaded), trained in bf16 through
 lit-ess's own PolicyModule and hf engine. It measures, per optimizer step (forward + backward + AdamW):
 
-  train     tokens/s and peak GPU memory (above what the case started with) at 1k- and 4k-token rows (8k tokens a micro-batch), with the
+  train     tokens/s and peak GPU memory (above what the case started with) at 1k-, 4k- and 16k-token rows (8k or 16k tokens a micro-batch), with the
             chunked LM head (model.logprob_chunk, default) and without it (null);
   fsdp2     the same step sharded by lit_ess.callbacks.FSDP2 over a 1-rank NCCL group (mixed precision
             bf16 params, fp32 reduce);
@@ -134,7 +134,18 @@ def train_steps(module, batch, device, steps: int, shard=None) -> dict:
             "peak_gib": None if peak is None else peak - before}
 
 
-def run_case(results: dict, name: str, fn) -> None:
+def write(results: dict, out: Path | None) -> None:
+    """The JSON so far, to `out` and $OUT: written after every case, so a check stopped by its time limit still
+    leaves what it measured."""
+    text = json.dumps(results, indent=1) + "\n"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_check.json").write_text(text)
+
+
+def run_case(results: dict, name: str, fn, out: Path | None = None) -> None:
     """One measurement; a failure is recorded (one line and the traceback's tail) and the check goes on."""
     t0 = time.perf_counter()
     try:
@@ -146,6 +157,7 @@ def run_case(results: dict, name: str, fn) -> None:
         print(f"  {name}: FAILED {results[name]['error']}", flush=True)
     finally:
         free(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        write(results, out)
 
 
 def one_rank_group(device):
@@ -207,7 +219,7 @@ def main(argv=None) -> dict:
         sys.exit(2)
     device = torch.device("cpu" if cpu else "cuda")
     shape, dtype = (TINY, "float32") if cpu else (QWEN25_05B, "bfloat16")
-    lengths = {"1k": (8, 1024), "4k": (2, 4096)} if not cpu else {"1k": (4, 64), "4k": (1, 256)}
+    lengths = {"1k": (8, 1024), "4k": (2, 4096), "16k": (1, 16384)} if not cpu else {"1k": (4, 64), "4k": (1, 256)}
     import lightning
     import transformers
 
@@ -217,6 +229,7 @@ def main(argv=None) -> dict:
                                   "transformers": transformers.__version__, "python": platform.python_version(),
                                   "cuda": torch.version.cuda},
                      "model": {"family": "qwen2.5", **shape, "dtype": dtype}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    out = Path(a.out) if a.out else (None if a.cpu else ROOT / "benchmarks" / "results" / "gpu_check.json")
     print(f"gpu_check on {results['device']} ({results['mode']}), model {shape}", flush=True)
     t_start = time.perf_counter()
     from lit_ess.module import PolicyModule
@@ -229,7 +242,7 @@ def main(argv=None) -> dict:
             for label, c in (("chunked", chunk or "default"), ("unchunked", None)):
                 kw = {} if c == "default" else {"logprob_chunk": c}
                 run_case(results, f"train_{name}_{label}", lambda: train_steps(
-                    PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=rows, **kw), batch, device, a.steps))
+                    PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=rows, **kw), batch, device, a.steps), out)
         batch = synthetic_batch(*lengths["1k"], shape["vocab"], device)
 
         def fsdp2():
@@ -240,7 +253,7 @@ def main(argv=None) -> dict:
             m = PolicyModule(model_dir, model_dtype="float32", micro_batch_size=lengths["1k"][0])
             return train_steps(m, batch, device, a.steps, shard=lambda mod: sharder.shard(mod.policy, mesh))
 
-        run_case(results, "fsdp2_1k", fsdp2)
+        run_case(results, "fsdp2_1k", fsdp2, out)
 
         def lora():
             from lit_ess.lora import LoRA
@@ -248,9 +261,9 @@ def main(argv=None) -> dict:
             return train_steps(PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=lengths["1k"][0],
                                             lora=LoRA(rank=16)), batch, device, a.steps)
 
-        run_case(results, "lora_1k", lora)
+        run_case(results, "lora_1k", lora, out)
         run_case(results, "ess_sync", lambda: ess_steps(model_dir, device, dtype, steps=3, prompts=4 if cpu else 8,
-                                                        samples=4, new_tokens=16 if cpu else 256))
+                                                        samples=4, new_tokens=16 if cpu else 256), out)
     for name in lengths:
         c, u = results.get(f"train_{name}_chunked", {}), results.get(f"train_{name}_unchunked", {})
         if "tokens_per_s" in c and "tokens_per_s" in u:
@@ -258,14 +271,9 @@ def main(argv=None) -> dict:
                                         "peak": (c["peak_gib"] / u["peak_gib"]) if c["peak_gib"] else None}
     results["wall_s"] = time.perf_counter() - t_start
     results["failed"] = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
-    out = Path(a.out) if a.out else (None if a.cpu else ROOT / "benchmarks" / "results" / "gpu_check.json")
-    text = json.dumps(results, indent=1) + "\n"
+    write(results, out)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
         print(f"wrote {out}")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_check.json").write_text(text)
     print(f"gpu_check: {len(results['failed'])} failed {results['failed']}, {results['wall_s']:.0f} s", flush=True)
     return results
 
