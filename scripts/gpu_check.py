@@ -37,24 +37,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 QWEN25_05B = dict(hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864, vocab=151_936)
+QWEN25_7B = dict(hidden_size=3584, num_layers=28, num_heads=28, intermediate_size=18944, vocab=152_064,
+                 num_key_value_heads=4, tie_word_embeddings=False)
 TINY = dict(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128, vocab=4096)
 
 
-def build_model(folder: Path, shape: dict, dtype: torch.dtype) -> str:
+def build_model(folder: Path, shape: dict, dtype: torch.dtype, device=None) -> str:
     """A random model of the Qwen2.5 family at `shape`, with a BPE chat tokenizer (its ids index the first
-    entries of the vocabulary), written to `folder`."""
+    entries of the vocabulary), written to `folder`; initialised in `dtype` on `device` (a 7B model's
+    initialisation on the CPU would take minutes)."""
     from transformers import Qwen2ForCausalLM
 
     from lit_ess.tiny import build_chat_tokenizer, family_config
 
+    extra = {k: shape[k] for k in ("tie_word_embeddings",) if k in shape}
     cfg = family_config("qwen2.5", shape["vocab"], shape["hidden_size"], shape["num_layers"], shape["num_heads"],
-                        shape["intermediate_size"], 32768 if shape is QWEN25_05B else 4096,
-                        num_key_value_heads=max(shape["num_heads"] // 7, 1))
+                        shape["intermediate_size"], 4096 if shape is TINY else 32768,
+                        num_key_value_heads=shape.get("num_key_value_heads", max(shape["num_heads"] // 7, 1)), **extra)
     tok = build_chat_tokenizer()
     cfg.eos_token_id, cfg.pad_token_id = tok.eos_token_id, tok.pad_token_id
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(dtype)
-    model.save_pretrained(folder)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device or "cpu"):
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model.to(dtype).save_pretrained(folder)
+    del model
     tok.save_pretrained(folder)
     return str(folder)
 
@@ -211,6 +222,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cpu", action="store_true", help="the same code at a tiny shape on this CPU (fp32)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gpu_check.json; --cpu: none)")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--large", action="store_true",
+                    help="Qwen2.5-7B's shape instead: full fine-tuning at 2 x 4k and 1 x 16k tokens, LoRA at 2 x 4k, activation "
+                         "checkpointing, chunked and full logits (writes gpu_check_7b.json)")
     a = ap.parse_args(argv)
     cpu = a.cpu or not torch.cuda.is_available()
     if not a.cpu and cpu:
@@ -218,8 +232,9 @@ def main(argv=None) -> dict:
               file=sys.stderr)
         sys.exit(2)
     device = torch.device("cpu" if cpu else "cuda")
-    shape, dtype = (TINY, "float32") if cpu else (QWEN25_05B, "bfloat16")
-    lengths = {"1k": (8, 1024), "4k": (2, 4096), "16k": (1, 16384)} if not cpu else {"1k": (4, 64), "4k": (1, 256)}
+    shape, dtype = (TINY, "float32") if cpu else (QWEN25_7B if a.large else QWEN25_05B, "bfloat16")
+    lengths = ({"1k": (8, 1024), "4k": (2, 4096), "16k": (1, 16384)} if not cpu else
+               {"1k": (4, 64), "4k": (1, 256), "16k": (1, 512)})
     import lightning
     import transformers
 
@@ -229,10 +244,36 @@ def main(argv=None) -> dict:
                                   "transformers": transformers.__version__, "python": platform.python_version(),
                                   "cuda": torch.version.cuda},
                      "model": {"family": "qwen2.5", **shape, "dtype": dtype}, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    out = Path(a.out) if a.out else (None if a.cpu else ROOT / "benchmarks" / "results" / "gpu_check.json")
+    out = Path(a.out) if a.out else (None if a.cpu else ROOT / "benchmarks" / "results" /
+                                     ("gpu_check_7b.json" if a.large else "gpu_check.json"))
     print(f"gpu_check on {results['device']} ({results['mode']}), model {shape}", flush=True)
     t_start = time.perf_counter()
     from lit_ess.module import PolicyModule
+
+    if a.large:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = build_model(Path(tmp) / "model", shape, getattr(torch, dtype), device)
+            results["build_s"] = time.perf_counter() - t_start
+            for label, name, kw in (("full_4k_chunked", "4k", {}), ("full_4k_unchunked", "4k", {"logprob_chunk": None}),
+                                    ("lora_4k_chunked", "4k", {"lora": None}), ("full_16k_chunked", "16k", {}),
+                                    ("full_16k_unchunked", "16k", {"logprob_chunk": None})):
+                rows, length = lengths[name]
+                batch = synthetic_batch(rows, length, shape["vocab"], device)
+
+                def case(kw=kw, rows=rows, batch=batch):
+                    from lit_ess.lora import LoRA
+
+                    kw = {**kw, "lora": LoRA(rank=16)} if "lora" in kw else kw
+                    return train_steps(PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=rows,
+                                                    gradient_checkpointing=True, **kw), batch, device, a.steps)
+
+                run_case(results, label, case, out)
+                del batch
+        results["wall_s"] = time.perf_counter() - t_start
+        results["failed"] = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
+        write(results, out)
+        print(f"gpu_check: {len(results['failed'])} failed {results['failed']}, {results['wall_s']:.0f} s", flush=True)
+        return results
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / "model", shape, getattr(torch, dtype))
