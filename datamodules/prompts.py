@@ -180,7 +180,8 @@ class HFPrompts(PromptSource):
     Local files (.json, .jsonl, .parquet, .csv) are read here, not by `datasets`, so every value is
     kept as written: CSV cells are text, JSON numbers keep their spelling, and a malformed line is
     named by file and line number. Malformed rows are skipped and counted (`skipped`); `skip_reasons`
-    says what was wrong with them (reason -> rows), and the error when no row is usable quotes it.
+    says what was wrong with them (reason -> rows), in a warning when some rows are usable and in the
+    error when none is.
 
     Args:
         path: dataset name, a local dataset folder, or a file / glob / list of files (.json, .jsonl,
@@ -230,6 +231,10 @@ class HFPrompts(PromptSource):
             hint = f"; the rows have fields {columns}: set prompt_field / answer_field" if missing else ""
             raise ValueError(f"HFPrompts({path!r}): no usable rows ({self.skipped} malformed rows skipped: "
                              f"{self.describe_skips()}){hint}")
+        if self.skipped:
+            warnings.warn(f"HFPrompts({path!r}): {self.skipped} malformed row{'s' if self.skipped > 1 else ''} skipped "
+                          f"({self.describe_skips()}); "
+                          f"they are counted in data/skipped_rows", stacklevel=2)
         if template != "{prompt}" and any(isinstance(e.prompt, list) for e in self.examples):
             raise ValueError(f"HFPrompts.template={template!r} formats text prompts, and the rows' prompts are chat "
                              f"messages: leave template out and put the instruction in the messages or in "
