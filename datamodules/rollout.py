@@ -65,7 +65,9 @@ from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuff
                              RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step,
                              shares_servers)
 
-from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
+from lit_ess.chat import ChatFormat, Prompt, check_format, prompt_text
+
+from .prompts import Arithmetic, Example, PromptOrder, PromptSource, check_chat, encode_prompt
 
 MAX_PHASES_IN_FLIGHT = 2
 
@@ -126,6 +128,11 @@ class RolloutDataModule(L.LightningDataModule):
             mismatch, behavior_logprobs: raw for the authors' definition of pi_b.
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
+        chat: how prompts are rendered (lit_ess.chat.ChatFormat): with the model's chat template and its
+            generation prompt (default; a text prompt is one user message), a `system_prompt` for prompts
+            without a system message, `chat_template_kwargs` for the template (e.g. {enable_thinking:
+            false}), or `use_template: false` for plain-text prompts. The same for source and val_source.
+            With `env`, the environment renders its own prompts: the default only.
         reward: "exact_match", "gsm8k", "math_verify" or "module:function" (checked at start: it must
             import and be callable as f(completion, answer)). With `env`, the environment gives the
             training rewards and `reward` scores the held-out prompts (one turn each).
@@ -197,6 +204,7 @@ class RolloutDataModule(L.LightningDataModule):
         source: PromptSource | None = None,
         engine: EngineConfig = VLLMConfig(),
         sampling: SamplingConfig = SamplingConfig(seed=0),
+        chat: ChatFormat = ChatFormat(),
         reward: str = "exact_match",
         reward_timeout: float = 5.0,
         max_reward_error_rate: float = 0.5,
@@ -255,11 +263,15 @@ class RolloutDataModule(L.LightningDataModule):
                              "async, or engine.weight_update: drain")
         if env is not None and not isinstance(env, EnvConfig):
             raise ValueError(f"env must be an environment config (lit_ess.envs.EnvConfig) or null, got {env!r}")
+        check_format(chat)
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
         self.model_path = model_path
         self.source = source if source is not None else Arithmetic()
-        self.engine_config, self.sampling = engine, sampling
+        if env is not None and (chat != ChatFormat() or any(isinstance(e.prompt, list) for e in self.source.examples)):
+            raise ValueError("env: an environment starts its episodes from text prompts and renders them itself; "
+                             "chat prompts and data.chat settings apply to single-turn rollouts (env: null)")
+        self.engine_config, self.sampling, self.chat = engine, sampling, chat
         self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
         self.reward_in_worker, self.env = reward_in_worker, env
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
@@ -276,7 +288,7 @@ class RolloutDataModule(L.LightningDataModule):
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
         self.save_hyperparameters({
-            "engine": engine.hparams(), "sampling": asdict(sampling), "mode": mode, "placement": placement,
+            "engine": engine.hparams(), "sampling": asdict(sampling), "chat": asdict(chat), "mode": mode, "placement": placement,
             "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
@@ -328,6 +340,7 @@ class RolloutDataModule(L.LightningDataModule):
         if budget is not None and limit is not None and budget > limit[0]:
             raise ValueError(f"env.max_episode_tokens={budget} exceeds the engine's model length {limit[0]} ({limit[1]})")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        check_chat(self.tokenizer, self.chat, [self.source, self.val_source])
         self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
         self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
@@ -474,7 +487,7 @@ class RolloutDataModule(L.LightningDataModule):
             idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
             mine = range(self.rank, len(idx), self.world)
             self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
-                                                  [examples[i].prompt for i in mine],
+                                                  [prompt_text(examples[i].prompt) for i in mine],
                                                   [examples[i].answer for i in mine], prompt_keys=list(mine))
             self.next_plan += 1
         return self.requests[phase]
@@ -482,8 +495,8 @@ class RolloutDataModule(L.LightningDataModule):
     def _next_examples(self, k: int) -> list[tuple[int, Example]]:
         return [(i, self.source.examples[i]) for i in self.prompt_order.take(k)]
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text)
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.chat)
 
     def _next_prompts(self, k: int) -> tuple[list[int], list[Example], list[list[int]]]:
         """k examples that fit max_prompt_tokens, with their source indices and token ids; longer ones
@@ -517,7 +530,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate(self, examples: list[tuple[int, str, str]]) -> dict[str, torch.Tensor]:
+    def evaluate(self, examples: list[tuple[int, Prompt, str]]) -> dict[str, torch.Tensor]:
         """`val_samples` samples per held-out (index, prompt, answer) with `val_sampling` (default: the
         training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`.
         Every rank calls it equally often (an empty batch keeps a rank in step with the others)."""

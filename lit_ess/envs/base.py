@@ -41,8 +41,8 @@ class EnvError(RewardError):
 @dataclass(frozen=True)
 class Example:
     """A prompt-source example, what an environment starts an episode from (lit_ess.datamodules.prompts
-    re-exports it: prompt sources make them)."""
-    prompt: str
+    re-exports it: prompt sources make them). `prompt` is text, or chat messages (lit_ess.chat)."""
+    prompt: str | list[Message]
     answer: str
 
 
