@@ -208,7 +208,7 @@ class HFPrompts(PromptSource):
             if p is None or not p.strip() or a is None or not a.strip():
                 self.skipped += 1
                 continue
-            self.examples.append(Example(template.format(prompt=p), a))
+            self.examples.append(Example(template.format(prompt=p), a, dict(row)))    # columns: for rewards
             if limit is not None and len(self.examples) >= limit:
                 break
         if columns is None:

@@ -1,0 +1,166 @@
+"""Rewards as users write them: parameters by name (prompt, completion, answer, the dataset's columns),
+@batched rewards of lists (sync and async), weighted lists logged one scalar each, and a reward module
+beside the config. Unit checks with hand-computed values, then `lit-ess fit` runs on the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
+from lit_ess.metrics import rule
+from lit_ess.rewards import Reward, RewardError, RewardScorer, batched
+
+ROWS = [{"prompt": "1+1=", "answer": "2", "level": "1", "source": "a"},
+        {"prompt": "2+2=", "answer": "4", "level": "3", "source": "b"}]
+
+
+def by_level(completion, answer, level):
+    """The row's level / 4 when the completion is right, else 0."""
+    return float(completion == answer) * int(level) / 4
+
+
+def echo_prompt(prompt, completion):
+    return float(prompt.startswith(completion))
+
+
+def legacy(c, a):                      # the form of earlier releases: two positional parameters, any names
+    return float(c == a)
+
+
+def takes_all(completion, **columns):
+    return float(len(columns))
+
+
+def unknown_column(completion, difficulty):
+    return 1.0
+
+
+def per_sample_lists(completions):
+    return 1.0
+
+
+@batched
+def batch_levels(prompts, completions, level):
+    """One value per sample: its level plus the position of its prompt's first sample in the batch / 10."""
+    return [int(lv) + prompts.index(p) / 10 for p, lv in zip(prompts, level)]
+
+
+@batched
+def batch_short(completions):
+    return [1.0] * (len(completions) - 1)
+
+
+@batched
+def batch_nan(completions):
+    return [float("nan")] + [1.0] * (len(completions) - 1)
+
+
+@batched
+async def batch_async(completions, answers):
+    await asyncio.sleep(0.01)
+    return [float(c == a) for c, a in zip(completions, answers)]
+
+
+async def slow_async(completion):
+    await asyncio.sleep(0.5)
+    return 1.0
+
+
+def _score(reward, completions, answers, prompts, rows, **kw):
+    s = RewardScorer(reward, columns=["prompt", "answer", "level", "source"], **kw)
+    return s(completions, answers, prompts, rows), s
+
+
+def test_a_reward_takes_prompt_answer_and_columns_by_name():
+    prompts, answers, rows = ["1+1=", "2+2="], ["2", "4"], ROWS
+    assert _score("test_rewards:by_level", ["2", "4"], answers, prompts, rows)[0] == [0.25, 0.75]
+    assert _score("test_rewards:by_level", ["2", "5"], answers, prompts, rows)[0] == [0.25, 0.0]
+    assert _score("test_rewards:echo_prompt", ["1+", "x"], answers, prompts, rows)[0] == [1.0, 0.0]
+    assert _score("test_rewards:legacy", ["2", "5"], answers, prompts, rows)[0] == [1.0, 0.0]
+    assert _score("test_rewards:takes_all", ["2", "5"], answers, prompts, rows)[0] == [4.0, 4.0]   # every column
+
+
+def test_an_unknown_parameter_is_refused_in_one_line_naming_the_columns(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    with pytest.raises(ValueError) as e:
+        RolloutDataModule(source=HFPrompts(str(data)), reward="test_rewards:unknown_column")
+    assert str(e.value) == ("reward 'test_rewards:unknown_column': parameter 'difficulty' is neither prompt, completion, "
+                            "answer nor a column of the dataset (columns: prompt, answer, level, source)")
+    with pytest.raises(ValueError, match=r"parameter 'completions' .*declared with @lit_ess.rewards.batched"):
+        RolloutDataModule(source=HFPrompts(str(data)), reward="test_rewards:per_sample_lists")
+    with pytest.raises(ValueError, match=r"parameter 'level' .*\(columns: none\)"):       # arithmetic has no columns
+        RolloutDataModule(source=Arithmetic(size=10), reward="test_rewards:by_level")
+    RolloutDataModule(source=HFPrompts(str(data)), reward="test_rewards:by_level")     # a column: accepted
+
+
+def test_prompt_sources_carry_the_rows_columns(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    src = HFPrompts(str(data), template="Q: {prompt}")
+    assert [(e.prompt, e.answer, e.columns["level"]) for e in src.examples] == [("Q: 1+1=", "2", "1"), ("Q: 2+2=", "4", "3")]
+
+
+def test_a_batched_reward_gets_lists_and_returns_one_value_per_sample():
+    prompts, rows = ["1+1=", "1+1=", "2+2=", "2+2="], [ROWS[0], ROWS[0], ROWS[1], ROWS[1]]
+    scores, _ = _score("test_rewards:batch_levels", ["x"] * 4, ["2", "2", "4", "4"], prompts, rows)
+    assert scores == pytest.approx([1.0, 1.0, 3.2, 3.2])
+    scores, _ = _score("test_rewards:batch_async", ["2", "3", "4", "4"], ["2", "2", "4", "4"], prompts, rows)
+    assert scores == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_a_wrong_length_or_non_finite_batch_is_counted_never_nan():
+    with pytest.warns(UserWarning, match=r"reward 'test_rewards:batch_short' failed on a completion \(returned 3 values "
+                                         r"for 4 completions\)"):
+        scores, s = _score("test_rewards:batch_short", ["x"] * 4, ["1"] * 4, ["p"] * 4, [{}] * 4, max_error_rate=1.0)
+    assert scores == [0.0] * 4 and s.errors == 4
+    with pytest.warns(UserWarning, match="returned nan"):
+        scores, s = _score("test_rewards:batch_nan", ["x"] * 4, ["1"] * 4, ["p"] * 4, [{}] * 4, max_error_rate=1.0)
+    assert scores == [0.0, 1.0, 1.0, 1.0] and s.errors == 1 and all(math.isfinite(x) for x in scores)
+    with pytest.raises(RewardError, match=r"'test_rewards:batch_short' failed on 4 of 4 completions"):
+        _score("test_rewards:batch_short", ["x"] * 4, ["1"] * 4, ["p"] * 4, [{}] * 4)
+
+
+def test_async_per_sample_rewards_run_concurrently():
+    t0 = time.perf_counter()
+    scores, _ = _score("test_rewards:slow_async", ["x"] * 8, ["1"] * 8, ["p"] * 8, [{}] * 8)
+    assert scores == [1.0] * 8 and time.perf_counter() - t0 < 3.0          # 8 x 0.5 s one after another: 4 s
+
+
+def test_a_weighted_list_is_the_weighted_sum_and_keeps_each_part():
+    rewards = [Reward("test_rewards:by_level", weight=0.5), Reward("test_rewards:legacy", weight=2.0, name="exact")]
+    scores, s = _score(rewards, ["2", "5"], ["2", "4"], ["1+1=", "2+2="], ROWS)
+    assert scores == [0.5 * 0.25 + 2.0 * 1.0, 0.0]
+    assert s.parts == {"by_level": 0.125, "exact": 0.5}          # each one's mean, unweighted
+    with pytest.raises(ValueError, match=r"same train/reward/NAME \(\['legacy', 'legacy'\]\)"):
+        RewardScorer(["test_rewards:legacy", "test_rewards:legacy"])
+    with pytest.raises(ValueError, match="weight of 'test_rewards:legacy' must be a finite number"):
+        RewardScorer([Reward("test_rewards:legacy", weight=float("nan"))])
+    assert rule("train/reward/by_level") == rule("rollout/reward_mean")
+
+
+def test_async_worker_scores_columns_and_batches(tiny_model_dir, tmp_path):
+    """The worker process gets each prompt's row and the weighted list: the phase's parts and total by hand."""
+    from fake_engine import FakeConfig
+    from lit_ess.engines import SamplingConfig
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({**r, "level": "2"}) + "\n" for r in ROWS))
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
+                           prompts_per_rollout=2, samples_per_prompt=2, source=HFPrompts(str(data)),
+                           sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward=[Reward("test_rewards:takes_all", 0.5), Reward("test_rewards:batch_levels", 1.0)])
+    dm.setup("fit")
+    try:
+        dm.push_weights({"w": torch.zeros(1)}.items(), 0)
+        stats = dm.next_batch(0).stats
+    finally:
+        dm.teardown("fit")
+    # takes_all: 4 columns; batch_levels: level 2 + the first sample's position of its prompt (0 or 2) / 10
+    assert stats["train/reward/takes_all"] == 4.0 and stats["train/reward/batch_levels"] == pytest.approx(2.1)
+    assert stats["rollout/reward_mean"] == pytest.approx(0.5 * 4.0 + 2.1)
