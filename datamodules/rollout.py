@@ -126,7 +126,8 @@ class RolloutDataModule(L.LightningDataModule):
             mismatch, behavior_logprobs: raw for the authors' definition of pi_b.
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
-        reward: "exact_match", "gsm8k", "math_verify" or "module:function", or a list of lit_ess.rewards.Reward
+        reward: "exact_match", "gsm8k", "math_verify", "module:function" or "module.function" (a module
+            beside the config or in the working directory), or a list of lit_ess.rewards.Reward
             ({fn, weight, name}): the total is their weighted sum, each one logged as train/reward/NAME.
             A reward takes by parameter name `prompt`, `completion`, `answer` and any column of the
             dataset row (checked at start against the source's columns); one declared with

@@ -74,6 +74,7 @@ from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
+from lit_ess.rewards import add_search_folders  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
 
 # the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
@@ -343,10 +344,19 @@ def _dead_peer(error: BaseException) -> str | None:
     return f"{dead[0]} died: this rank stops ({type(error).__name__}: {said[:200]})" if dead else None
 
 
+def _config_folders(argv: list[str]) -> list[str]:
+    """The folders of the config files named on the command line (--config F, --config=F, -c F)."""
+    paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return [os.path.dirname(os.path.abspath(p)) for p in paths]
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _stop_on_sigterm()
-    legacy = check_inputs(sys.argv[1:] if args is None else args, MOVED)
+    argv = sys.argv[1:] if args is None else args
+    legacy = check_inputs(argv, MOVED)
+    add_search_folders([*_config_folders(argv), os.getcwd()])     # `my_reward.score` beside the config imports
     if legacy:                  # found in the user's own text: there is no traceback to show
         _fail(legacy, traceback=False)
     try:

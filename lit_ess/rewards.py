@@ -90,6 +90,23 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "math_verify": math_verify,
 }
 IN_WORKER = {"math_verify"}
+FOLDERS: list[str] = []     # where a user's reward module is looked for first: the config's folder, the working directory
+
+
+def add_search_folders(folders: list[str]) -> None:
+    """Put these folders (the config files' and the working directory, set by the CLI) first on sys.path,
+    so `my_reward.score` imports my_reward.py beside the config; a spawned worker inherits sys.path."""
+    import os
+    import sys
+
+    for folder in reversed([os.path.abspath(f) for f in folders]):
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
+        if folder not in FOLDERS:
+            FOLDERS.insert(0, folder)
+
+
 def batched(fn: Callable) -> Callable:
     """Declare a reward that scores a whole phase at once (TRL's convention): it is called with lists,
     `prompts`, `completions`, `answers` and any column by its name, and returns one number per sample:
@@ -106,7 +123,8 @@ class Reward:
     """One reward of a weighted list (`data.reward`); the total is the weighted sum of the rewards.
 
     Args:
-        fn: a built-in name (exact_match, gsm8k, math_verify) or 'package.module:function'.
+        fn: a built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or
+            'module.function' (a module beside the config or in the working directory).
         weight: its weight in the total (finite; 0 logs it without training on it).
         name: its scalar in TensorBoard, train/reward/NAME (default: the function's name).
     """
@@ -116,12 +134,21 @@ class Reward:
 
 
 def import_named(name: str, what: str):
-    """The object 'package.module:attr' names; a ValueError naming `what` and `name` when it cannot be
+    """The object 'package.module:attr' (or 'module.attr') names; a ValueError naming `what` and `name` when it cannot be
     imported (a missing module, a typo in the attribute), or the module's own code fails (a syntax
     error, an error at import: named with its file and line)."""
-    mod, attr = name.split(":", 1)
+    mod, attr = name.split(":", 1) if ":" in name else name.rsplit(".", 1)
     try:
         return getattr(importlib.import_module(mod), attr)
+    except ModuleNotFoundError as e:
+        if e.name is None or not mod.startswith(e.name):
+            raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
+        import os
+
+        where = ", ".join(FOLDERS) or os.getcwd()
+        raise ValueError(f"{what} {name!r} cannot be imported: no module named {e.name!r} in {where} or the installed "
+                         f"packages: put {e.name.split('.')[0]}.py beside the config (or in the working directory), "
+                         f"or install its package") from None
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
     except Exception as e:
@@ -129,15 +156,16 @@ def import_named(name: str, what: str):
 
 
 def resolve_reward(name: str) -> Callable:
-    """A built-in name (exact_match, gsm8k, math_verify) or 'package.module:function'."""
+    """A built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or 'module.function'."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" in name:
+    if ":" in name or "." in name:
         fn = import_named(name, "reward")
         if not callable(fn):
             raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function")
         return fn
-    raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)} or 'module:function'")
+    raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)}, 'module:function' or "
+                     f"'module.function'")
 
 
 @dataclass
@@ -314,7 +342,7 @@ class RewardScorer:
     timeouts (per reward and completion).
 
     Args:
-        name: `data.reward`: a reward name, 'module:function', or a list of Reward.
+        name: `data.reward`: a reward name, 'module:function' / 'module.function', or a list of Reward.
         timeout: seconds per completion for rewards run in a worker (math_verify), the worker's start
             not included; a batched reward gets this much per completion of its batch.
         in_worker: run in a worker process (default: only for math_verify).

@@ -11,9 +11,11 @@ import time
 import pytest
 import torch
 
+from e2e_utils import cli, rl_config, scalars, write_config
 from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
 from lit_ess.metrics import rule
 from lit_ess.rewards import Reward, RewardError, RewardScorer, batched
+from test_faults_input import one_line
 
 ROWS = [{"prompt": "1+1=", "answer": "2", "level": "1", "source": "a"},
         {"prompt": "2+2=", "answer": "4", "level": "3", "source": "b"}]
@@ -83,6 +85,7 @@ def test_a_reward_takes_prompt_answer_and_columns_by_name():
     assert _score("test_rewards:echo_prompt", ["1+", "x"], answers, prompts, rows)[0] == [1.0, 0.0]
     assert _score("test_rewards:legacy", ["2", "5"], answers, prompts, rows)[0] == [1.0, 0.0]
     assert _score("test_rewards:takes_all", ["2", "5"], answers, prompts, rows)[0] == [4.0, 4.0]   # every column
+    assert _score("test_rewards.by_level", ["2", "4"], answers, prompts, rows)[0] == [0.25, 0.75]  # module.function
 
 
 def test_an_unknown_parameter_is_refused_in_one_line_naming_the_columns(tmp_path):
@@ -164,3 +167,37 @@ def test_async_worker_scores_columns_and_batches(tiny_model_dir, tmp_path):
     # takes_all: 4 columns; batch_levels: level 2 + the first sample's position of its prompt (0 or 2) / 10
     assert stats["train/reward/takes_all"] == 4.0 and stats["train/reward/batch_levels"] == pytest.approx(2.1)
     assert stats["rollout/reward_mean"] == pytest.approx(0.5 * 4.0 + 2.1)
+
+
+@pytest.mark.e2e
+def test_fit_with_a_reward_file_beside_the_config_and_a_weighted_list(tiny_model_dir, tmp_path):
+    """`lit-ess fit` from another folder: my_reward.py beside configs/x.yaml imports as my_reward.score, a
+    column reaches it, a batched reward runs beside it, and each reward has its own TensorBoard scalar.
+    (main: "reward 'my_reward:score' cannot be imported: No module named 'my_reward'")"""
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "my_reward.py").write_text(
+        "from lit_ess.rewards import batched\n\n\n"
+        "def score(completion, answer, level):\n    return int(level) / 4\n\n\n"
+        "@batched\ndef ones(prompts, completions):\n    return [1.0 for _ in completions]\n")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "level": "2"}) + "\n" for i in range(8)))
+    cfg = rl_config(tiny_model_dir, tmp_path / "out", engine="HFConfig", max_steps=2, prompts=2, samples=2, extra_data={
+        "source": {"class_path": "lit_ess.datamodules.HFPrompts", "init_args": {"path": str(data)}},
+        "reward": [{"fn": "my_reward.score", "weight": 0.5}, {"fn": "my_reward.ones", "weight": 2.0, "name": "format"}]})
+    res = cli(["fit", "--config", str(write_config(cfg, configs / "x.yaml"))], cwd=tmp_path / "elsewhere")
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = scalars(tmp_path / "out")
+    assert [v for _, v in got["train/reward/score"]] == [0.5, 0.5]
+    assert [v for _, v in got["train/reward/format"]] == [1.0, 1.0]
+    assert [v for _, v in got["rollout/reward_mean"]] == [0.5 * 0.5 + 2.0 * 1.0] * 2
+
+
+def test_a_missing_reward_module_says_where_it_looked(tiny_model_dir, tmp_path):
+    configs = tmp_path / "configs"
+    cfg = rl_config(tiny_model_dir, tmp_path / "out", engine="HFConfig", extra_data={"reward": "my_reward.score"})
+    res = cli(["fit", "--config", str(write_config(cfg, configs / "x.yaml"))], cwd=tmp_path)
+    assert one_line(res) == (
+        f"lit-ess: error: reward 'my_reward.score' cannot be imported: no module named 'my_reward' in {configs}, "
+        f"{tmp_path} or the installed packages: put my_reward.py beside the config (or in the working directory), "
+        f"or install its package")
