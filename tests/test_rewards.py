@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,9 @@ def test_a_batched_reward_gets_lists_and_returns_one_value_per_sample():
     assert scores == pytest.approx([1.0, 1.0, 3.2, 3.2])
     scores, _ = _score("test_rewards:batch_async", ["2", "3", "4", "4"], ["2", "2", "4", "4"], prompts, rows)
     assert scores == [1.0, 0.0, 1.0, 1.0]
+    scores, s = _score("test_rewards:batch_levels", ["x"] * 4, ["2", "2", "4", "4"], prompts, rows, in_worker=True)
+    s.close()
+    assert scores == pytest.approx([1.0, 1.0, 3.2, 3.2])                # reward_in_worker: the same, in a process
 
 
 def test_a_wrong_length_or_non_finite_batch_is_counted_never_nan():
@@ -201,3 +205,20 @@ def test_a_missing_reward_module_says_where_it_looked(tiny_model_dir, tmp_path):
         f"lit-ess: error: reward 'my_reward.score' cannot be imported: no module named 'my_reward' in {configs}, "
         f"{tmp_path} or the installed packages: put my_reward.py beside the config (or in the working directory), "
         f"or install its package")
+
+
+def test_the_docs_reward_file_scores_as_the_page_says(tmp_path, monkeypatch):
+    """docs/rewards.md's file to copy and its config's list, as a user pastes them."""
+    import re
+
+    import yaml
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    code, config = re.findall(r"```python\n(.*?)```", page, re.S)[0], re.findall(r"```yaml\n(.*?)```", page, re.S)[0]
+    (tmp_path / "my_reward.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = [Reward(**r) for r in yaml.safe_load(config)["data"]["init_args"]["reward"]]
+    s = RewardScorer(rewards, columns=["prompt", "answer", "difficulty"])
+    rows = [{"prompt": "p", "answer": "42", "difficulty": "3"}] * 2
+    assert s(["so 42", "41"], ["42", "42"], ["p", "p"], rows) == pytest.approx([1.3 + 0.1 * (1 - 5 / 200), 0.1 * (1 - 2 / 200)])
+    assert s.parts == pytest.approx({"by_difficulty": 0.65, "length": (0.975 + 0.99) / 2})

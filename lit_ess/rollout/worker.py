@@ -222,7 +222,7 @@ class RolloutWorker:
 
         stats = {
             "rollout/reward_mean": float(rewards.mean()),
-            **({f"train/reward/{k}": v for k, v in self.scorer.parts.items()} if len(self.scorer.rewards) > 1 else {}),
+            **({f"train/reward/{k}": v for k, v in self.scorer.parts.items()} if isinstance(c.reward, list) else {}),
             "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "rollout/rows": float(rewards.numel()),
             "rollout/response_len": float(lengths.mean()),
