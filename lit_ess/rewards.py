@@ -35,6 +35,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Callable
 
+from .reward_url import RemoteReward, is_url
+
 _NUMBER = r"-?[\d,]*\.?\d+"
 _GSM8K_ANSWER = re.compile(r"####\s*(" + _NUMBER + r")")
 
@@ -124,7 +126,8 @@ class Reward:
 
     Args:
         fn: a built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or
-            'module.function' (a module beside the config or in the working directory).
+            'module.function' (a module beside the config or in the working directory), or a URL that
+            scores a batch by POST (lit_ess.reward_url).
         weight: its weight in the total (finite; 0 logs it without training on it).
         name: its scalar in TensorBoard, train/reward/NAME (default: the function's name).
     """
@@ -156,9 +159,12 @@ def import_named(name: str, what: str):
 
 
 def resolve_reward(name: str) -> Callable:
-    """A built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or 'module.function'."""
+    """A built-in name (exact_match, gsm8k, math_verify), 'package.module:function', 'module.function' or a
+    URL (lit_ess.reward_url.RemoteReward)."""
     if name in REWARDS:
         return REWARDS[name]
+    if is_url(name):
+        return RemoteReward(name)
     if ":" in name or "." in name:
         fn = import_named(name, "reward")
         if not callable(fn):
@@ -243,7 +249,7 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
 
 
 def _label(spec: Reward) -> str:
-    return spec.name or re.split(r"[:.]", spec.fn)[-1]
+    return spec.name or ("remote" if is_url(spec.fn) else re.split(r"[:.]", spec.fn)[-1])
 
 
 def as_rewards(reward: str | Reward | list) -> list[Reward]:
@@ -344,7 +350,8 @@ class RewardScorer:
     Args:
         name: `data.reward`: a reward name, 'module:function' / 'module.function', or a list of Reward.
         timeout: seconds per completion for rewards run in a worker (math_verify), the worker's start
-            not included; a batched reward gets this much per completion of its batch.
+            not included, and for a URL's request; a batched reward gets this much per completion of its
+            batch.
         in_worker: run in a worker process (default: only for math_verify).
         startup_timeout: seconds a new worker may take to start and import the reward.
         max_error_rate: a call in which more than this share of the completions fail raises
@@ -360,6 +367,9 @@ class RewardScorer:
             raise ValueError(f"max_reward_error_rate must be in [0, 1], got {max_error_rate}")
         self.max_error_rate = max_error_rate
         self.rewards = [bind(r, columns) for r in as_rewards(name)]
+        for r in self.rewards:
+            if isinstance(r.fn, RemoteReward):
+                r.fn.timeout = timeout
         self.name = name if isinstance(name, str) else ", ".join(r.name for r in self.rewards)
         self.fn = self.rewards[0].fn
         self.timeout, self.startup_timeout = timeout, startup_timeout

@@ -222,3 +222,82 @@ def test_the_docs_reward_file_scores_as_the_page_says(tmp_path, monkeypatch):
     rows = [{"prompt": "p", "answer": "42", "difficulty": "3"}] * 2
     assert s(["so 42", "41"], ["42", "42"], ["p", "p"], rows) == pytest.approx([1.3 + 0.1 * (1 - 5 / 200), 0.1 * (1 - 2 / 200)])
     assert s.parts == pytest.approx({"by_difficulty": 0.65, "length": (0.975 + 0.99) / 2})
+
+
+class _Verifier:
+    """A tiny HTTP reward server on a free port: POST / answers each completion's length; /one 1.0 for
+    each; /slow sleeps past the timeout; /broken answers 500; /short one value too few. `bodies`: what
+    it got."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        bodies = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bodies.append(body)
+                if self.path == "/slow":
+                    time.sleep(3)                     # the client has given up: nothing to answer
+                    return
+                if self.path == "/broken":
+                    self.send_error(500, "verifier crashed")
+                    return
+                rewards = [float(len(c)) for c in body["completions"]][: -1 if self.path == "/short" else None]
+                rewards = [1.0] * len(body["completions"]) if self.path == "/one" else rewards
+                out = json.dumps({"rewards": rewards}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def verifier():
+    v = _Verifier()
+    yield v
+    v.close()
+
+
+def test_a_reward_by_url_posts_the_batch_and_counts_failures(verifier):
+    rows = [ROWS[0], ROWS[0], ROWS[1]]
+    s = RewardScorer([Reward(verifier.url, weight=0.5), Reward("test_rewards:legacy")], timeout=0.5, max_error_rate=1.0,
+                     columns=["prompt", "answer", "level", "source"])
+    assert s(["2", "22", "4"], ["2", "2", "4"], ["1+1=", "1+1=", "2+2="], rows) == [0.5 + 1.0, 1.0 + 0.0, 0.5 + 1.0]
+    assert s.parts == pytest.approx({"remote": 4 / 3, "legacy": 2 / 3}) and s.errors == 0
+    assert verifier.bodies == [{"prompts": ["1+1=", "1+1=", "2+2="], "completions": ["2", "22", "4"],
+                                "answers": ["2", "2", "4"], "prompt": ["1+1=", "1+1=", "2+2="], "answer": ["2", "2", "4"],
+                                "level": ["1", "1", "3"], "source": ["a", "a", "b"]}]
+    for path, says in [("/broken", "HTTP 500"), ("/slow", "did not answer"), ("/short", "returned 2 values for 3")]:
+        s = RewardScorer(verifier.url + path, timeout=0.5, max_error_rate=1.0)
+        with pytest.warns(UserWarning, match=f"reward '{verifier.url}{path}' failed on a completion .*{says}"):
+            assert s(["a", "bb", "c"], ["1", "1", "1"]) == [0.0, 0.0, 0.0]
+        assert s.errors == 3
+
+
+@pytest.mark.e2e
+def test_fit_with_a_reward_by_url(tiny_model_dir, tmp_path, verifier):
+    """`lit-ess fit` posts each phase's completions to the server once, and logs its reward on its own."""
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, prompts=2, samples=2, extra_data={
+        "reward": [{"fn": verifier.url + "/one", "name": "verifier"}, {"fn": "e2e_utils:digit_fraction", "weight": 0.0}]})
+    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "x.yaml"))], cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [len(b["completions"]) for b in verifier.bodies] == [4, 4]          # 2 prompts x 2 samples, per phase
+    got = scalars(tmp_path)
+    assert [v for _, v in got["train/reward/verifier"]] == [1.0, 1.0]
+    assert [v for _, v in got["rollout/reward_mean"]] == [1.0, 1.0]           # digit_fraction weighs 0
+    assert [v for _, v in got["rollout/reward_errors"]] == [0.0, 0.0]
