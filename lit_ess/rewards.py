@@ -35,6 +35,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Callable
 
+from .knobs import check
 from .reward_url import RemoteReward, is_url
 
 _NUMBER = r"-?[\d,]*\.?\d+"
@@ -128,12 +129,16 @@ class Reward:
         fn: a built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or
             'module.function' (a module beside the config or in the working directory), or a URL that
             scores a batch by POST (lit_ess.reward_url).
-        weight: its weight in the total (finite; 0 logs it without training on it).
+        weight: its weight in the total, any finite number (0 = logged, not trained on; a negative
+            weight = a penalty).
         name: its scalar in TensorBoard, train/reward/NAME (default: the function's name).
     """
     fn: str
     weight: float = 1.0
     name: str | None = None
+
+    def __post_init__(self):
+        check("Reward.weight", self.weight)
 
 
 def import_named(name: str, what: str):
@@ -259,9 +264,6 @@ def as_rewards(reward: str | Reward | list) -> list[Reward]:
     if not out:
         raise ValueError("data.reward is an empty list: name at least one reward")
     labels = [_label(r) for r in out]
-    for r in out:
-        if not math.isfinite(r.weight):
-            raise ValueError(f"data.reward: the weight of {r.fn!r} must be a finite number, got {r.weight}")
     if len(set(labels)) < len(labels):
         raise ValueError(f"data.reward: two rewards are logged as the same train/reward/NAME ({labels}): give them "
                          f"distinct `name`s")

@@ -146,7 +146,7 @@ def test_a_weighted_list_is_the_weighted_sum_and_keeps_each_part():
     assert s.parts == {"by_level": 0.125, "exact": 0.5}          # each one's mean, unweighted
     with pytest.raises(ValueError, match=r"same train/reward/NAME \(\['legacy', 'legacy'\]\)"):
         RewardScorer(["test_rewards:legacy", "test_rewards:legacy"])
-    with pytest.raises(ValueError, match="weight of 'test_rewards:legacy' must be a finite number"):
+    with pytest.raises(ValueError, match="Reward.weight must be a finite number, got nan"):
         RewardScorer([Reward("test_rewards:legacy", weight=float("nan"))])
     assert rule("train/reward/by_level") == rule("rollout/reward_mean")
 
