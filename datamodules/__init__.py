@@ -1,6 +1,8 @@
 """Data layer: prompt sources, the rollout DataModule (RL) and the SFT DataModule (warm start)."""
+from lit_ess.chat import ChatFormat
+
 from .prompts import Arithmetic, CalculatorTranscripts, Example, HFPrompts, PromptOrder, PromptSource, encode_prompt
 from .rollout import RolloutDataModule
 from .sft import SFTDataModule
 
-__all__ = ["Arithmetic", "CalculatorTranscripts", "Example", "HFPrompts", "PromptOrder", "PromptSource", "encode_prompt", "RolloutDataModule", "SFTDataModule"]
+__all__ = ["Arithmetic", "CalculatorTranscripts", "ChatFormat", "Example", "HFPrompts", "PromptOrder", "PromptSource", "encode_prompt", "RolloutDataModule", "SFTDataModule"]

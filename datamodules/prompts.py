@@ -4,8 +4,9 @@
     CalculatorTranscripts  the Calculator environment's two policy turns per problem, for its warm start
     HFPrompts          a Hugging Face `datasets` name, or local json / jsonl / parquet / csv files
 
-Malformed rows (missing field, non-text value, empty prompt or answer) are skipped and counted in
-`skipped`. Local files are read as text: an answer is the file's own characters ("007" stays "007",
+A prompt is text or a conversation (a list of {"role", "content"} messages; lit_ess.chat). Malformed
+rows (missing field, non-text value, empty prompt or answer, a message without role or content) are
+skipped and counted in `skipped`, with what was wrong in `skip_reasons`. Local files are read as text: an answer is the file's own characters ("007" stays "007",
 and a blank cell does not turn the other answers of a CSV into floats).
 """
 from __future__ import annotations
@@ -15,9 +16,11 @@ import glob
 import hashlib
 import json
 import random
+import warnings
 from pathlib import Path
 from typing import Literal
 
+from lit_ess.chat import ChatFormat, has_system, message_problem
 from lit_ess.envs.arithmetic import Calculator, calculate
 from lit_ess.envs.base import Example     # its home: what an environment starts an episode from
 from lit_ess.envs.tokens import encode_prompt  # noqa: F401  (its home: the episodes' tokens)
@@ -169,17 +172,26 @@ def eval_op(a: int, op: str, b: int) -> int:
 class HFPrompts(PromptSource):
     """Prompts from a `datasets` name (e.g. "openai/gsm8k" with name="main") or local data files.
 
+    A row's prompt is text, or a conversation: a list of `{"role", "content"}` messages (TRL's and
+    verl's conversational format), with or without a system message. A conversation is rendered with
+    the model's chat template and its generation prompt; `data.chat` (lit_ess.chat.ChatFormat) adds a
+    system prompt, passes template kwargs, or turns the template off for text prompts.
+
     Local files (.json, .jsonl, .parquet, .csv) are read here, not by `datasets`, so every value is
     kept as written: CSV cells are text, JSON numbers keep their spelling, and a malformed line is
-    named by file and line number.
+    named by file and line number. Malformed rows are skipped and counted (`skipped`); `skip_reasons`
+    says what was wrong with them (reason -> rows), in a warning when some rows are usable and in the
+    error when none is.
 
     Args:
-        path: dataset name, or a file / glob / list of files (.json, .jsonl, .parquet, .csv).
+        path: dataset name, a local dataset folder, or a file / glob / list of files (.json, .jsonl,
+            .parquet, .csv).
         name: dataset configuration name.
         split: split to read (a hub dataset's; local files are one split, "train").
-        prompt_field: column holding the prompt.
+        prompt_field: column holding the prompt (text, or a list of messages).
         answer_field: column holding the reference answer.
-        template: Python format string applied to the prompt, e.g. "{prompt}\\nAnswer:".
+        template: Python format string applied to text prompts, e.g. "{prompt}\\nAnswer:" (chat prompts
+            are not formatted: with chat rows it must stay "{prompt}").
         limit: keep at most this many rows (>= 1); None = all.
     """
 
@@ -200,23 +212,65 @@ class HFPrompts(PromptSource):
             import datasets
 
             rows = iter(datasets.load_dataset(files[0], name, split=split))
-        self.examples, self.skipped = [], 0
+        self.examples, self.skipped, self.skip_reasons = [], 0, {}
         columns = None
         for row in rows:
             columns = columns or list(row)
-            p, a = _text(row.get(prompt_field)), _text(row.get(answer_field))
-            if p is None or not p.strip() or a is None or not a.strip():
+            example, problem = _example(row, prompt_field, answer_field, template)
+            if problem is not None:
                 self.skipped += 1
+                self.skip_reasons[problem] = self.skip_reasons.get(problem, 0) + 1
                 continue
-            self.examples.append(Example(template.format(prompt=p), a, dict(row)))    # columns: for rewards
+            self.examples.append(Example(example.prompt, example.answer, dict(row)))    # columns: for rewards
             if limit is not None and len(self.examples) >= limit:
                 break
         if columns is None:
             raise ValueError(f"HFPrompts({path!r}) holds no rows (an empty file?): give a file with one example per row")
         if not self.examples:
-            raise ValueError(f"HFPrompts({path!r}): no usable rows with fields {prompt_field!r} and {answer_field!r} "
-                             f"({self.skipped} malformed rows skipped; the rows have fields {columns}): set "
-                             f"prompt_field / answer_field")
+            missing = any(r.startswith("field ") for r in self.skip_reasons)
+            hint = f"; the rows have fields {columns}: set prompt_field / answer_field" if missing else ""
+            raise ValueError(f"HFPrompts({path!r}): no usable rows ({self.skipped} malformed rows skipped: "
+                             f"{self.describe_skips()}){hint}")
+        if self.skipped:
+            warnings.warn(f"HFPrompts({path!r}): {self.skipped} malformed row{'s' if self.skipped > 1 else ''} skipped "
+                          f"({self.describe_skips()}); "
+                          f"they are counted in data/skipped_rows", stacklevel=2)
+        if template != "{prompt}" and any(isinstance(e.prompt, list) for e in self.examples):
+            raise ValueError(f"HFPrompts.template={template!r} formats text prompts, and the rows' prompts are chat "
+                             f"messages: leave template out and put the instruction in the messages or in "
+                             f"data.chat.system_prompt")
+
+    def describe_skips(self) -> str:
+        """The reasons rows were skipped, most frequent first: "48 rows: field 'answer' missing; ..."."""
+        top = sorted(self.skip_reasons.items(), key=lambda kv: -kv[1])
+        return "; ".join(f"{n} row{'s' if n > 1 else ''}: {reason}" for reason, n in top)
+
+
+def _example(row: dict, prompt_field: str, answer_field: str, template: str) -> tuple[Example | None, str | None]:
+    """A row as an Example, or what is wrong with it (one reason, in words)."""
+    problems = []
+    prompt = row.get(prompt_field)
+    if prompt is None:
+        problems.append(f"field {prompt_field!r} missing" if prompt_field not in row else f"{prompt_field} is null")
+    elif isinstance(prompt, list):
+        if (problem := message_problem(prompt, prompt_field)) is not None:
+            problems.append(problem)
+    elif (text := _text(prompt)) is None:
+        problems.append(f"{prompt_field} is a {type(prompt).__name__}, neither text nor a list of messages")
+    elif not text.strip():
+        problems.append(f"{prompt_field} is empty")
+    else:
+        prompt = template.format(prompt=text)
+    answer = row.get(answer_field)
+    if answer is None:
+        problems.append(f"field {answer_field!r} missing" if answer_field not in row else f"{answer_field} is null")
+    elif (answer := _text(answer)) is None:
+        problems.append(f"{answer_field} is a {type(row[answer_field]).__name__}, not text")
+    elif not answer.strip():
+        problems.append(f"{answer_field} is empty")
+    if problems:
+        return None, "; ".join(problems)
+    return Example(prompt, answer), None
 
 
 def _text(value) -> str | None:
@@ -225,6 +279,21 @@ def _text(value) -> str | None:
     if value is None or isinstance(value, (dict, list, bytes)):
         return None
     return value if isinstance(value, str) else str(value)
+
+
+def check_chat(tokenizer, chat: ChatFormat, sources: list[PromptSource | None]) -> None:
+    """At start, what `encode_prompt` would refuse at the first such prompt (chat prompts or a system
+    prompt without a chat template, a template that refuses the messages), on one prompt of each kind;
+    and a warning, once, when rows keep their own system message over `chat.system_prompt`."""
+    examples = [e for s in sources if s is not None for e in s.examples]
+    chats = [e.prompt for e in examples if isinstance(e.prompt, list)]
+    texts = [e.prompt for e in examples if isinstance(e.prompt, str)]
+    for prompt in chats[:1] + texts[:1]:
+        encode_prompt(tokenizer, prompt, chat)
+    own = sum(has_system(p) for p in chats)
+    if chat.system_prompt is not None and own:
+        warnings.warn(f"data.chat.system_prompt is not used for {own} of {len(examples)} prompts: they have their "
+                      f"own system message, which is kept", stacklevel=2)
 
 
 def _expand(files: list[str]) -> list[str]:

@@ -65,7 +65,9 @@ from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuff
                              RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step,
                              shares_servers)
 
-from .prompts import Arithmetic, Example, PromptOrder, PromptSource, encode_prompt
+from lit_ess.chat import ChatFormat, Prompt, check_format, prompt_text
+
+from .prompts import Arithmetic, Example, PromptOrder, PromptSource, check_chat, encode_prompt
 
 MAX_PHASES_IN_FLIGHT = 2
 
@@ -126,6 +128,11 @@ class RolloutDataModule(L.LightningDataModule):
             mismatch, behavior_logprobs: raw for the authors' definition of pi_b.
         sampling: temperature, top_p, top_k, max_new_tokens, stop, seed. With a seed (default 0) every
             request gets its own derived seed, so rollouts are reproducible and resumable.
+        chat: how prompts are rendered (lit_ess.chat.ChatFormat): with the model's chat template and its
+            generation prompt (default; a text prompt is one user message), a `system_prompt` for prompts
+            without a system message, `chat_template_kwargs` for the template (e.g. {enable_thinking:
+            false}), or `use_template: false` for plain-text prompts. The same for source and val_source.
+            With `env`, the environment renders its own prompts: the default only.
         reward: "exact_match", "gsm8k", "math_verify", "module:function" or "module.function" (a module
             beside the config or in the working directory), or a list of lit_ess.rewards.Reward
             ({fn, weight, name}): the total is their weighted sum, each one logged as train/reward/NAME.
@@ -202,6 +209,7 @@ class RolloutDataModule(L.LightningDataModule):
         source: PromptSource | None = None,
         engine: EngineConfig = VLLMConfig(),
         sampling: SamplingConfig = SamplingConfig(seed=0),
+        chat: ChatFormat = ChatFormat(),
         reward: str | list[Reward] = "exact_match",
         reward_timeout: float = 5.0,
         max_reward_error_rate: float = 0.5,
@@ -264,10 +272,14 @@ class RolloutDataModule(L.LightningDataModule):
                              "async, or engine.weight_update: drain")
         if env is not None and not isinstance(env, EnvConfig):
             raise ValueError(f"env must be an environment config (lit_ess.envs.EnvConfig) or null, got {env!r}")
+        check_format(chat)
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
         self.model_path = model_path
-        self.engine_config, self.sampling = engine, sampling
+        if env is not None and (chat != ChatFormat() or any(isinstance(e.prompt, list) for e in self.source.examples)):
+            raise ValueError("env: an environment starts its episodes from text prompts and renders them itself; "
+                             "chat prompts and data.chat settings apply to single-turn rollouts (env: null)")
+        self.engine_config, self.sampling, self.chat = engine, sampling, chat
         self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
         self.reward_in_worker, self.env = reward_in_worker, env
         self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
@@ -284,7 +296,7 @@ class RolloutDataModule(L.LightningDataModule):
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
         self.save_hyperparameters({
-            "engine": engine.hparams(), "sampling": asdict(sampling), "mode": mode, "placement": placement,
+            "engine": engine.hparams(), "sampling": asdict(sampling), "chat": asdict(chat), "mode": mode, "placement": placement,
             "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "advantage": advantage,
@@ -337,6 +349,7 @@ class RolloutDataModule(L.LightningDataModule):
         if budget is not None and limit is not None and budget > limit[0]:
             raise ValueError(f"env.max_episode_tokens={budget} exceeds the engine's model length {limit[0]} ({limit[1]})")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        check_chat(self.tokenizer, self.chat, [self.source, self.val_source])
         self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
         self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
         self.executor.start()
@@ -483,7 +496,7 @@ class RolloutDataModule(L.LightningDataModule):
             idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
             mine = range(self.rank, len(idx), self.world)
             self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
-                                                  [examples[i].prompt for i in mine],
+                                                  [prompt_text(examples[i].prompt) for i in mine],
                                                   [examples[i].answer for i in mine], prompt_keys=list(mine),
                                                   columns=[examples[i].columns for i in mine])
             self.next_plan += 1
@@ -492,8 +505,8 @@ class RolloutDataModule(L.LightningDataModule):
     def _next_examples(self, k: int) -> list[tuple[int, Example]]:
         return [(i, self.source.examples[i]) for i in self.prompt_order.take(k)]
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text)
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.chat)
 
     def _next_prompts(self, k: int) -> tuple[list[int], list[Example], list[list[int]]]:
         """k examples that fit max_prompt_tokens, with their source indices and token ids; longer ones
@@ -533,7 +546,8 @@ class RolloutDataModule(L.LightningDataModule):
         Every rank calls it equally often (an empty batch keeps a rank in step with the others)."""
         req = EvalRequest([self.encode_prompt(e[1]) for e in examples], [e[2] for e in examples],
                           [e[0] for e in examples], self.val_samples, self.val_sampling,
-                          prompt_texts=[e[1] for e in examples], columns=[e[3] if len(e) > 3 else {} for e in examples])
+                          prompt_texts=[prompt_text(e[1]) for e in examples],
+                          columns=[e[3] if len(e) > 3 else {} for e in examples])
         rid = self.executor.submit("evaluate", req)
 
         def attempt():

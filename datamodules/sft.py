@@ -12,7 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_ess.knobs import check
 
-from .prompts import Arithmetic, PromptSource, encode_prompt
+from lit_ess.chat import ChatFormat, check_format
+
+from .prompts import Arithmetic, PromptSource, check_chat, encode_prompt
 
 
 class _Pairs(Dataset):
@@ -32,25 +34,29 @@ class SFTDataModule(L.LightningDataModule):
     Args:
         model_path: tokenizer folder (linked from the model by the CLI).
         source: prompt source whose answers are the targets.
+        chat: how prompts are rendered (lit_ess.chat.ChatFormat), as RolloutDataModule's `chat`: give both
+            the same, so the warm start trains on the inputs RL samples from.
         batch_size: pairs per step, >= 1.
         label_noise: fraction of targets replaced by a wrong answer (another example's), in [0, 1), to make
             a deliberately imperfect warm start that RL can improve on (0 = none).
         seed: shuffling and label noise (an integer >= 0).
     """
 
-    def __init__(self, model_path: str = "", source: PromptSource | None = None, batch_size: int = 64,
-                 label_noise: float = 0.0, seed: int = 0):
+    def __init__(self, model_path: str = "", source: PromptSource | None = None, chat: ChatFormat = ChatFormat(),
+                 batch_size: int = 64, label_noise: float = 0.0, seed: int = 0):
         super().__init__()
+        check_format(chat)
         check("data.batch_size", batch_size, ge=1, integer=True)
         check("data.label_noise", label_noise, ge=0, lt=1)
         check("data.seed", seed, ge=0, integer=True)
         self.model_path, self.source = model_path, source if source is not None else Arithmetic()
-        self.batch_size, self.label_noise, self.seed = batch_size, label_noise, seed
+        self.batch_size, self.label_noise, self.seed, self.chat = batch_size, label_noise, seed, chat
 
     def setup(self, stage: str) -> None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(self.model_path)
+        check_chat(tok, self.chat, [self.source])
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         rng = random.Random(self.seed)
         items = []
@@ -58,7 +64,7 @@ class SFTDataModule(L.LightningDataModule):
             answer = ex.answer
             if self.label_noise and rng.random() < self.label_noise:
                 answer = rng.choice(self.source.examples).answer
-            p = encode_prompt(tok, ex.prompt)            # exactly the ids RL will prompt with
+            p = encode_prompt(tok, ex.prompt, self.chat)            # exactly the ids RL will prompt with
             a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             items.append((p, a))
         self.items = items

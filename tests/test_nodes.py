@@ -113,3 +113,45 @@ def test_kill_9_of_node_1_stops_node_0_with_one_line_and_the_run_resumes_exactly
             assert resumed[step] == pytest.approx(v, rel=1e-5, abs=1e-6), (key, step)
     w1, w2 = exported(out / "export"), exported(ref / "export")
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+
+SERVER = {"class_path": "lit_ess.engines.VLLMServerConfig", "init_args": {"max_model_len": 256, "heartbeat_seconds": None}}
+
+
+@pytest.mark.parametrize("placement", ["colocated", "dedicated"])
+def test_two_nodes_async(tiny_model_dir, tmp_path, placement):
+    """Async S = 1 on two torchrun nodes, FSDP2: each node's rank with its own worker process and hf engine
+    (colocated), or one vLLM server that node 0's rank launches and both nodes' workers share, node 0 alone
+    pushing the weights (dedicated). Both launchers exit 0, the lag stays within the bound, both ranks train
+    different prompts, and no process of either node is left."""
+    import re
+    import time
+
+    from e2e_utils import session_processes
+    from test_dist import _records
+
+    log = tmp_path / "server.log"
+    engine = ENGINE if placement == "colocated" else \
+        {**SERVER, "init_args": {**SERVER["init_args"], "log_file": str(log)}}
+    data = {"engine": engine, "mode": "async", "placement": placement, "max_staleness": 1, "worker_timeout": 300}
+    cfg = rl_config(tiny_model_dir, tmp_path, prompts=8, samples=4, max_steps=3, extra_data=data)
+    cfg["trainer"]["devices"] = 2
+    cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
+                                  "init_args": {"data_parallel_size": 2, "tensor_parallel_size": 1}}
+    cfg["trainer"]["callbacks"] += [{"class_path": "lit_ess.callbacks.FSDP2"},
+                                    {"class_path": "e2e_utils.RecordPrompts", "init_args": {"path": str(tmp_path / "prompts.jsonl")}}]
+    cfg = write_config(cfg, tmp_path / "config.yaml")
+    procs = torchrun_nodes(cfg, tmp_path)
+    codes = [p.wait(timeout=900) for p in procs]
+    assert codes == [0, 0], [(tmp_path / f"node{r}.txt").read_text()[-3000:] for r in (0, 1)]
+    time.sleep(1)
+    assert session_processes(procs[0].pid) == [] and session_processes(procs[1].pid) == []
+    got = scalars(tmp_path)
+    assert len(got["train/loss"]) == 3 and max(v for _, v in got["train/policy_lag_max"]) <= 1
+    r0, r1 = _records(tmp_path / "prompts.jsonl"), _records(tmp_path / "prompts.jsonl.rank1")
+    for a, b in zip(r0, r1, strict=True):
+        assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both nodes trained the same prompt"
+    if placement == "dedicated":                  # one server: the label set once, then one reload per push
+        text = log.read_text()
+        assert len(re.findall(r"POST /update_weight_version", text)) >= 2
+        assert len(re.findall(r"Uvicorn running on|Started server process", text)) == 1

@@ -41,9 +41,9 @@ class EnvError(RewardError):
 @dataclass(frozen=True)
 class Example:
     """A prompt-source example, what an environment starts an episode from (lit_ess.datamodules.prompts
-    re-exports it: prompt sources make them). `columns`: the dataset row's fields, which a reward may
-    take by name (lit_ess.rewards.bind)."""
-    prompt: str
+    re-exports it: prompt sources make them). `prompt` is text, or chat messages (lit_ess.chat).
+    `columns`: the dataset row's fields, which a reward may take by name (lit_ess.rewards.bind)."""
+    prompt: str | list[Message]
     answer: str
     columns: dict = field(default_factory=dict)
 

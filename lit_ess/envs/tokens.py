@@ -20,15 +20,30 @@ would not be the one it is served later.
 """
 from __future__ import annotations
 
+from lit_ess.chat import ChatFormat, Prompt
+
 from .base import EnvError, Message, Observation
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt, the same for the RL rollouts and the SFT warm start: the chat template
-    (user turn + generation prompt) when the tokenizer has one, else the plain text after a bos."""
-    if getattr(tokenizer, "chat_template", None):
-        return render_chat(tokenizer, [{"role": "user", "content": text}], generation=True)
-    return encode_text(tokenizer, text)
+def encode_prompt(tokenizer, prompt: Prompt, chat: ChatFormat = ChatFormat()) -> list[int]:
+    """Token ids of a prompt (text, or chat messages), the same for the RL rollouts and the SFT warm start:
+    the chat template (the conversation of `chat.messages` + the generation prompt) when the tokenizer has
+    one and `chat.use_template`, else the plain text after a bos (lit_ess.chat)."""
+    if getattr(tokenizer, "chat_template", None) and chat.use_template:
+        return render_chat(tokenizer, chat.messages(prompt), generation=True, **chat.chat_template_kwargs)
+    if not isinstance(prompt, str):
+        raise ValueError(no_template(tokenizer, chat, "the prompts are chat messages"))
+    if knob := chat.needs_template():
+        raise ValueError(no_template(tokenizer, chat, f"data.chat.{knob} is set"))
+    return encode_text(tokenizer, prompt)
+
+
+def no_template(tokenizer, chat: ChatFormat, what: str) -> str:
+    """One line: why `what` cannot be rendered without a chat template, naming the model, and the fix."""
+    if not chat.use_template:
+        return f"{what}, but data.chat.use_template is false: set it to true to render them with the chat template"
+    return (f"{what}, but the model {tokenizer.name_or_path!r} has no chat template: use a chat model (e.g. an "
+            f"-Instruct checkpoint) or set tokenizer.chat_template in its tokenizer_config.json, or give text prompts")
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -39,12 +54,15 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(ids)
 
 
-def render_chat(tokenizer, messages: list[Message], generation: bool, tools: list[dict] | None = None) -> list[int]:
+def render_chat(tokenizer, messages: list[Message], generation: bool, tools: list[dict] | None = None,
+                **template_kwargs) -> list[int]:
     """Token ids of `messages` in the tokenizer's chat template (+ the generation prompt); `tools` the
-    OpenAI tool schemas the template renders, if any. A template that refuses them (its raise_exception, e.g.
-    roles out of order) is a TemplateError of one line."""
+    OpenAI tool schemas the template renders, if any; `template_kwargs` variables for the template
+    (ChatFormat.chat_template_kwargs). A template that refuses them (its raise_exception, e.g. roles out
+    of order) is a TemplateError of one line."""
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, tools=tools)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=True, tools=tools,
+                                            **template_kwargs)
     except Exception as e:
         roles = ", ".join(str(m.get("role")) for m in messages)
         raise TemplateError(f"the chat template refuses the messages of roles [{roles}]: {type(e).__name__}: "
