@@ -199,6 +199,23 @@ EXPERIMENTS = {e.name: e for e in [
         # an episode is up to 3 engine calls and a longer row to train: 8 prompts x 8 samples, 32 steps
         # keep the 27 runs within about an hour on the 2 shared cores
         size={"steps": 32, "prompts": 8, "val_every": 8}),
+    # Where P3O breaks (issue 39): the cells where it falls below GRPO (eps 0.2) at the page's 8 seeds, run
+    # again with the same configs to log where each objective's gradient goes (lit_ess/gradient_profile.py):
+    # the KL term's share of dL/dlp and its cosine with the policy gradient's, the step's size against a
+    # plain policy gradient, the gradient on tokens with rho < 1/2 and > 2, the capped fraction, and the
+    # policy's -log p of its samples. What goes wrong first?
+    Experiment(
+        "mechanism_stress", "Where P3O breaks: staleness S, per-step traces",
+        "stress_s's cells at the high learning rate where P3O falls below GRPO (eps 0.2), S = 8 and 24, "
+        "traced step by step: what goes wrong first?",
+        [Cell(f"{m}_S{s}", {**METHODS[m], "model.init_args.lr": HIGH_LR, S: s}, m, s)
+         for s in (8, 24) for m in ("p3o", "grpo_eps0.2")], axis="staleness S"),
+    Experiment(
+        "mechanism_multiturn", "Where P3O breaks: multi-turn, per-step traces",
+        "The multi-turn cells where P3O falls below GRPO (eps 0.2), S = 4 and 8, traced step by step.",
+        [Cell(f"{m}_S{s}", {**METHODS[m], S: s}, m, s) for s in (4, 8) for m in ("p3o", "grpo_eps0.2")],
+        common={"data.init_args.env": MULTITURN_ENV}, axis="staleness S",
+        size={"steps": 32, "prompts": 8, "val_every": 8}),
     Experiment(
         "inflight", "In-flight weight updates on vLLM's server, staleness S = 2",
         "Async rollouts on a vLLM server that each run launches, the trainer pushing after every step: pushes "
