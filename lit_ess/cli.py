@@ -14,8 +14,8 @@ typed configs too. `model_path` is linked from the model to the data module. The
 (lit_ess.callbacks.ModelSummary).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
-traceback). Unsupported forms in the user's config files or command line are refused before
-parsing, with the form to write instead (lit_ess/config_check.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
+traceback). An objective or engine lit-ess does not have, and a config file that is not YAML, are
+refused before parsing, naming the file and the key (lit_ess/config_check.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
 
 Checkpoints are written atomically and `--ckpt_path last` resumes from the newest readable one,
 saying so in one line when it passes over a torn one (lit_ess/checkpoint.py).
@@ -76,8 +76,6 @@ from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
 
-# the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
-MOVED = {"callbacks": lit_ess.callbacks.__all__, "datamodules": lit_ess.datamodules.__all__}
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
 set_parsing_settings(subclasses_enabled=[Objective, EngineConfig])
 
@@ -346,9 +344,9 @@ def _dead_peer(error: BaseException) -> str | None:
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _stop_on_sigterm()
-    legacy = check_inputs(sys.argv[1:] if args is None else args, MOVED)
-    if legacy:                  # found in the user's own text: there is no traceback to show
-        _fail(legacy, traceback=False)
+    unreadable = check_inputs(sys.argv[1:] if args is None else args)
+    if unreadable:              # found in the user's own text: there is no traceback to show
+        _fail(unreadable, traceback=False)
     try:
         LitESSCLI(None, None, subclass_mode_model=True, subclass_mode_data=True, parser_class=_Parser,
                   save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
