@@ -37,6 +37,15 @@ def check_inputs(args: list[str]) -> str | None:
     return None
 
 
+def read_inputs(args: list[str]) -> list[tuple[str, object]]:
+    """(dotted key, value) of each command-line option, and ("", content) of each --config file, as
+    `check_inputs` reads them (a file that is not YAML: its text)."""
+    try:
+        return [(key, value) for _, key, value in _inputs(args)]
+    except ConfigSyntaxError:
+        return []
+
+
 class ConfigSyntaxError(ValueError):
     """A config file that is not YAML: its file, line and cause (`_config_file`)."""
 
