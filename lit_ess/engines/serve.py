@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))           # SIGTERM stops the server as Ctrl-C does
     wildcard = args.host in ("0.0.0.0", "::", "")
     url = f"http://{socket.gethostname() if wildcard else args.host}:{args.port}"     # what other machines name
-    print(f"starting vLLM for {args.model} (log: {server.log_file})", flush=True)
     try:
         seconds = server.wait_ready(args.startup_timeout)
         guarded = f"clients send ${TOKEN_ENV}; " if os.environ.get(TOKEN_ENV) else ""

@@ -347,6 +347,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
 
 
+STARTUP_PROGRESS_S = 15.0      # a console line every this many seconds while a launched server starts
+
+
 def launch(model_path: str, c: VLLMServerConfig, host: str, port: int, log_file: str | None,
            serve: bool = False) -> LaunchedServer:
     """Launch a server for `model_path` on `host`:`port` (vLLM's last --host in `c.server_args` wins) once it
@@ -391,6 +394,7 @@ class LaunchedServer:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, preexec_fn=_die_with_parent)
         atexit.register(self.stop)
+        print(f"lit-ess: starting a vLLM server at {self.url} (log: {self.log_file})", file=sys.stderr, flush=True)
 
     def wait_ready(self, timeout: float) -> float:
         """Seconds until GET /health answers 200 (with this server's id, when it has one); one-line errors if
@@ -399,8 +403,12 @@ class LaunchedServer:
         import urllib.parse
         import urllib.request
 
-        t0 = time.perf_counter()
+        t0 = said = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
+            if time.perf_counter() - said >= STARTUP_PROGRESS_S:      # the console: still waiting, and how long
+                said = time.perf_counter()
+                print(f"lit-ess: waiting for the vLLM server at {self.url}: {said - t0:.0f} s "
+                      f"(engine.startup_timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
             if (rc := self.proc.poll()) is not None:
                 raise RuntimeError(f"the vLLM server for {self.url} exited with code {rc} during start-up: "
                                    f"{self.last_line()!r} (log: {self.log_file})")
@@ -523,7 +531,8 @@ class VLLMServerEngine(RolloutEngine):
                 port = c.port if c.port is not None else free_port()
                 self.server = launch(model_path, c, "127.0.0.1", port, c.log_file)
                 self.urls = [self.server.url]
-                self.server.wait_ready(c.startup_timeout)
+                seconds = self.server.wait_ready(c.startup_timeout)
+                print(f"lit-ess: vLLM server ready at {self.server.url} after {seconds:.0f} s", file=sys.stderr, flush=True)
             self.outstanding = {u: 0 for u in self.urls}
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
