@@ -586,23 +586,16 @@ class RolloutDataModule(L.LightningDataModule):
         }
 
     def _load_local_state(self, state: dict) -> None:
-        if "buffer" not in state:
-            raise ValueError("this checkpoint's rollout state has no rollout buffer, which resuming needs; "
-                             "start a new run from its weights")
-        if state.get("placement") == "dedicated":
-            raise ValueError("this checkpoint's rollouts were made by the dedicated worker of earlier lit-ess releases, "
-                             "in which rank 0 planned every rank's phases: this release cannot continue them; start a "
-                             "new run from the checkpoint's weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
-        self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
-        self.reward_counters = state.get("reward_counters") or {}
+        self.skipped_long_prompts = state["skipped_long_prompts"]
+        self.reward_counters = state["reward_counters"]
         if self.executor is not None:
             self.executor.restore(self.reward_counters)
-        self.resume_offset = state.get("epoch_offset", 0)
+        self.resume_offset = state["epoch_offset"]
 
 
 def common_columns(examples: list[Example]) -> list[str]:

@@ -118,6 +118,13 @@ RULES: dict[str, str | PooledStd] = {
     "train/clip_ratio_low": TOKEN_MEAN,
     "train/clip_ratio_high": TOKEN_MEAN,
     "train/behavior_capped_frac": TOKEN_MEAN,
+    "train/grad_scale": TOKEN_MEAN,            # lit_ess/gradient_profile.py: each part's ratio or share,
+    "train/grad_share_rho_lo": TOKEN_MEAN,     # token-weighted over the parts (not weighted by gradient mass)
+    "train/grad_share_rho_hi": TOKEN_MEAN,
+    "train/grad_share_neg_adv": TOKEN_MEAN,
+    "train/kl_grad_share": TOKEN_MEAN,         # P3O: the (1 - e_B) KL term's share of dL/dlp, and its cosine
+    "train/kl_grad_cos": TOKEN_MEAN,           # with the policy-gradient term's
+    "train/sample_nll": TOKEN_MEAN,            # -lp of the sampled tokens (the entropy when on-policy)
     "train/is_weight_mean": TOKEN_MEAN,        # ISCorrection (objective.correction)
     "train/is_outside_frac": TOKEN_MEAN,
     # lit_ess/module.py: the optimizer step

@@ -62,7 +62,6 @@ DOCUMENTED = {
     ("StepProgressBar", "refresh_rate", 0): "(0 = off)",
     ("ModelSummary", "max_depth", 0): "(0 = no table, -1 = every depth)",
     ("ModelSummary", "max_depth", -1): "(0 = no table, -1 = every depth)",
-    ("WeightSync", "every_n_steps", None): "every_n_steps: not used",
     ("Objective", "entropy_coef", 0): "(0 = off)",
     ("Objective", "ref_kl_coef", 0): "(0 = off;",
     ("Objective", "norm_len", None): "None = the rollout's max_new_tokens",
