@@ -78,6 +78,7 @@ from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, not_offered, parser_kwargs, wrap_up  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
+from lit_ess.rewards import add_search_folders  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
 
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
@@ -370,11 +371,19 @@ def _dead_peer(error: BaseException) -> str | None:
     return f"{dead[0]} died: this rank stops ({type(error).__name__}: {said[:200]})" if dead else None
 
 
+def _config_folders(argv: list[str]) -> list[str]:
+    """The folders of the config files named on the command line (--config F, --config=F, -c F)."""
+    paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return [os.path.dirname(os.path.abspath(p)) for p in paths]
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _stop_on_sigterm()
     argv = sys.argv[1:] if args is None else args
     unreadable = check_inputs(argv) or not_offered(argv)
+    add_search_folders([*_config_folders(argv), os.getcwd()])     # `my_reward.score` beside the config imports
     if unreadable:              # found in the user's own text: there is no traceback to show
         _fail(unreadable, traceback=False)
     _Parser.args = argv

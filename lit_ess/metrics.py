@@ -138,6 +138,7 @@ RULES: dict[str, str | PooledStd] = {
     "train/ess_alarms": SAME,                  # cumulative; decided on the reduced ESS and lag (lit_ess/health.py)
     # lit_ess/rollout/worker.py: statistics of a rollout phase, each rank over its own rows
     "rollout/reward_mean": RANK_MEAN,
+    "train/reward/NAME": RANK_MEAN,            # each reward of a weighted list (data.reward), unweighted
     "rollout/reward_std": PooledStd(mean="rollout/reward_mean", rows="rollout/rows"),
     "rollout/rows": SUM,
     "rollout/response_len": RANK_MEAN,
@@ -189,7 +190,7 @@ RULES: dict[str, str | PooledStd] = {
 
 def rule(key: str) -> str | PooledStd:
     """The rule of a logged key (`val/pass@3` -> `val/pass@k`); raises KeyError naming the table."""
-    name = re.sub(r"@\d+$", "@k", key)
+    name = re.sub(r"^train/reward/.+$", "train/reward/NAME", re.sub(r"@\d+$", "@k", key))
     if name not in RULES:
         raise KeyError(f"metric {key!r} has no rule in lit_ess.metrics.RULES: declare how it combines over "
                        f"micro-batches and ranks (sum, token_mean, rank_mean, min, max, ...)")
