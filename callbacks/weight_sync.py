@@ -20,18 +20,9 @@ from lit_ess.rollout import RolloutData
 
 class WeightSync(L.Callback):
     """Pushes `pl_module.policy_weights()` (gathered tensor by tensor on every rank under FSDP2) to the data
-    side; logs `perf/weight_sync_seconds` on the step axis.
+    side; logs `perf/weight_sync_seconds` on the step axis."""
 
-    Args:
-        every_n_steps: not used (weights are pushed when the engine generates next); 1 is accepted,
-            any other value stops with a message that says what to use.
-    """
-
-    def __init__(self, every_n_steps: int | None = None):
-        if every_n_steps not in (None, 1):
-            raise ValueError(f"WeightSync.every_n_steps={every_n_steps} is gone: weights reach the engine "
-                             f"whenever it generates next. For deliberately stale data set "
-                             f"data.steps_per_rollout, or data.mode: async with data.max_staleness")
+    def __init__(self):
         self.pushes = 0
         self.last_seconds = 0.0
 

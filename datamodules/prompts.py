@@ -221,7 +221,7 @@ class HFPrompts(PromptSource):
                 self.skipped += 1
                 self.skip_reasons[problem] = self.skip_reasons.get(problem, 0) + 1
                 continue
-            self.examples.append(example)
+            self.examples.append(Example(example.prompt, example.answer, dict(row)))    # columns: for rewards
             if limit is not None and len(self.examples) >= limit:
                 break
         if columns is None:

@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig, VLLMServerConfig
 from lit_ess.envs import EnvConfig
-from lit_ess.rewards import resolve_reward
+from lit_ess.rewards import Reward, RewardScorer, as_rewards
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutConsumer,
@@ -133,9 +133,14 @@ class RolloutDataModule(L.LightningDataModule):
             without a system message, `chat_template_kwargs` for the template (e.g. {enable_thinking:
             false}), or `use_template: false` for plain-text prompts. The same for source and val_source.
             With `env`, the environment renders its own prompts: the default only.
-        reward: "exact_match", "gsm8k", "math_verify" or "module:function" (checked at start: it must
-            import and be callable as f(completion, answer)). With `env`, the environment gives the
-            training rewards and `reward` scores the held-out prompts (one turn each).
+        reward: "exact_match", "gsm8k", "math_verify", "module:function" or "module.function" (a module
+            beside the config or in the working directory), or a list of lit_ess.rewards.Reward
+            ({fn, weight, name}): the total is their weighted sum, each one logged as train/reward/NAME.
+            A reward takes by parameter name `prompt`, `completion`, `answer` and any column of the
+            dataset row (checked at start against the source's columns); one declared with
+            @lit_ess.rewards.batched scores the phase at once (lists in, a list out); either may be
+            `async def` (docs/rewards.md). With `env`, the environment gives the training rewards and
+            `reward` scores the held-out prompts (one turn each).
         env: multi-turn rollouts (lit_ess.envs.EnvConfig): each sample is an episode of this environment
             (e.g. {env: retry_arithmetic, kwargs: {max_tries: 3}, max_turns: 3}) in which the policy and
             the environment take turns, token in, token out; the environment's tokens are context with
@@ -205,7 +210,7 @@ class RolloutDataModule(L.LightningDataModule):
         engine: EngineConfig = VLLMConfig(),
         sampling: SamplingConfig = SamplingConfig(seed=0),
         chat: ChatFormat = ChatFormat(),
-        reward: str = "exact_match",
+        reward: str | list[Reward] = "exact_match",
         reward_timeout: float = 5.0,
         max_reward_error_rate: float = 0.5,
         reward_in_worker: bool | None = None,
@@ -242,7 +247,11 @@ class RolloutDataModule(L.LightningDataModule):
         if samples_per_prompt == 1:
             raise ValueError(f"samples_per_prompt=1: the group advantage (advantage: {advantage}) of a group of one "
                              f"sample is always 0, so nothing would be learned; use samples_per_prompt >= 2")
-        resolve_reward(reward)                        # a typo or a non-function fails now, not after the engine starts
+        self.source = source if source is not None else Arithmetic()
+        reward = as_rewards(reward) if isinstance(reward, list) else reward
+        for src in (self.source, val_source):     # a typo, a non-function or an unknown column fails now
+            if src is not None:
+                RewardScorer(reward, columns=common_columns(src.examples)).close()
         if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
             raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
                              f"{samples_per_prompt} rows of a rollout")
@@ -267,7 +276,6 @@ class RolloutDataModule(L.LightningDataModule):
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
         self.model_path = model_path
-        self.source = source if source is not None else Arithmetic()
         if env is not None and (chat != ChatFormat() or any(isinstance(e.prompt, list) for e in self.source.examples)):
             raise ValueError("env: an environment starts its episodes from text prompts and renders them itself; "
                              "chat prompts and data.chat settings apply to single-turn rollouts (env: null)")
@@ -291,7 +299,8 @@ class RolloutDataModule(L.LightningDataModule):
             "engine": engine.hparams(), "sampling": asdict(sampling), "chat": asdict(chat), "mode": mode, "placement": placement,
             "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
-            "samples_per_prompt": samples_per_prompt, "reward": reward, "advantage": advantage,
+            "samples_per_prompt": samples_per_prompt, "advantage": advantage,
+            "reward": reward if isinstance(reward, str) else [asdict(r) for r in reward],
             "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__,
             "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None,
             "env": asdict(env) if env is not None else None})
@@ -374,7 +383,7 @@ class RolloutDataModule(L.LightningDataModule):
     def val_dataloader(self):
         if self.val_source is None:
             return []
-        ex = [(i, e.prompt, e.answer) for i, e in enumerate(self.val_source.examples)]
+        ex = [(i, e.prompt, e.answer, e.columns) for i, e in enumerate(self.val_source.examples)]
         return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
                           collate_fn=_identity)
 
@@ -488,7 +497,8 @@ class RolloutDataModule(L.LightningDataModule):
             mine = range(self.rank, len(idx), self.world)
             self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                                                   [prompt_text(examples[i].prompt) for i in mine],
-                                                  [examples[i].answer for i in mine], prompt_keys=list(mine))
+                                                  [examples[i].answer for i in mine], prompt_keys=list(mine),
+                                                  columns=[examples[i].columns for i in mine])
             self.next_plan += 1
         return self.requests[phase]
 
@@ -530,12 +540,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate(self, examples: list[tuple[int, Prompt, str]]) -> dict[str, torch.Tensor]:
-        """`val_samples` samples per held-out (index, prompt, answer) with `val_sampling` (default: the
+    def evaluate(self, examples: list[tuple]) -> dict[str, torch.Tensor]:
+        """`val_samples` samples per held-out (index, prompt, answer[, columns]) with `val_sampling` (default: the
         training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`.
         Every rank calls it equally often (an empty batch keeps a rank in step with the others)."""
-        req = EvalRequest([self.encode_prompt(p) for _, p, _ in examples], [a for _, _, a in examples],
-                          [i for i, _, _ in examples], self.val_samples, self.val_sampling)
+        req = EvalRequest([self.encode_prompt(e[1]) for e in examples], [e[2] for e in examples],
+                          [e[0] for e in examples], self.val_samples, self.val_sampling,
+                          prompt_texts=[prompt_text(e[1]) for e in examples],
+                          columns=[e[3] if len(e) > 3 else {} for e in examples])
         rid = self.executor.submit("evaluate", req)
 
         def attempt():
@@ -574,23 +586,24 @@ class RolloutDataModule(L.LightningDataModule):
         }
 
     def _load_local_state(self, state: dict) -> None:
-        if "buffer" not in state:
-            raise ValueError("this checkpoint's rollout state has no rollout buffer, which resuming needs; "
-                             "start a new run from its weights")
-        if state.get("placement") == "dedicated":
-            raise ValueError("this checkpoint's rollouts were made by the dedicated worker of earlier lit-ess releases, "
-                             "in which rank 0 planned every rank's phases: this release cannot continue them; start a "
-                             "new run from the checkpoint's weights")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
-        self.skipped_long_prompts = state.get("skipped_long_prompts", 0)
-        self.reward_counters = state.get("reward_counters") or {}
+        self.skipped_long_prompts = state["skipped_long_prompts"]
+        self.reward_counters = state["reward_counters"]
         if self.executor is not None:
             self.executor.restore(self.reward_counters)
-        self.resume_offset = state.get("epoch_offset", 0)
+        self.resume_offset = state["epoch_offset"]
+
+
+def common_columns(examples: list[Example]) -> list[str]:
+    """The columns every example's row has (in the first row's order): those a reward may take by name."""
+    if not examples:
+        return []
+    shared = set(examples[0].columns).intersection(*(e.columns for e in examples[1:]))
+    return [c for c in examples[0].columns if c in shared]
 
 
 def _with_changes(sampling: SamplingConfig, changes: dict, knob: str) -> SamplingConfig:

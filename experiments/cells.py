@@ -45,6 +45,8 @@ class Experiment:
     axis: str | None = None           # stress experiments: the level's name (x axis of the plot)
     batch_per_step: bool = False      # prompts_per_rollout = scale.prompts x k: the same rows per step at every k
     size: dict = field(default_factory=dict)     # Scale fields capped for this experiment (its runs cost more per step)
+    traces: tuple = ()                # (tag, label) pairs: a trace experiment plots these per step and tests no
+                                      # difference (its cells are run and tested in other experiments)
 
     def sized(self, scale: "Scale") -> "Scale":
         """The scale this experiment runs at: `scale` with each field in `size` at most that value (so
@@ -125,6 +127,15 @@ def stress(axis: str) -> list[Cell]:
     return cells
 
 
+# The mechanism experiments' per-step traces (lit_ess/gradient_profile.py and the objectives' metrics)
+TRACES = (("train/policy_lag", "lag of the step's rows"), ("train/kl_behavior", "KL(pi || pi_b), k3 per token"),
+          ("train/grad_norm", "gradient norm"), ("train/grad_scale", "|dL/dlp| / a plain policy gradient's"),
+          ("train/kl_grad_share", "P3O: KL term's share of |dL/dlp|"),
+          ("train/kl_grad_cos", "P3O: cos(policy-gradient term, KL term)"),
+          ("train/grad_share_rho_lo", "share of |dL/dlp| on rho < 1/2"),
+          ("train/grad_share_rho_hi", "share of |dL/dlp| on rho > 2"),
+          ("train/capped_frac", "P3O: tokens capped (rho > e_B)"), ("train/sample_nll", "-log p of the samples"))
+
 EXPERIMENTS = {e.name: e for e in [
     Experiment(
         "clip", "Clip sensitivity, off-policy (4 steps per rollout)",
@@ -198,6 +209,23 @@ EXPERIMENTS = {e.name: e for e in [
         common={"data.init_args.env": MULTITURN_ENV}, axis="staleness S",
         # an episode is up to 3 engine calls and a longer row to train: 8 prompts x 8 samples, 32 steps
         # keep the 27 runs within about an hour on the 2 shared cores
+        size={"steps": 32, "prompts": 8, "val_every": 8}),
+    # Where P3O breaks (issue 39): the cells where it falls below GRPO (eps 0.2) at the page's 8 seeds, run
+    # again with the same configs to log where each objective's gradient goes (lit_ess/gradient_profile.py):
+    # the KL term's share of dL/dlp and its cosine with the policy gradient's, the step's size against a
+    # plain policy gradient, the gradient on tokens with rho < 1/2 and > 2, the capped fraction, and the
+    # policy's -log p of its samples. What goes wrong first?
+    Experiment(
+        "mechanism_stress", "Where P3O breaks: staleness S, per-step traces",
+        "stress_s's cells at the high learning rate where P3O falls below GRPO (eps 0.2), S = 8 and 24, "
+        "traced step by step: what goes wrong first?",
+        [Cell(f"{m}_S{s}", {**METHODS[m], "model.init_args.lr": HIGH_LR, S: s}, m, s)
+         for s in (8, 24) for m in ("p3o", "grpo_eps0.2")], traces=TRACES),
+    Experiment(
+        "mechanism_multiturn", "Where P3O breaks: multi-turn, per-step traces",
+        "The multi-turn cells where P3O falls below GRPO (eps 0.2), S = 4 and 8, traced step by step.",
+        [Cell(f"{m}_S{s}", {**METHODS[m], S: s}, m, s) for s in (4, 8) for m in ("p3o", "grpo_eps0.2")],
+        common={"data.init_args.env": MULTITURN_ENV}, traces=TRACES,
         size={"steps": 32, "prompts": 8, "val_every": 8}),
     Experiment(
         "inflight", "In-flight weight updates on vLLM's server, staleness S = 2",

@@ -155,10 +155,18 @@ def _pyplot():
 
 
 def plot(exp, runs_by_cell: dict[str, list[dict]], base: float, path: Path) -> None:
+    """The curves (and a trace experiment's traces) against the step: each cell's mean over seeds, its
+    seeds' min..max shaded; up to 4 panels a row."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(5 * len(CURVES) + 2.5, 3.8))
+    curves = [*CURVES, *exp.traces]
+    cols = min(len(curves), 4)
+    rows = math.ceil(len(curves) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols + 2.5, 3.8 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(curves):]:
+        ax.set_visible(False)
     colors = {cell: plt.cm.tab20(i % 20) for i, cell in enumerate(runs_by_cell)}   # distinct up to 20 cells
-    for ax, (tag, label) in zip(axes, CURVES):
+    for ax, (tag, label) in zip(axes, curves):
         for cell, runs in runs_by_cell.items():
             series = [dict(r.get(tag, [])) for r in runs]
             if tag == "val/pass@1":                    # step 0: the warm start (held out at T = 1.0)
@@ -177,7 +185,7 @@ def plot(exp, runs_by_cell: dict[str, list[dict]], base: float, path: Path) -> N
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.suptitle(exp.title, fontsize=11)
-    fig.tight_layout(rect=(0, 0, 1 - 2.5 / (5 * len(CURVES) + 2.5), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 2.5 / (5 * cols + 2.5), 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -280,7 +288,9 @@ PAIRS = {
 
 
 def pairs(name: str, exp) -> list[tuple[str, str]]:
-    """The pairs of cells whose difference the page tests."""
+    """The pairs of cells whose difference the page tests (none in a trace experiment)."""
+    if exp.traces:
+        return []
     labels = [c.label for c in exp.cells]
     if exp.axis:                 # a cell run in another experiment (`same_as`) is tested there
         by = {(cell_lr(c), c.level, c.method): c.label for c in exp.cells if c.same_as is None}
@@ -359,11 +369,33 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
     head += "rows of 2+ versions (+- std) | mean token lag (+- std) | " if mixing else ""
     head += "training reward, last 10% (+- std) | mean ESS (+- std) | collapsed [95% CI] |"
     lines = [f"![{name}]({png.relative_to(results)})", "", head, "|---" * head.count(" | ") + "|---|", *rows, ""]
+    if exp.traces:
+        lines += trace_table(exp, runs_by_cell)
     if (sentence := differences(name, exp, stats)):
         lines += [sentence, ""]
     if notes:
         lines += ["Collapsed or failed seeds, what their logs show:", "", *notes, ""]
     return lines
+
+
+def trace_table(exp, runs_by_cell: dict[str, list[dict]]) -> list[str]:
+    """A trace experiment's numbers behind its figure: each trace's mean over the seeds of its mean over the
+    first steps off-policy (steps 2-6: the lag grows to its bound) and over the last quarter of the steps."""
+    head = "| cell | " + " | ".join(label for _, label in exp.traces) + " |"
+    rows = []
+    for cell, runs in runs_by_cell.items():
+        last = max((t for r in runs for t, _ in r.get("train/ess", [])), default=0)
+        parts = []
+        for tag, _ in exp.traces:
+            cols = []
+            for lo, hi in ((2, 6), (last - last // 4 + 1, last)):
+                per_run = [statistics.mean(v for t, v in r[tag] if lo <= t <= hi) for r in runs
+                           if any(lo <= t <= hi for t, _ in r.get(tag, []))]
+                cols.append(f"{statistics.mean(per_run):.3g}" if per_run else "n/a")
+            parts.append(" / ".join(cols))
+        rows.append(f"| {cell} ({len(runs)} seeds) | " + " | ".join(parts) + " |")
+    return ["Each trace: mean over seeds of its mean over steps 2-6 / over the last quarter of the steps.", "",
+            head, "|---" * (len(exp.traces) + 1) + "|", *rows, ""]
 
 
 def breaking(by_level: dict[int, CellStats], levels: list[int], letter: str, seeds: int) -> tuple[str, int | None]:

@@ -60,7 +60,11 @@ SUMMARIES = ROOT / "experiments" / "results"
 KEEP = ("rollout/reward_mean", "val/pass@1", "val/pass@4", "train/ess", "train/ratio_max", "train/kl_behavior",
         "rollout/response_len", "train/grad_norm", "train/policy_lag", "train/policy_lag_max",
         "rollout/turns", "rollout/truncated_turns",     # multi-turn episodes (data.env)
-        "rollout/multi_version_frac", "train/token_lag")  # in-flight updates: rows of 2+ versions, mean token lag
+        "rollout/multi_version_frac", "train/token_lag",  # in-flight updates: rows of 2+ versions, mean token lag
+        # the mechanism experiment's traces (lit_ess/gradient_profile.py), kept wherever a run logs them
+        "train/capped_frac", "train/kl_term", "train/kl_grad_share", "train/kl_grad_cos", "train/grad_scale",
+        "train/grad_share_rho_lo", "train/grad_share_rho_hi", "train/grad_share_neg_adv", "train/sample_nll",
+        "train/ratio_p05", "train/ratio_p95")
 
 
 def lit_ess(args: list[str], log: Path, threads: int | None = None) -> subprocess.CompletedProcess:

@@ -14,8 +14,11 @@ typed configs too. `model_path` is linked from the model to the data module. The
 (lit_ess.callbacks.ModelSummary).
 
 A bad value prints one line that names it and exits with status 2 (LIT_ESS_TRACEBACK=1 for the
-traceback). Unsupported forms in the user's config files or command line are refused before
-parsing, with the form to write instead (lit_ess/config_check.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
+traceback). An objective or engine lit-ess does not have, and a config file that is not YAML, are
+refused before parsing, naming the file and the key (lit_ess/config_check.py). A mistyped key or
+subcommand gets "did you mean"; `lit-ess --help` and the top of `fit --help` are lit-ess's own, `test`
+and `predict` are not offered, and `fit` ends with where its checkpoint, export and logs went
+(lit_ess/guide.py). The console is quiet: LIT_ESS_VERBOSE=1 shows every library warning and log line.
 
 Checkpoints are written atomically and `--ckpt_path last` resumes from the newest readable one,
 saying so in one line when it passes over a torn one (lit_ess/checkpoint.py).
@@ -66,29 +69,32 @@ import lit_ess.sft  # noqa: E402,F401
 from lit_ess.callbacks import ModelSummary as LitESSModelSummary, StepProgressBar  # noqa: E402
 from lit_ess.checkpoint import (AtomicCheckpointIO, candidates, lock_folder, resolve_resume, resume_changes,  # noqa: E402
                                 saved_settings)
-from lit_ess.config_check import check_inputs  # noqa: E402
+from lit_ess.config_check import check_inputs, read_inputs  # noqa: E402
 from lit_ess.datamodules import RolloutDataModule  # noqa: E402
 from lit_ess.engines import EngineConfig, EngineFault  # noqa: E402
 from lit_ess.engines.vllm_server import SHARED_ADAPTERS  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
+from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, not_offered, parser_kwargs, wrap_up  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
+from lit_ess.rewards import add_search_folders  # noqa: E402
 from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
 
-# the folders callbacks/ and datamodules/ install as lit_ess.callbacks and lit_ess.datamodules
-MOVED = {"callbacks": lit_ess.callbacks.__all__, "datamodules": lit_ess.datamodules.__all__}
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
 set_parsing_settings(subclasses_enabled=[Objective, EngineConfig])
 
 
 class _Parser(LightningArgumentParser):
-    """Parse errors as one line that names the culprit, no usage block and no Namespace dump."""
+    """Parse errors as one line that names the culprit, no usage block and no Namespace dump; a mistyped
+    key or subcommand gets "did you mean" (lit_ess.guide), found from the user's inputs (`args`)."""
+
+    args: list[str] = []
 
     def error(self, message: str, ex: Exception | None = None):
         if os.environ.get("LIT_ESS_TRACEBACK"):
             return super().error(message, ex)
-        _fail(_explain(ex, message))
+        _fail(did_you_mean(_explain(ex, message), flat_inputs(read_inputs(_Parser.args))))
 
 
 def _explain(error: BaseException | None, message: str = "") -> str:
@@ -195,6 +201,18 @@ class _Requeue(Callback):
 
 
 class LitESSCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit and validate: the policy has no test or predict step (lit_ess.guide.NOT_OFFERED)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate")}
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        """Lightning's parser, with lit-ess's one-line summary of each subcommand in `lit-ess --help`."""
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        for action in self.parser._actions:
+            for choice in getattr(action, "_choices_actions", []):
+                choice.help = SUMMARY.get(choice.dest, choice.help)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.model_path", "data.init_args.model_path")
         parser.set_defaults({"trainer.max_epochs": -1,
@@ -263,6 +281,16 @@ class LitESSCLI(LightningCLI):
                 print(f"lit-ess: {notice}", file=sys.stderr)
         self._check_checkpoint(args.get("ckpt_path"), resuming=True)
         self._check_adapter_sync()
+
+    def after_fit(self) -> None:
+        """Where the run's checkpoint, exported model and logs went (lit_ess.guide.wrap_up), on rank 0; not
+        after Ctrl-C or SIGTERM, which _StopNotice reports."""
+        trainer = self.trainer
+        if not trainer.is_global_zero or trainer.interrupted:
+            return
+        dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        exports = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, lit_ess.callbacks.ExportHF)]
+        print(wrap_up(trainer, candidates(dirs, _hpc_checkpoints(trainer)), exports), file=sys.stderr, flush=True)
 
     def before_validate(self) -> None:
         self._check_checkpoint(self.config_init[self.subcommand].get("ckpt_path"), resuming=False)
@@ -343,15 +371,26 @@ def _dead_peer(error: BaseException) -> str | None:
     return f"{dead[0]} died: this rank stops ({type(error).__name__}: {said[:200]})" if dead else None
 
 
+def _config_folders(argv: list[str]) -> list[str]:
+    """The folders of the config files named on the command line (--config F, --config=F, -c F)."""
+    paths = [b for a, b in zip(argv, argv[1:]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return [os.path.dirname(os.path.abspath(p)) for p in paths]
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _stop_on_sigterm()
-    legacy = check_inputs(sys.argv[1:] if args is None else args, MOVED)
-    if legacy:                  # found in the user's own text: there is no traceback to show
-        _fail(legacy, traceback=False)
+    argv = sys.argv[1:] if args is None else args
+    unreadable = check_inputs(argv) or not_offered(argv)
+    add_search_folders([*_config_folders(argv), os.getcwd()])     # `my_reward.score` beside the config imports
+    if unreadable:              # found in the user's own text: there is no traceback to show
+        _fail(unreadable, traceback=False)
+    _Parser.args = argv
     try:
         LitESSCLI(None, None, subclass_mode_model=True, subclass_mode_data=True, parser_class=_Parser,
-                  save_config_kwargs={"overwrite": True}, args=args, auto_configure_optimizers=False)
+                  parser_kwargs=parser_kwargs(), save_config_kwargs={"overwrite": True}, args=args,
+                  auto_configure_optimizers=False)
     except (ValueError, FileNotFoundError, OSError) as e:   # bad config or input: one clear line, exit 2
         if os.environ.get("LIT_ESS_TRACEBACK"):
             raise

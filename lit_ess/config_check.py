@@ -1,18 +1,16 @@
-"""The user's own inputs, read before jsonargparse parses them: forms lit-ess does not read.
+"""The user's own inputs, read before jsonargparse parses them: objectives and engines that do not exist,
+and config files that are not YAML.
 
 `lit-ess` looks through the config files given with `--config` and the values given on the command line
-for string objectives/engines, `*_kwargs` keys and lit-ess class names that do not exist, and stops with
-one line that names the value and gives the form to write instead. jsonargparse would report these in
-its own terms ("Option 'objective_kwargs' is not accepted", "Expected a dot import path string: grpo"),
-or worse, run from a checkout's root, import the folders callbacks/ and datamodules/ under
-top-level names and go on with a second copy of every class. A config file that YAML cannot scan or parse
-is one line naming the file, the line and the cause (a tab in the indentation by name), where jsonargparse
-says `Problems parsing config: while scanning a plain scalar`.
+for an objective or engine named by a class lit-ess does not have (`objective: PPO9000`, `grpo`), and
+stops with one line that names the value and lists the classes there are; jsonargparse would say
+"Expected a dot import path string: grpo". A config file that YAML cannot scan or parse is one line
+naming the file, the line and the cause (a tab in the indentation by name), where jsonargparse says
+`Problems parsing config: while scanning a plain scalar`.
 """
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 
 import yaml
@@ -23,35 +21,29 @@ from lit_ess.objectives import OBJECTIVE_CLASSES
 # the fields that take a class of ours: their module and the classes it has
 FIELDS = {"objective": ("lit_ess.objectives", OBJECTIVE_CLASSES),
           "engine": ("lit_ess.engines", (VLLMConfig, VLLMServerConfig, HFConfig))}
-# objectives and engines named by string: the class each name stands for
-OLD_NAMES = {"objective": {"p3o": "P3O", "grpo": "GRPO", "dapo": "DAPO", "gspo": "GSPO", "cispo": "CISPO",
-                           "decoupled": "DecoupledPPO", "reinforce": "REINFORCE"},
-             "engine": {"vllm": "VLLMConfig", "hf": "HFConfig"}}
-GONE = {
-    "objective_kwargs": "give the objective as `objective: {class_path: lit_ess.objectives.GRPO, init_args: "
-                        "{clip_eps: 0.2}}` (or --model.init_args.objective GRPO)",
-    "engine_kwargs": "give the engine as `engine: {class_path: lit_ess.engines.VLLMConfig, init_args: "
-                     "{dtype: bfloat16, vllm_kwargs: {...}}}` (or HFConfig)",
-}
-DOTTED = re.compile(r"[A-Za-z_][\w.]*")
 
 
-def check_inputs(args: list[str], moved: dict[str, list[str]]) -> str | None:
-    """The first legacy form in the command line `args` or the config files they name, as one line that
-    says where it is and what to write instead; None when there is none.
-
-    moved: the classes of callbacks/ and datamodules/ (installed as lit_ess.callbacks and
-        lit_ess.datamodules) by folder; `callbacks.WeightSync` is refused, a class of the user's own
-        module named callbacks is not.
-    """
+def check_inputs(args: list[str]) -> str | None:
+    """The first unknown objective or engine in the command line `args` or the config files they name, or
+    the first config file that is not YAML, as one line that says where it is and what to write instead;
+    None when there is none."""
     try:
         for where, key, value in _inputs(args):
-            problem = _check(key, value, moved)
+            problem = _check(key, value)
             if problem:
                 return where + problem
     except ConfigSyntaxError as e:
         return str(e)
     return None
+
+
+def read_inputs(args: list[str]) -> list[tuple[str, object]]:
+    """(dotted key, value) of each command-line option, and ("", content) of each --config file, as
+    `check_inputs` reads them (a file that is not YAML: its text)."""
+    try:
+        return [(key, value) for _, key, value in _inputs(args)]
+    except ConfigSyntaxError:
+        return []
 
 
 class ConfigSyntaxError(ValueError):
@@ -112,7 +104,7 @@ def _yaml(text: str) -> object:
 
 # where lit-ess's own fields live (a key's parts without "init_args"): other keys of the same name (a
 # user's source with an `engine` argument, a logger's `objective`) are not ours to judge
-OURS = {("model", "objective"), ("model", "objective_kwargs"), ("data", "engine"), ("data", "engine_kwargs")}
+OURS = {("model", "objective"), ("data", "engine")}
 
 
 def _ours(key: str) -> bool:
@@ -122,43 +114,19 @@ def _ours(key: str) -> bool:
     return tuple(parts) in OURS
 
 
-def _our_folder(folder: str) -> bool:
-    """True when the top-level name `folder` is not importable, or is this checkout's own folder (run
-    from the repository root): then `callbacks.X` means lit-ess's class under its folder's name. A user's
-    own module named callbacks is left alone."""
-    import importlib.util
-    from pathlib import Path
-
-    try:
-        spec = importlib.util.find_spec(folder)
-    except (ImportError, ValueError):
-        return True
-    if spec is None or not spec.origin:
-        return True
-    return Path(spec.origin).resolve().parent == (Path(__file__).resolve().parents[1] / folder).resolve()
-
-
-def _check(key: str, value, moved: dict[str, list[str]]) -> str | None:
-    leaf = key.rpartition(".")[2].rstrip("+")
-    if leaf in GONE and _ours(key):
-        return f"{key} is gone: {GONE[leaf]}"
+def _check(key: str, value) -> str | None:
     if isinstance(value, dict):
-        return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v, moved) for k, v in value.items())), None)
+        return next(filter(None, (_check(f"{key}.{k}" if key else str(k), v) for k, v in value.items())), None)
     if isinstance(value, list):
-        return next(filter(None, (_check(f"{key}.{i}", v, moved) for i, v in enumerate(value))), None)
+        return next(filter(None, (_check(f"{key}.{i}", v) for i, v in enumerate(value))), None)
     if not isinstance(value, str):
         return None
-    folder, _, rest = value.partition(".")
-    if DOTTED.fullmatch(value) and rest.rpartition(".")[2] in moved.get(folder, ()) and _our_folder(folder):
-        return f"{key}: {value!r} moved; write 'lit_ess.{value}' (callbacks/ and datamodules/ are installed in lit_ess)"
+    leaf = key.rpartition(".")[2].rstrip("+")
     field = key.split(".")[-2] if leaf == "class_path" and "." in key else leaf
     if field not in FIELDS or not _ours(key):
         return None
     module, classes = FIELDS[field]
     names = [c.__name__ for c in classes]
-    if value in OLD_NAMES[field]:
-        return (f"{key}: {value!r} is the old string form; write "
-                f"`{field}: {{class_path: {module}.{OLD_NAMES[field][value]}}}`")
     mod, _, name = value.rpartition(".")
     if mod in ("", module) and name not in names and not os.path.exists(value):
         return (f"{key}: {value!r} is not a known {field}; choose one of {', '.join(names)} "

@@ -118,6 +118,13 @@ RULES: dict[str, str | PooledStd] = {
     "train/clip_ratio_low": TOKEN_MEAN,
     "train/clip_ratio_high": TOKEN_MEAN,
     "train/behavior_capped_frac": TOKEN_MEAN,
+    "train/grad_scale": TOKEN_MEAN,            # lit_ess/gradient_profile.py: each part's ratio or share,
+    "train/grad_share_rho_lo": TOKEN_MEAN,     # token-weighted over the parts (not weighted by gradient mass)
+    "train/grad_share_rho_hi": TOKEN_MEAN,
+    "train/grad_share_neg_adv": TOKEN_MEAN,
+    "train/kl_grad_share": TOKEN_MEAN,         # P3O: the (1 - e_B) KL term's share of dL/dlp, and its cosine
+    "train/kl_grad_cos": TOKEN_MEAN,           # with the policy-gradient term's
+    "train/sample_nll": TOKEN_MEAN,            # -lp of the sampled tokens (the entropy when on-policy)
     "train/is_weight_mean": TOKEN_MEAN,        # ISCorrection (objective.correction)
     "train/is_outside_frac": TOKEN_MEAN,
     # lit_ess/module.py: the optimizer step
@@ -131,6 +138,7 @@ RULES: dict[str, str | PooledStd] = {
     "train/ess_alarms": SAME,                  # cumulative; decided on the reduced ESS and lag (lit_ess/health.py)
     # lit_ess/rollout/worker.py: statistics of a rollout phase, each rank over its own rows
     "rollout/reward_mean": RANK_MEAN,
+    "train/reward/NAME": RANK_MEAN,            # each reward of a weighted list (data.reward), unweighted
     "rollout/reward_std": PooledStd(mean="rollout/reward_mean", rows="rollout/rows"),
     "rollout/rows": SUM,
     "rollout/response_len": RANK_MEAN,
@@ -182,7 +190,7 @@ RULES: dict[str, str | PooledStd] = {
 
 def rule(key: str) -> str | PooledStd:
     """The rule of a logged key (`val/pass@3` -> `val/pass@k`); raises KeyError naming the table."""
-    name = re.sub(r"@\d+$", "@k", key)
+    name = re.sub(r"^train/reward/.+$", "train/reward/NAME", re.sub(r"@\d+$", "@k", key))
     if name not in RULES:
         raise KeyError(f"metric {key!r} has no rule in lit_ess.metrics.RULES: declare how it combines over "
                        f"micro-batches and ranks (sum, token_mean, rank_mean, min, max, ...)")

@@ -49,6 +49,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from .gradient_profile import gradient_profile, term_shares, token_grad
 from .knobs import check
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -424,6 +425,10 @@ class Objective:
             return aggregate(x, valid, self.aggregation, num_tokens, num_seqs, norm_len)
 
         if self.correction is None:
+            def policy_loss_of(x: Tensor) -> Tensor:
+                return self.policy_loss(x, lb, adv, valid, agg, ess=ess, proximal_ess=proximal_ess,
+                                        proximal_logprobs=prox)[0]
+
             loss, metrics = self.policy_loss(lp, lb, adv, valid, agg, ess=ess, proximal_ess=proximal_ess,
                                              proximal_logprobs=prox)
         else:
@@ -432,12 +437,21 @@ class Objective:
             # the mismatch pi_prox / pi_b is carried by the weight alone: the objective's own ratio is
             # taken against pi_prox (its clip then acts around the trainer's policy, as in TRL and verl)
             rebased = base if self.rebase_on_correction else lb
+
+            def policy_loss_of(x: Tensor) -> Tensor:
+                return self.policy_loss(x, rebased, adv * weight, valid, agg, ess=ess, proximal_ess=proximal_ess,
+                                        proximal_logprobs=prox)[0]
+
             loss, metrics = self.policy_loss(lp, rebased, adv * weight, valid, agg, ess=ess, proximal_ess=proximal_ess,
                                              proximal_logprobs=prox)
             if self.rebase_on_correction:
                 metrics.update(ratio_metrics(lp - lb, valid))      # the ratio statistics stay against pi_b
             metrics.update(correction)
         metrics["train/policy_loss"] = loss.detach()
+        metrics.update(gradient_profile(token_grad(policy_loss_of, lp), lp - lb, adv, valid, agg))
+        # the policy's cross-entropy on the sampled tokens: its entropy when the data is on-policy, a cheap
+        # trace of a collapse (no pass over the vocabulary)
+        metrics["train/sample_nll"] = -(lp.detach().float() * valid).sum() / valid.sum().clamp(min=1)
         if self.entropy_coef:
             ent_term = agg(ent)
             loss = loss - self.entropy_coef * ent_term
@@ -539,6 +553,9 @@ class P3O(Objective):
         if not self.ess_cap:
             metrics.pop("train/capped_frac", None)                     # nothing is capped
         metrics["train/kl_term"] = kl.detach()
+        if self.adaptive_kl:
+            metrics.update(term_shares(token_grad(lambda x: agg(-weight * x * adv), lp),
+                                       token_grad(lambda x: (1 - e) * agg(k3(x - anchor)), lp), mask, "kl"))
         return loss, metrics
 
 

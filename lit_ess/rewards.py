@@ -13,9 +13,17 @@ The worker is started, and warmed up (its imports done), before any completion i
 (about 2 s here) never eats into a completion's timeout. A completion that times out kills the worker
 (sympy cannot be interrupted from outside); the next one gets a fresh, warmed-up worker. A worker that
 dies (segfault, out of memory) scores that completion 0, counts an error, and is replaced.
+
+What a reward sees is decided by its parameter names, read once when the scorer is built (`bind`):
+`prompt`, `completion`, `answer`, and any column of the dataset's row by its own name (`**kwargs` gets
+every column). A reward decorated with `@batched` scores a whole phase at once, TRL's convention:
+`prompts`, `completions`, `answers` and each column as a list, returning one number per sample. Either
+kind may be `async def`: per-sample coroutines of a call run concurrently. A list of `Reward`s is
+scored as their weighted sum; each one's mean is kept in `RewardScorer.parts` for logging.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -24,7 +32,11 @@ import warnings
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Callable
+
+from .knobs import check
+from .reward_url import RemoteReward, is_url
 
 _NUMBER = r"-?[\d,]*\.?\d+"
 _GSM8K_ANSWER = re.compile(r"####\s*(" + _NUMBER + r")")
@@ -81,37 +93,181 @@ REWARDS: dict[str, Callable[[str, str], float]] = {
     "exact_match": exact_match, "gsm8k": gsm8k, "math_verify": math_verify,
 }
 IN_WORKER = {"math_verify"}
+FOLDERS: list[str] = []     # where a user's reward module is looked for first: the config's folder, the working directory
+
+
+def add_search_folders(folders: list[str]) -> None:
+    """Put these folders (the config files' and the working directory, set by the CLI) first on sys.path,
+    so `my_reward.score` imports my_reward.py beside the config; a spawned worker inherits sys.path."""
+    import os
+    import sys
+
+    for folder in reversed([os.path.abspath(f) for f in folders]):
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
+        if folder not in FOLDERS:
+            FOLDERS.insert(0, folder)
+
+
+def batched(fn: Callable) -> Callable:
+    """Declare a reward that scores a whole phase at once (TRL's convention): it is called with lists,
+    `prompts`, `completions`, `answers` and any column by its name, and returns one number per sample:
+
+        @batched
+        def length_penalty(completions, **columns) -> list[float]: ...
+    """
+    fn.batched = True
+    return fn
+
+
+@dataclass
+class Reward:
+    """One reward of a weighted list (`data.reward`); the total is the weighted sum of the rewards.
+
+    Args:
+        fn: a built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or
+            'module.function' (a module beside the config or in the working directory), or a URL that
+            scores a batch by POST (lit_ess.reward_url).
+        weight: its weight in the total, any finite number (0 = logged, not trained on; a negative
+            weight = a penalty).
+        name: its scalar in TensorBoard, train/reward/NAME (default: the function's name).
+    """
+    fn: str
+    weight: float = 1.0
+    name: str | None = None
+
+    def __post_init__(self):
+        check("Reward.weight", self.weight)
 
 
 def import_named(name: str, what: str):
-    """The object 'package.module:attr' names; a ValueError naming `what` and `name` when it cannot be
+    """The object 'package.module:attr' (or 'module.attr') names; a ValueError naming `what` and `name` when it cannot be
     imported (a missing module, a typo in the attribute), or the module's own code fails (a syntax
     error, an error at import: named with its file and line)."""
-    mod, attr = name.split(":", 1)
+    mod, attr = name.split(":", 1) if ":" in name else name.rsplit(".", 1)
     try:
         return getattr(importlib.import_module(mod), attr)
+    except ModuleNotFoundError as e:
+        if e.name is None or not mod.startswith(e.name):
+            raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
+        import os
+
+        where = ", ".join(FOLDERS) or os.getcwd()
+        raise ValueError(f"{what} {name!r} cannot be imported: no module named {e.name!r} in {where} or the installed "
+                         f"packages: put {e.name.split('.')[0]}.py beside the config (or in the working directory), "
+                         f"or install its package") from None
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} {name!r} cannot be imported: {e}") from None
     except Exception as e:
         raise ValueError(f"{what} {name!r} cannot be imported: {where_it_failed(e)}") from None
 
 
-def resolve_reward(name: str) -> Callable[[str, str], float]:
-    """A built-in name (exact_match, gsm8k, math_verify) or 'package.module:function'."""
+def resolve_reward(name: str) -> Callable:
+    """A built-in name (exact_match, gsm8k, math_verify), 'package.module:function', 'module.function' or a
+    URL (lit_ess.reward_url.RemoteReward)."""
     if name in REWARDS:
         return REWARDS[name]
-    if ":" in name:
-        fn, attr = import_named(name, "reward"), name.split(":", 1)[1]
+    if is_url(name):
+        return RemoteReward(name)
+    if ":" in name or "." in name:
+        fn = import_named(name, "reward")
         if not callable(fn):
-            raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function of (completion, answer)")
-        try:
-            inspect.signature(fn).bind("completion", "answer")
-        except TypeError as e:
-            raise ValueError(f"reward {name!r} cannot be called as {attr}(completion, answer): {e}") from None
-        except ValueError:
-            pass                          # no signature to inspect (a builtin): its calls will tell
+            raise ValueError(f"reward {name!r} is a {type(fn).__name__}, not a function")
         return fn
-    raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)} or 'module:function'")
+    raise ValueError(f"unknown reward {name!r}; valid names: {', '.join(REWARDS)}, 'module:function' or "
+                     f"'module.function'")
+
+
+@dataclass
+class BoundReward:
+    """A reward with what it is called with, read from its signature once (`bind`): `params` by name,
+    `columns` the row's columns it takes (all of them with `**kwargs`)."""
+    fn: Callable
+    name: str                  # as the config names it
+    label: str                 # train/reward/<label>
+    weight: float
+    params: tuple[str, ...]
+    varkw: bool
+    batched: bool
+    is_async: bool
+    positional: bool = False   # an (x, y) reward of earlier releases: called as fn(completion, answer)
+
+    def call(self, kw: dict):
+        """The function on one call's arguments (`kwargs`); a coroutine for an async reward."""
+        return self.fn(kw["completion"], kw["answer"]) if self.positional else self.fn(**kw)
+
+    def kwargs(self, prompts: list[str], completions: list[str], answers: list[str], rows: list[dict]) -> list[dict]:
+        """One call's arguments: per sample, or (batched) one dict of lists."""
+        if self.batched:
+            known = {"prompts": prompts, "completions": completions, "answers": answers}
+            cols = (set(rows[0]) if rows else set()) if self.varkw else set(self.params) - set(known)
+            return [{**{c: [r.get(c) for r in rows] for c in cols},
+                     **{k: v for k, v in known.items() if k in self.params}}]
+        out = []
+        for p, c, a, r in zip(prompts, completions, answers, rows, strict=True):
+            known = {"prompt": p, "completion": c, "answer": a}
+            cols = r if self.varkw else {k: r.get(k) for k in self.params if k not in known}
+            out.append({**cols, **{k: v for k, v in known.items() if k in self.params}})
+        return out
+
+
+def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
+    """The reward `spec` names, with its parameters checked against what a call can give: prompt,
+    completion, answer (prompts, completions, answers when @batched) and the dataset's `columns` (None:
+    not checked, e.g. in a worker process whose data module checked them)."""
+    spec = spec if isinstance(spec, Reward) else Reward(spec)
+    fn = resolve_reward(spec.fn)
+    is_batched = bool(getattr(fn, "batched", False))
+    known = ("prompts", "completions", "answers") if is_batched else ("prompt", "completion", "answer")
+    try:
+        sig = inspect.signature(fn)
+    except ValueError:                        # no signature to inspect (a builtin): called as f(completion, answer)
+        return BoundReward(fn, spec.fn, _label(spec), spec.weight, ("completion", "answer"), False, is_batched, False,
+                           positional=True)
+    params, varkw = [], False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            varkw = True
+        elif p.kind is p.VAR_POSITIONAL or p.default is not p.empty:
+            continue
+        elif p.kind is p.POSITIONAL_ONLY:
+            raise ValueError(f"reward {spec.fn!r}: parameter {p.name!r} is positional-only; rewards are called by "
+                             f"parameter name")
+        else:
+            params.append(p.name)
+    if not params and not varkw:
+        raise ValueError(f"reward {spec.fn!r} takes no parameters: name the ones it scores, e.g. "
+                         f"({', '.join(known[1:])})")
+    if not is_batched and len(params) == 2 and not varkw and not set(params) & {*known, *(columns or [])}:
+        return BoundReward(fn, spec.fn, _label(spec), spec.weight, ("completion", "answer"), False, False,
+                           inspect.iscoroutinefunction(fn), positional=True)    # f(completion, answer), any names
+    if columns is not None:
+        for name in params:
+            if name not in known and name not in columns:
+                hint = ("; a reward of lists is declared with @lit_ess.rewards.batched"
+                        if name in ("prompts", "completions", "answers") else "")
+                raise ValueError(f"reward {spec.fn!r}: parameter {name!r} is neither {', '.join(known)} nor a column "
+                                 f"of the dataset (columns: {', '.join(columns) or 'none'}){hint}")
+    return BoundReward(fn, spec.fn, _label(spec), spec.weight, tuple(params), varkw, is_batched,
+                       inspect.iscoroutinefunction(fn))
+
+
+def _label(spec: Reward) -> str:
+    return spec.name or ("remote" if is_url(spec.fn) else re.split(r"[:.]", spec.fn)[-1])
+
+
+def as_rewards(reward: str | Reward | list) -> list[Reward]:
+    """`data.reward` as a list of Reward: a name, one Reward, or a list of either; names checked unique."""
+    items = reward if isinstance(reward, list) else [reward]
+    out = [r if isinstance(r, Reward) else Reward(**r) if isinstance(r, dict) else Reward(r) for r in items]
+    if not out:
+        raise ValueError("data.reward is an empty list: name at least one reward")
+    labels = [_label(r) for r in out]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"data.reward: two rewards are logged as the same train/reward/NAME ({labels}): give them "
+                         f"distinct `name`s")
+    return out
 
 
 def where_it_failed(e: Exception) -> str:
@@ -130,13 +286,50 @@ class RewardError(ValueError):
     """A reward failed on more than `max_error_rate` of a batch's completions."""
 
 
-def _safe_score(fn, completion, answer):
+def _safe_score(reward: BoundReward, kw: dict):
     """(score, None), or (0.0, what went wrong) for an exception or a value that is not a finite number."""
     try:
-        value = fn(completion, answer)
+        value = reward.call(kw)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
     except Exception as e:  # a reward bug must not kill the run at once; it is counted
         return 0.0, f"{type(e).__name__}: {e}"
     return as_score(value)
+
+
+def _safe_scores(reward: BoundReward, kws: list[dict]) -> list[tuple[float, str | None]]:
+    return [_safe_score(reward, kw) for kw in kws]
+
+
+async def _awaited(value):
+    return await value
+
+
+def _safe_batch(reward: BoundReward, kw: dict, n: int) -> list[tuple[float, str | None]]:
+    """A batched reward's n (score, error): one number per sample, else every sample fails with why."""
+    try:
+        values = reward.call(kw)
+        if inspect.isawaitable(values):
+            values = asyncio.run(_awaited(values))
+    except Exception as e:
+        return [(0.0, f"{type(e).__name__}: {e}")] * n
+    try:
+        values = list(values)
+    except TypeError:
+        return [(0.0, f"returned a {type(values).__name__}, not a list of {n} numbers")] * n
+    if len(values) != n:
+        return [(0.0, f"returned {len(values)} values for {n} completions")] * n
+    return [as_score(v) for v in values]
+
+
+async def _gather(reward: BoundReward, kws: list[dict]) -> list[tuple[float, str | None]]:
+    """An async per-sample reward: every sample's coroutine at once, each failure its own."""
+    async def one(kw):
+        try:
+            return as_score(await reward.call(kw))
+        except Exception as e:
+            return 0.0, f"{type(e).__name__}: {e}"
+    return list(await asyncio.gather(*(one(kw) for kw in kws)))
 
 
 def as_score(value) -> tuple[float, str | None]:
@@ -153,31 +346,41 @@ def as_score(value) -> tuple[float, str | None]:
 
 
 class RewardScorer:
-    """Scores batches of completions; counts errors and timeouts.
+    """Scores batches of completions with one reward or the weighted sum of several; counts errors and
+    timeouts (per reward and completion).
 
     Args:
-        name: reward name or 'module:function'.
+        name: `data.reward`: a reward name, 'module:function' / 'module.function', or a list of Reward.
         timeout: seconds per completion for rewards run in a worker (math_verify), the worker's start
-            not included.
+            not included, and for a URL's request; a batched reward gets this much per completion of its
+            batch.
         in_worker: run in a worker process (default: only for math_verify).
         startup_timeout: seconds a new worker may take to start and import the reward.
         max_error_rate: a call in which more than this share of the completions fail raises
             RewardError (1.0: never).
+        columns: the dataset's columns the rewards may take by name (None: not checked here).
     """
 
-    def __init__(self, name: str = "exact_match", timeout: float = 5.0, in_worker: bool | None = None,
-                 startup_timeout: float = 120.0, max_error_rate: float = 0.5):
+    def __init__(self, name: str | Reward | list = "exact_match", timeout: float = 5.0, in_worker: bool | None = None,
+                 startup_timeout: float = 120.0, max_error_rate: float = 0.5, columns: list[str] | None = None):
         if timeout <= 0:
             raise ValueError(f"reward_timeout must be > 0 seconds, got {timeout}")
         if not 0 <= max_error_rate <= 1:
             raise ValueError(f"max_reward_error_rate must be in [0, 1], got {max_error_rate}")
         self.max_error_rate = max_error_rate
-        self.name, self.fn, self.timeout, self.startup_timeout = name, resolve_reward(name), timeout, startup_timeout
-        self.in_worker = name in IN_WORKER if in_worker is None else in_worker
+        self.rewards = [bind(r, columns) for r in as_rewards(name)]
+        for r in self.rewards:
+            if isinstance(r.fn, RemoteReward):
+                r.fn.timeout = timeout
+        self.name = name if isinstance(name, str) else ", ".join(r.name for r in self.rewards)
+        self.fn = self.rewards[0].fn
+        self.timeout, self.startup_timeout = timeout, startup_timeout
+        self.in_worker = ({r.name for r in self.rewards} & IN_WORKER != set()) if in_worker is None else in_worker
         self._pool: ProcessPoolExecutor | None = None
         self.errors = 0
         self.timeouts = 0
         self.last_error: str | None = None
+        self.parts: dict[str, float] = {}        # the last call's mean of each reward, by label
 
     def _worker(self) -> ProcessPoolExecutor:
         """The worker process, started and warmed up (reward imported) before any completion is timed."""
@@ -189,43 +392,61 @@ class RewardScorer:
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                              initializer=die_with_parent)        # never outlives the run
             try:
-                self._pool.submit(_warm_up, self.fn).result(timeout=self.startup_timeout)
+                for r in self.rewards:
+                    self._pool.submit(_warm_up, r.fn).result(timeout=self.startup_timeout)
             except (FutureTimeout, BrokenProcessPool) as e:
                 self._kill_worker()
                 raise RuntimeError(f"reward {self.name!r}: its worker process did not start within "
                                    f"{self.startup_timeout:.0f} s ({type(e).__name__})") from None
         return self._pool
 
-    def _score_in_worker(self, completion: str, answer: str) -> tuple[float, str | None]:
-        future = self._worker().submit(_safe_score, self.fn, completion, answer)
+    def _in_worker(self, fn, *args, timeout: float, n: int) -> list[tuple[float, str | None]]:
+        """fn(*args) in the worker, or `n` failed completions: a timeout (counted, scores 0; the worker is
+        killed, sympy cannot be interrupted) or a worker that died (an error)."""
         try:
-            return future.result(timeout=self.timeout)
+            return self._worker().submit(fn, *args).result(timeout=timeout)
         except FutureTimeout:
-            self.timeouts += 1
+            self.timeouts += n
             self._kill_worker()
-            return 0.0, None
+            return [(0.0, None)] * n
         except BrokenProcessPool:
             self._kill_worker()
-            return 0.0, "reward worker process died"
+            return [(0.0, "reward worker process died")] * n
 
-    def __call__(self, completions: list[str], answers: list[str]) -> list[float]:
-        scores, failed, first = [], 0, None
-        for c, a in zip(completions, answers, strict=True):
-            s, err = self._score_in_worker(c, a) if self.in_worker else _safe_score(self.fn, c, a)
-            if err is not None:
+    def _score(self, reward: BoundReward, kws: list[dict], n: int) -> list[tuple[float, str | None]]:
+        if reward.batched:
+            if self.in_worker:
+                return self._in_worker(_safe_batch, reward, kws[0], n, timeout=self.timeout * n, n=n)
+            return _safe_batch(reward, kws[0], n)
+        if self.in_worker:               # one completion at a time: a timeout costs that one
+            return [out for kw in kws for out in self._in_worker(_safe_scores, reward, [kw], timeout=self.timeout, n=1)]
+        if reward.is_async:
+            return asyncio.run(_gather(reward, kws))
+        return _safe_scores(reward, kws)
+
+    def __call__(self, completions: list[str], answers: list[str], prompts: list[str] | None = None,
+                 rows: list[dict] | None = None) -> list[float]:
+        """The total reward of each completion; `prompts` and the dataset `rows` (columns) per completion."""
+        n = len(completions)
+        prompts = prompts if prompts is not None else [""] * n
+        rows = rows if rows is not None else [{}] * n
+        totals = [0.0] * n
+        for reward in self.rewards:
+            results = self._score(reward, reward.kwargs(prompts, completions, answers, rows), n)
+            errors = [err for _, err in results if err is not None]
+            for err in errors:
                 if self.errors == 0:
-                    warnings.warn(f"reward {self.name!r} failed on a completion ({err}); failures score 0 and "
+                    warnings.warn(f"reward {reward.name!r} failed on a completion ({err}); failures score 0 and "
                                   f"are counted in rollout/reward_errors", stacklevel=2)
                 self.errors += 1
-                failed += 1
                 self.last_error = err
-                first = first or err
-            scores.append(s)
-        if scores and failed / len(scores) > self.max_error_rate:
-            raise RewardError(f"reward {self.name!r} failed on {failed} of {len(scores)} completions, more than "
-                              f"max_reward_error_rate={self.max_error_rate}; first error: {first}. A reward must "
-                              f"return a finite number for any completion (0.0 for one it cannot parse)")
-        return scores
+            if n and len(errors) / n > self.max_error_rate:
+                raise RewardError(f"reward {reward.name!r} failed on {len(errors)} of {n} completions, more than "
+                                  f"max_reward_error_rate={self.max_error_rate}; first error: {errors[0]}. A reward "
+                                  f"must return a finite number for any completion (0.0 for one it cannot parse)")
+            self.parts[reward.label] = sum(s for s, _ in results) / max(n, 1)
+            totals = [t + reward.weight * s for t, (s, _) in zip(totals, results)]
+        return totals
 
     def state_dict(self) -> dict[str, int]:
         """Cumulative counters, kept across a resume."""

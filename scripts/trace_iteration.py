@@ -7,7 +7,7 @@ of this repository is recorded. Prints one JSON object: the files, and per file 
 called and the number of calls.
 
     PYTHONPATH=. .venv/bin/python scripts/trace_iteration.py [--engine HFConfig] [--objective DecoupledPPO
-        --steps_per_rollout 2] [--callback lit_ess.callbacks.ProximalLogprobs] [--out FILE]
+        --steps_per_rollout 2] [--callback CLASS_PATH] [--out FILE]
 """
 from __future__ import annotations
 

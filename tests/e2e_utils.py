@@ -467,7 +467,9 @@ def server_weight_label(url: str) -> str:
     import json
     import urllib.request
 
-    with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
+    token = os.environ.get("LIT_ESS_SERVER_TOKEN")      # a server guarded by the shared token (docs/server.md)
+    req = urllib.request.Request(url + "/weight_info", headers={"authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return json.load(r)["weight_version"]
 
 

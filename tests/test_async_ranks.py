@@ -122,22 +122,12 @@ def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir):
     assert isinstance(err[0], RankFailed) and "rank 1 stopped" in str(err[0]) and "exit code -9" in str(err[0])
 
 
-def test_placement_dedicated_needs_the_server_engine_and_old_dedicated_checkpoints_are_refused(tiny_model_dir):
+def test_placement_dedicated_needs_the_server_engine(tiny_model_dir):
     """placement: dedicated is vLLM servers shared by every rank: another engine is refused at once, in one
-    line naming the fix; a checkpoint of the earlier dedicated worker (rank 0 planned every rank's phases)
-    is refused in one line, where continuing it would replay or skip prompts."""
+    line naming the fix."""
     with pytest.raises(ValueError, match=r"^placement: dedicated generates on vLLM servers .* not with FakeConfig: "
                                          r"set data.engine to lit_ess.engines.VLLMServerConfig"):
         make_dm(tiny_model_dir, placement="dedicated", setup=False)
-    dm = make_dm(tiny_model_dir, mode="sync")
-    try:
-        state = {**dm.state_dict(), "placement": "dedicated"}
-        with pytest.raises(ValueError, match=r"^this checkpoint's rollouts were made by the dedicated worker .* start "
-                                             r"a new run from the checkpoint's weights$"):
-            dm.load_state_dict(state)
-        dm.load_state_dict({**state, "placement": "colocated"})            # a colocated one resumes as before
-    finally:
-        dm.teardown("fit")
 
 
 def test_the_server_rank_0_launches_on_cpu_gets_every_ranks_threads():

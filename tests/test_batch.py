@@ -109,18 +109,6 @@ def test_collate_fills_every_row_attribute():
     assert {kind(f) for f in fields(RolloutBatch)} == {TOKEN, ROW, TEXTS, CONFIG, PLAIN}
 
 
-def test_a_batch_checkpointed_with_a_sampling_dict_and_a_proximal_step_loads():
-    """A state whose sampling settings are one dict with the engine's dtype, and whose proximal step is an int
-    (-1: none; with logprobs: scored; without: the batch's own pass), loads into the typed fields."""
-    state = {k: v for k, v in _batch().to_state().items() if k not in ("engine_dtype", "proximal")}
-    state["sampling"] = {"temperature": 0.7, "top_k": 5, "top_p": 1.0, "max_new_tokens": 3, "engine_dtype": "bfloat16"}
-    for step, prox, want in ((-1, None, None), (3, torch.zeros(3, 5), Proximal(3, "scored")),
-                             (3, None, Proximal(3, "own_pass"))):
-        b = RolloutBatch.from_state({**state, "prox_version": step, "prox_logprobs": prox})
-        assert b.proximal == want and b.engine_dtype == "bfloat16"
-        assert b.sampling == SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=3)
-
-
 def test_cat_puts_selected_rows_back_together():
     """RolloutBatch.cat of slices of a batch (each trimmed to its own longest row) is the batch again, in
     the slices' order: token fields padded back to the widest, row fields and texts concatenated."""

@@ -38,30 +38,15 @@ def _demo_config(folder: Path, model_dir, **edits) -> str:
 
 PRINTED = [(), ("--model.init_args.packing", "true", "--model.init_args.micro_batch_tokens", "512"),
            ("--data.init_args.engine", "HFConfig")] + [("--model.init_args.objective", c.__name__) for c in OBJECTIVE_CLASSES]
-OLD_ARGS = [
-    (["--model.init_args.objective", "grpo"], "old string form; write `objective: {class_path: lit_ess.objectives.GRPO}`"),
-    (["--data.init_args.engine", "hf"], "old string form; write `engine: {class_path: lit_ess.engines.HFConfig}`"),
+ENGINES = "choose one of VLLMConfig, VLLMServerConfig, HFConfig"
+UNKNOWN_ARGS = [
     (["--model.init_args.objective", "PPO9000"], "choose one of P3O, P4O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE"),
-    (["--model.init_args.objective_kwargs", "{clip_eps: 0.3}"], "objective_kwargs is gone"),
+    (["--data.init_args.engine", "hf"], f"data.init_args.engine: 'hf' is not a known engine; {ENGINES}"),
 ]
-OLD_FILES = [
-    ("model.init_args.objective", "grpo", "model.init_args.objective: 'grpo' is the old string form; "
-                                          "write `objective: {class_path: lit_ess.objectives.GRPO}`"),
-    ("model.init_args.objective_kwargs", {"clip_eps": 0.3}, "model.init_args.objective_kwargs is gone: give the "
-                                                            "objective as `objective: {class_path: lit_ess.objectives"),
-    ("data.init_args.engine", "vllm", "data.init_args.engine: 'vllm' is the old string form; "
-                                      "write `engine: {class_path: lit_ess.engines.VLLMConfig}`"),
-    ("data.init_args.engine_kwargs", {"dtype": "bfloat16"}, "data.init_args.engine_kwargs is gone: give the engine as "
-                                                           "`engine: {class_path: lit_ess.engines.VLLMConfig"),
+UNKNOWN_FILES = [
+    ("model.init_args.objective", "grpo", "model.init_args.objective: 'grpo' is not a known objective; choose one of P3O"),
+    ("data.init_args.engine", "vllm", f"data.init_args.engine: 'vllm' is not a known engine; {ENGINES}"),
 ]
-MOVED_PATHS = [("trainer.callbacks.0.class_path", "callbacks.WeightSync"), ("data.class_path", "datamodules.RolloutDataModule")]
-CWDS = ["elsewhere", "repo root"]
-
-
-def _cwd(where: str, folder: Path) -> Path:
-    return folder if where == "elsewhere" else CONFIGS.parent
-
-
 @pytest.fixture(scope="module")
 def read_in_one_process(tiny_model_dir, tmp_path_factory):
     """`lit-ess fit` for each config below that ends while it is read (printed with --print_config, or
@@ -74,16 +59,11 @@ def read_in_one_process(tiny_model_dir, tmp_path_factory):
         cases[("print", *extra)] = (_demo_args(tiny_model_dir, *extra, "--print_config"), None)
     cases[("nccl",)] = (_demo_args(tiny_model_dir, "--data.init_args.engine.init_args.transport", "nccl"), None)
     cases[("max_grad_norm",)] = (_demo_args(tiny_model_dir, "--model.init_args.max_grad_norm", "-1"), None)
-    for args, _ in OLD_ARGS[1:]:
-        cases[("old", *args)] = (_demo_args(tiny_model_dir, *args), None)
-    for i, (key, value, _) in enumerate(OLD_FILES[1:]):
+    for args, _ in UNKNOWN_ARGS[1:]:
+        cases[("unknown", *args)] = (_demo_args(tiny_model_dir, *args), None)
+    for i, (key, value, _) in enumerate(UNKNOWN_FILES[1:]):
         files[("file", key)] = _demo_config(tmp / f"file{i}", tiny_model_dir, **{key: value})
         cases[("file", key)] = (["fit", "--config", files[("file", key)]], tmp / f"file{i}")
-    for i, (key, old) in enumerate(MOVED_PATHS):
-        for where in CWDS[1:] if i == 0 else CWDS:
-            folder = tmp / f"moved{i}-{where.replace(' ', '-')}"
-            files[("moved", key, where)] = _demo_config(folder, tiny_model_dir, **{key: old})
-            cases[("moved", key, where)] = (["fit", "--config", files[("moved", key, where)]], _cwd(where, folder))
     return {k: (res, files.get(k)) for k, res in cli_each(cases).items()}
 
 
@@ -153,15 +133,16 @@ def test_missing_model_folder_says_how_to_make_one(tmp_path):
     assert "runs/nothing/here" in line and "lit-ess-tiny" in line and "huggingface.co" not in res.stderr
 
 
-@pytest.mark.parametrize("args, says", OLD_ARGS)
-def test_old_configs_say_how_to_update(tiny_model_dir, read_in_one_process, args, says):
-    key = ("old", *args)
+@pytest.mark.parametrize("args, says", UNKNOWN_ARGS)
+def test_unknown_objectives_and_engines_list_the_known_ones(tiny_model_dir, read_in_one_process, args, says):
+    key = ("unknown", *args)
     res = read_in_one_process[key][0] if key in read_in_one_process else cli(_demo_args(tiny_model_dir, *args))
     assert says in _one_error_line(res)
 
 
-@pytest.mark.parametrize("key, value, says", OLD_FILES)
-def test_old_config_files_say_how_to_update(tiny_model_dir, read_in_one_process, tmp_path, key, value, says):
+@pytest.mark.parametrize("key, value, says", UNKNOWN_FILES)
+def test_unknown_classes_in_config_files_are_named_with_the_file(tiny_model_dir, read_in_one_process, tmp_path, key,
+                                                                 value, says):
     if ("file", key) in read_in_one_process:
         res, path = read_in_one_process[("file", key)]
     else:
@@ -171,50 +152,18 @@ def test_old_config_files_say_how_to_update(tiny_model_dir, read_in_one_process,
     assert line.startswith(f"lit-ess: error: {path}: {says}"), line
 
 
-@pytest.mark.parametrize("cwd", CWDS)
-@pytest.mark.parametrize("key, old", MOVED_PATHS)
-def test_moved_class_paths_say_the_new_one(tiny_model_dir, read_in_one_process, tmp_path, cwd, key, old):
-    """From a checkout's root `import callbacks` would succeed: the old path must still be refused."""
-    if ("moved", key, cwd) in read_in_one_process:
-        res, path = read_in_one_process[("moved", key, cwd)]
-    else:
-        path = _demo_config(tmp_path, tiny_model_dir, **{key: old})
-        res = cli(["fit", "--config", path], cwd=_cwd(cwd, tmp_path), timeout=120)
-    line = _one_error_line(res)
-    assert line == f"lit-ess: error: {path}: {key}: {old!r} moved; write 'lit_ess.{old}' (callbacks/ and " \
-                   "datamodules/ are installed in lit_ess)", line
-
-
-def test_the_old_form_check_judges_only_lit_ess_fields(tmp_path, monkeypatch):
-    """Keys named engine/objective elsewhere, and a user's own module named callbacks, are not legacy
-    forms; lit-ess's own fields still are."""
-    from lit_ess.callbacks import __all__ as ours
+def test_the_unknown_class_check_judges_only_lit_ess_fields(tmp_path):
+    """Keys named engine/objective elsewhere (a prompt source's argument, a logger's) are not lit-ess's
+    to judge; lit-ess's own fields are, in a config file and on the command line."""
     from lit_ess.config_check import check_inputs
 
-    moved = {"callbacks": list(ours)}
     cfg = tmp_path / "c.yaml"
     cfg.write_text("data:\n  init_args:\n    source:\n      init_args: {engine: sqlite}\n")
-    assert check_inputs(["--config", str(cfg), "--trainer.logger.init_args.objective=maximize"], moved) is None
-    assert "old string form" in check_inputs(["--model.init_args.objective=grpo"], moved)
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "callbacks.py").write_text("class ExportHF:\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path / "mine"))
-    assert check_inputs(["--trainer.callbacks+=callbacks.ExportHF"], moved) is None
-
-
-def test_moved_class_path_on_the_command_line(tiny_model_dir):
-    res = cli(_demo_args(tiny_model_dir, "--trainer.callbacks+=callbacks.LogCompletions"), cwd=CONFIGS.parent, timeout=120)
-    assert "'callbacks.LogCompletions' moved; write 'lit_ess.callbacks.LogCompletions'" in _one_error_line(res)
-
-
-def test_old_weight_sync_period_says_what_to_use(tiny_model_dir, tmp_path):
-    cfg = yaml.safe_load(open(DEMO))
-    cfg["model"]["init_args"]["model_path"] = tiny_model_dir
-    cfg["trainer"]["callbacks"][0] = {"class_path": "lit_ess.callbacks.WeightSync", "init_args": {"every_n_steps": 4}}
-    path = tmp_path / "old.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    line = _one_error_line(cli(["fit", "--config", str(path)], cwd=tmp_path))
-    assert "every_n_steps=4 is gone" in line and "max_staleness" in line, line
+    assert check_inputs(["--config", str(cfg), "--trainer.logger.init_args.objective=maximize"]) is None
+    assert "is not a known objective" in check_inputs(["--model.init_args.objective=grpo"])
+    cfg.write_text("data:\n  init_args:\n    engine: {class_path: lit_ess.engines.VLLMConfg}\n")
+    assert "data.init_args.engine.class_path: 'lit_ess.engines.VLLMConfg' is not a known engine" in \
+        check_inputs(["--config", str(cfg)])
 
 
 def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO, *extra):

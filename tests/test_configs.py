@@ -162,7 +162,7 @@ def _set(cfg: dict, dotted: str, value) -> None:
     ("data.init_args.engine.init_args.quantisation", "fp8", "quantisation"),    # typo'd engine key
     ("trainer.callbacks.0.init_args.param_dtype", "bf16", "param_dtype"),       # FSDP2: not a dtype it knows
     ("data.init_args.sampling.temperature", 0.0, "temperature must be > 0"),   # out of range
-    ("data.init_args.source.init_args.prompt_field", "questions", "fields 'questions'"),  # not in the file
+    ("data.init_args.source.init_args.prompt_field", "questions", "field 'questions' missing"),  # not in the file
     ("trainer.strategy.init_args.data_parallel_sizes", 1, "data_parallel_sizes"),  # typo'd strategy key
     ("trainer.callbacks.4.init_args.save_top_k", 3, "monitor=None"),           # top-k needs a monitor
 ])

@@ -71,7 +71,8 @@ class ScriptedEngine(RolloutEngine):
 def test_env_config_names_the_culprit():
     with pytest.raises(ValueError, match="unknown environment 'retry'; valid names: single_turn, retry_arithmetic"):
         EnvConfig(env="retry")
-    with pytest.raises(ValueError, match=r"environment 'no_such_module:Env' cannot be imported: No module named"):
+    with pytest.raises(ValueError, match=r"environment 'no_such_module:Env' cannot be imported: no module named "
+                                         r"'no_such_module' in .* or the installed packages: put no_such_module.py beside"):
         EnvConfig(env="no_such_module:Env")
     with pytest.raises(ValueError, match=r"environment 'lit_ess.envs:Nope' cannot be imported"):
         EnvConfig(env="lit_ess.envs:Nope")

@@ -97,7 +97,7 @@ def test_a_reward_that_fails_everywhere_is_counted_then_stops(fn, says):
 def test_reward_and_group_size_are_checked_at_start():
     with pytest.raises(ValueError, match="'test_faults_input:NOT_A_FUNCTION' is a int, not a function"):
         RolloutDataModule(reward="test_faults_input:NOT_A_FUNCTION")
-    with pytest.raises(ValueError, match="cannot be called as loads"):
+    with pytest.raises(ValueError, match="reward .json:loads.: parameter .s. is neither prompt, completion, answer"):
         RolloutDataModule(reward="json:loads")
     with pytest.raises(ValueError, match="samples_per_prompt=1: the group advantage"):
         RolloutDataModule(samples_per_prompt=1)

@@ -1,6 +1,10 @@
 """Faults of the newer surfaces (issue 38): resume with other knobs or another model, config files that do
-not parse, servers by URL that do not answer as vLLM does, timeouts named by their knob."""
+not parse, servers by URL that do not answer as vLLM does, timeouts named by their knob, a launched server's
+port held by another service."""
+import os
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -232,3 +236,67 @@ def test_a_long_first_observation_is_cut_to_max_prompt_tokens_and_counted(tiny_m
     assert len(widest) == 2 and max(widest) <= 64, widest
     cut = [v for _, v in scalars(tmp_path)["rollout/truncated_prompts"]]
     assert len(cut) == 2 and all(v % 2 == 0 for v in cut) and sum(cut) >= 2, cut     # whole groups of 2
+
+
+# ---------------------------------------------------------------- a launched server's port
+
+class Unrelated(FakeVLLM):
+    """An HTTP service that is not vLLM: 200 and a line of text on every route."""
+    defaults: dict = {}
+    answers = {"/health": (200, "ok"), "/version": (200, "an unrelated service")}
+
+
+@pytest.mark.e2e
+def test_fit_with_another_service_on_the_launched_servers_port_is_one_line_naming_it(tiny_model_dir, tmp_path):
+    """`engine.port: P` while an unrelated HTTP service listens on P (main: its first /health 200 was taken for
+    the launched server's, and the run failed blaming a 'vLLM ?' or an answer that is no JSON): exit 2, one line
+    naming the port, who holds it (this test's process) and the knob to change; no server is launched."""
+    from test_server import _fake_on, stop_fake
+
+    from lit_ess.engines.vllm_server import free_port
+
+    port = free_port()
+    httpd = _fake_on(port, Unrelated)
+    try:
+        cfg = rl_config(tiny_model_dir, tmp_path, engine="VLLMServerConfig", max_steps=1)
+        cfg["data"]["init_args"]["engine"]["init_args"] = {"port": port, "startup_timeout": 60,
+                                                           "log_file": str(tmp_path / "server.log")}
+        line = fault_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300), code=2)
+    finally:
+        stop_fake(httpd)
+    assert re.search(rf"engine\.port {port}: 127\.0\.0\.1:{port} is in use by pid {os.getpid()} \(.*python.*\): "
+                     rf"a launched server needs a port of its own: set another engine\.port, or port: null", line), line
+    assert "vLLM 0" not in line and not (tmp_path / "server.log").exists()
+
+
+def test_a_service_that_takes_the_port_during_start_up_is_not_taken_for_the_launched_server(fake_server,
+                                                                                          tiny_model_dir, tmp_path):
+    """The port is free when checked, and a faked vLLM (one that passes every start-up check) binds it while the
+    launched server starts (main: its /health 200 made it the run's server, and the run used it): the readiness
+    check finds that the answer is not from the server launched, in one line naming the port; the launched
+    server is stopped."""
+    from test_server import _fake_on, stop_fake, vllm_children
+
+    from lit_ess.engines.vllm_server import free_port
+
+    port, log, taken = free_port(), tmp_path / "server.log", {}
+
+    def take_the_port():             # once the server is launched (its log exists), before vLLM binds (>5 s here)
+        deadline = time.monotonic() + 60
+        while not log.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        taken["httpd"] = _fake_on(port)
+
+    thread = threading.Thread(target=take_the_port)
+    thread.start()
+    try:
+        with pytest.raises(ServerError, match=rf"vLLM server http://127\.0\.0\.1:{port}.*: GET /health answered "
+                                              rf"200 from another process than the server launched \(pid \d+\): "
+                                              rf"127\.0\.0\.1:{port} is in use by pid {os.getpid()} ") as e:
+            VLLMServerConfig(port=port, startup_timeout=60, log_file=str(log)).build(tiny_model_dir)
+        assert "\n" not in str(e.value)
+    finally:
+        thread.join()
+        if "httpd" in taken:
+            stop_fake(taken["httpd"])
+    assert vllm_children(os.getpid()) == []

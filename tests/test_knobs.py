@@ -34,6 +34,9 @@ ROOTS = [PolicyModule, SFTModule, RolloutDataModule, SFTDataModule, ESSAlarm, En
 
 # (class, knob, value) -> the phrase of the class's docstring that gives the value its meaning
 DOCUMENTED = {
+    ("Reward", "weight", 0): "0 = logged, not trained on",
+    ("Reward", "weight", -1): "a negative weight = a penalty",
+    ("Reward", "weight", -0.5): "a negative weight = a penalty",
     ("PolicyModule", "weight_decay", 0): "weight_decay: AdamW weight decay, >= 0 (0 = none)",
     ("PolicyModule", "betas[0]", 0): "betas: AdamW betas, each in [0, 1)",
     ("PolicyModule", "betas[1]", 0): "betas: AdamW betas, each in [0, 1)",
@@ -59,7 +62,6 @@ DOCUMENTED = {
     ("StepProgressBar", "refresh_rate", 0): "(0 = off)",
     ("ModelSummary", "max_depth", 0): "(0 = no table, -1 = every depth)",
     ("ModelSummary", "max_depth", -1): "(0 = no table, -1 = every depth)",
-    ("WeightSync", "every_n_steps", None): "every_n_steps: not used",
     ("Objective", "entropy_coef", 0): "(0 = off)",
     ("Objective", "ref_kl_coef", 0): "(0 = off;",
     ("Objective", "norm_len", None): "None = the rollout's max_new_tokens",
@@ -199,7 +201,7 @@ def required(tiny_model_dir, tmp_path_factory):
     """Values for the constructor parameters without a default."""
     rows = tmp_path_factory.mktemp("knobs") / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    return {"model_path": tiny_model_dir, "path": str(rows)}
+    return {"model_path": tiny_model_dir, "path": str(rows), "fn": "exact_match"}     # fn: lit_ess.rewards.Reward
 
 
 def build(cls: type, required: dict, **override):

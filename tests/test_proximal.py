@@ -165,25 +165,6 @@ def test_p3o_anchor_on_rows_older_than_their_proximal_policy_warns_once(tiny_mod
         m.accumulate_gradients(replace(phase[0], proximal=Proximal(2, "own_pass")))
 
 
-@pytest.mark.e2e
-def test_a_config_that_lists_the_old_callback_runs_the_same_with_one_note(tiny_model_dir, tmp_path):
-    """`lit_ess.callbacks.ProximalLogprobs` in trainer.callbacks (configs written for it) is accepted through
-    LightningCLI: the same losses as without it (the module scores pi_prox itself), one note on stderr."""
-    from e2e_utils import cli, rl_config, scalars, write_config
-
-    losses = {}
-    for listed in (False, True):
-        out = tmp_path / f"listed_{listed}"
-        cfg = rl_config(tiny_model_dir, out, engine="HFConfig", max_steps=4, steps_per_rollout=2, objective="DecoupledPPO")
-        if listed:
-            cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.ProximalLogprobs"})
-        res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
-        assert res.returncode == 0, res.stderr[-4000:]
-        assert res.stderr.count("ProximalLogprobs does nothing") == int(listed), res.stderr[-2000:]
-        losses[listed] = scalars(out)["train/loss"]
-    assert len(losses[True]) == 4 and losses[True] == losses[False]
-
-
 class Recorded(L.pytorch.loggers.Logger):
     """A logger that keeps every (step, key) it is given."""
 

@@ -1,11 +1,13 @@
 """vLLM's own server as the rollout engine (lit_ess.engines.VLLMServerConfig): one server for the whole
 module (its start takes 60-140 s here), started by the documented command (`python -m
-lit_ess.engines.serve`) on the tiny model and used by URL; one more launched by `lit-ess fit` itself and
+lit_ess.engines.serve`) on the tiny model as a fleet's server (every interface, the shared token) and used
+by URL; one more launched by `lit-ess fit` itself and
 killed mid-run; the identity checks and faults against HTTP answers faked by a small local server
 (starting vLLM once per refusal would cost minutes)."""
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -378,8 +380,8 @@ def test_a_follower_waits_for_the_server_rank_0_is_launching(tiny_model_dir, fak
         FollowerConfig(urls=[f"http://127.0.0.1:{free_port()}"], startup_timeout=1).build(tiny_model_dir)
 
 
-def _fake_on(port: int) -> ThreadingHTTPServer:
-    httpd = QuietHTTPServer(("127.0.0.1", port), FakeVLLM)
+def _fake_on(port: int, handler=FakeVLLM) -> ThreadingHTTPServer:
+    httpd = QuietHTTPServer(("127.0.0.1", port), handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
@@ -615,29 +617,57 @@ def test_serve_reports_a_server_that_fails_to_start_with_its_log(tiny_model_dir,
     assert "--no-such-vllm-flag" in log.read_text()
 
 
+TOKEN_ENV = "LIT_ESS_SERVER_TOKEN"
+TOKEN = secrets.token_hex(16)           # the module server's shared secret: it listens on every interface
+
+
+def test_a_server_on_a_non_loopback_host_needs_a_shared_token(tiny_model_dir, tmp_path, monkeypatch):
+    """`serve --host 0.0.0.0` (reachable from other machines) without LIT_ESS_SERVER_TOKEN, or with a short one,
+    and a launched server given `--host 0.0.0.0` in server_args: refused in one line naming the variable,
+    before any vLLM starts (main: such a server started, its weight routes open to anyone on the network)."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    serve = [sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--host", "0.0.0.0", "--port",
+             str(free_port()), "--log-file", str(tmp_path / "server.log")]
+    for token, says in ((None, r"--host 0\.0\.0\.0 lets other machines reach the server's weight routes: set "
+                               r"LIT_ESS_SERVER_TOKEN to a shared secret of 16 characters or more"),
+                        ("short", r"LIT_ESS_SERVER_TOKEN is 5 characters: a shared secret needs 16 or more")):
+        env = dict(os.environ, **({TOKEN_ENV: token} if token else {}))
+        res = subprocess.run(serve, capture_output=True, text=True, timeout=60, env=env)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        assert re.fullmatch(rf"python -m lit_ess\.engines\.serve: error: {says}.*", res.stderr.strip()), res.stderr
+    assert not (tmp_path / "server.log").exists()
+    with pytest.raises(ValueError, match=r"^engine\.server_args --host 0\.0\.0\.0 lets other machines reach the "
+                                         r"server's weight routes: set LIT_ESS_SERVER_TOKEN"):
+        VLLMServerConfig(server_args=["--host=0.0.0.0"], startup_timeout=60).build(tiny_model_dir)
+
+
 # ---- one real server for the module, started by the documented command ----
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir, tmp_path_factory):
-    """`python -m lit_ess.engines.serve --model DIR --port P --max-model-len 256 --max-lora-rank 8`: its URL
-    once it prints that it is ready; SIGTERM stops it (and its vLLM) at the end of the module. (With LoRA on:
-    requests that name no adapter sample from the base weights, which every other test checks to 1e-5.)"""
+    """`python -m lit_ess.engines.serve --model DIR --host 0.0.0.0 --port P --max-model-len 256 --max-lora-rank 8`
+    with LIT_ESS_SERVER_TOKEN set, as a fleet's server: its URL on this machine once it prints that it is ready;
+    SIGTERM stops it (and its vLLM) at the end of the module. The token stays in the environment meanwhile, so
+    every client of the module (engines, `lit-ess fit` runs, the helpers here) sends it. (With LoRA on: requests
+    that name no adapter sample from the base weights, which every other test checks to 1e-5.)"""
     port, log = free_port(), tmp_path_factory.mktemp("served") / "server.log"
-    proc = subprocess.Popen([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port", str(port),
-                             "--max-model-len", "256", "--max-lora-rank", "8", "--startup-timeout", "300",
-                             "--log-file", str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.perf_counter()
-    while "ready in" not in (line := proc.stdout.readline()):
-        if not line:                                             # serve exited (or timed out) during start-up
-            pytest.fail(f"serve did not start: {proc.stderr.read()[-2000:]}")
-    print(f"{line.strip()} ({time.perf_counter() - t0:.0f} s)")
-    url = f"http://127.0.0.1:{port}"
-    assert url in line
-    SERVED_LOG[url] = log
-    yield url
-    proc.terminate()
-    assert proc.wait(60) == 0
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(TOKEN_ENV, TOKEN)
+        proc = subprocess.Popen([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--host",
+                                 "0.0.0.0", "--port", str(port), "--max-model-len", "256", "--max-lora-rank", "8",
+                                 "--startup-timeout", "300", "--log-file", str(log)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        t0 = time.perf_counter()
+        while "ready in" not in (line := proc.stdout.readline()):
+            if not line:                                             # serve exited (or timed out) during start-up
+                pytest.fail(f"serve did not start: {proc.stderr.read()[-2000:]}")
+        print(f"{line.strip()} ({time.perf_counter() - t0:.0f} s)")
+        url = f"http://127.0.0.1:{port}"
+        assert f":{port}" in line
+        SERVED_LOG[url] = log
+        yield url
+        proc.terminate()
+        assert proc.wait(60) == 0
 
 
 SERVED_LOG: dict[str, Path] = {}        # the module server's URL -> its log (uvicorn logs every call)
@@ -655,9 +685,28 @@ def server(served, tiny_model_dir):
     engine.close()
 
 
+def http(url: str, route: str, method: str = "GET", body: dict | None = None,
+         authorization: str | None = "token") -> tuple[int, str]:
+    """One call to a server: its status and text. `authorization`: the header sent ("token": the
+    environment's LIT_ESS_SERVER_TOKEN as a bearer token; None: no header)."""
+    import urllib.error
+
+    if authorization == "token":
+        authorization = f"Bearer {os.environ[TOKEN_ENV]}" if os.environ.get(TOKEN_ENV) else None
+    req = urllib.request.Request(url + route, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"content-type": "application/json",
+                                          **({"authorization": authorization} if authorization else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 def weight_label(url: str) -> str:
-    with urllib.request.urlopen(url + "/weight_info", timeout=10) as r:
-        return json.load(r)["weight_version"]
+    status, text = http(url, "/weight_info")
+    assert status == 200, (status, text)
+    return json.loads(text)["weight_version"]
 
 
 @pytest.fixture(scope="module")
@@ -764,8 +813,7 @@ def test_adapter_sync_through_the_server_is_on_policy(served, tiny_model_dir, tm
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 3 and min(ess) >= 0.9999, ess
     assert min(v for _, v in s["train/grad_norm"]) > 0 and "ess_alarm" not in res.stderr
-    with urllib.request.urlopen(served + "/v1/models", timeout=10) as r:
-        names = [m["id"] for m in json.load(r)["data"]]
+    names = [m["id"] for m in json.loads(http(served, "/v1/models")[1])["data"]]
     assert not any(n.startswith("lit-ess-") for n in names), names            # the run's adapters, unloaded at its end
     assert weight_label(served) == label
 
@@ -999,6 +1047,63 @@ def test_two_ranks_async_on_the_dedicated_server_rank_0_launches(tiny_model_dir,
     r0, r1 = _records(tmp_path / "prompts.jsonl"), _records(tmp_path / "prompts.jsonl.rank1")
     for a, b in zip(r0, r1, strict=True):
         assert not set(a["prompt_ids"]) & set(b["prompt_ids"]), "both ranks trained the same prompt"
+
+
+@pytest.mark.e2e
+def test_the_servers_routes_need_the_shared_token(served, tiny_model_dir):
+    """The module's server listens on every interface with LIT_ESS_SERVER_TOKEN set: its weight routes, and every
+    other route but GET /health, answer 401 to a request without the token, with another token, another scheme
+    or no scheme (main: vLLM's dev routes took anyone's call: the relabel below went through)."""
+    label = weight_label(served)
+    calls = [("POST", "/update_weight_version", {"new_version": "999"}),
+             ("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": tiny_model_dir}}),
+             ("POST", "/pause?mode=keep", None), ("POST", "/reset_prefix_cache", None),
+             ("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(tiny_model_dir)}),
+             ("POST", "/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 1}}),
+             ("GET", "/server_info", None), ("GET", "/weight_info", None), ("GET", "/version", None)]
+    try:
+        for method, route, body in calls:
+            for authorization in (None, "Bearer " + "0" * 32, f"Basic {TOKEN}", TOKEN):
+                status, text = http(served, route, method, body, authorization)
+                assert status == 401, (route, authorization, status, text)
+        assert http(served, "/health", authorization=None)[0] == 200
+    finally:
+        http(served, "/resume", "POST")                          # main: the pause above went through
+    assert weight_label(served) == label
+
+
+@pytest.mark.e2e
+def test_a_client_without_the_servers_token_is_refused_in_one_line_naming_it(served, tiny_model_dir, monkeypatch):
+    """An engine by URL whose process has no LIT_ESS_SERVER_TOKEN, or another one: one line naming the URL, the
+    401 and the variable (main: the server took its calls)."""
+    for token, says in ((None, "set LIT_ESS_SERVER_TOKEN to the server's"),
+                        ("0" * 32, "this process's LIT_ESS_SERVER_TOKEN is not the server's")):
+        if token is None:
+            monkeypatch.delenv(TOKEN_ENV)
+        else:
+            monkeypatch.setenv(TOKEN_ENV, token)
+        with pytest.raises(ServerError, match=rf"^vLLM server {served}: GET /version answered HTTP 401 .*{says}") as e:
+            VLLMServerConfig(urls=[served], startup_timeout=30).build(tiny_model_dir)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.e2e
+def test_a_second_server_on_the_port_of_a_running_one_is_refused_in_one_line(served, tiny_model_dir, tmp_path):
+    """An engine with `port: P` and `serve --port P` while the module's server listens on P (main: the engine
+    took that server for the one it launched and pushed its weights into it): one line naming the port, who
+    holds it and the fix, before any vLLM starts."""
+    port = int(served.rsplit(":", 1)[1])
+    holder = rf"127\.0\.0\.1:{port} is in use by pid \d+ \(\S*python\S* -m vllm\.entrypoints\.openai\.api_server .*\)"
+    with pytest.raises(ValueError, match=rf"^engine\.port {port}: {holder}: a launched server needs a port of its "
+                                         rf"own: set another engine\.port, or port: null for a free one$"):
+        VLLMServerConfig(port=port, startup_timeout=60, log_file=str(tmp_path / "engine.log")).build(tiny_model_dir)
+    res = subprocess.run([sys.executable, "-m", "lit_ess.engines.serve", "--model", tiny_model_dir, "--port", str(port),
+                          "--log-file", str(tmp_path / "serve.log")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    said = res.stderr.strip()
+    assert re.fullmatch(rf"python -m lit_ess\.engines\.serve: error: --port {port}: {holder}: pass another --port",
+                        said), said
+    assert not (tmp_path / "engine.log").exists() and not (tmp_path / "serve.log").exists()
 
 
 # ---- users' agents through the server (lit_ess.envs.agent) ----

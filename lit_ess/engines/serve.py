@@ -1,17 +1,22 @@
 """Start a vLLM server that `lit_ess.engines.VLLMServerConfig(urls=[...])` can use, on any machine,
 with exactly the flags of the server lit-ess launches itself (`vllm_server.server_command`); prints
-its URL when it answers /health and runs until Ctrl-C or SIGTERM, which stop it.
+its URL when it answers /health and runs until Ctrl-C or SIGTERM, which stop it. A port another
+process holds is refused, naming it; a host other machines reach needs the fleet's shared token:
 
-    python -m lit_ess.engines.serve --model runs/demo/sft --port 8000 [--host 10.0.0.5] [extra vLLM flags]
+    python -m lit_ess.engines.serve --model runs/demo/sft --port 8000 [extra vLLM flags]
+    LIT_ESS_SERVER_TOKEN=<secret> python -m lit_ess.engines.serve --model runs/demo/sft --port 8000 --host 10.0.0.5
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
-from .vllm_server import LaunchedServer, VLLMServerConfig, server_command, server_env
+from .guard import TOKEN_ENV
+from .vllm_server import VLLMServerConfig, launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="the model folder the trainer starts from (model.model_path)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1",
-                   help="interface to listen on; the weight routes are unauthenticated: use a private one")
+                   help=f"interface to listen on; any but loopback needs the shared secret {TOKEN_ENV} in the "
+                        f"environment, here and where the trainer runs (every route but /health wants it)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -39,13 +45,18 @@ def main(argv: list[str] | None = None) -> int:
                              max_lora_rank=args.max_lora_rank)
     except ValueError as e:
         p.error(str(e))
-    url = f"http://{args.host}:{args.port}"
+    try:                                # a port taken, a host other machines reach without the shared token
+        server = launch(args.model, c, args.host, args.port, args.log_file, serve=True)
+    except ValueError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))           # SIGTERM stops the server as Ctrl-C does
-    server = LaunchedServer(server_command(args.model, c, args.host, args.port), server_env(c), args.log_file, url)
-    print(f"starting vLLM for {args.model} (log: {server.log_file})", flush=True)
+    wildcard = args.host in ("0.0.0.0", "::", "")
+    url = f"http://{socket.gethostname() if wildcard else args.host}:{args.port}"     # what other machines name
     try:
         seconds = server.wait_ready(args.startup_timeout)
-        print(f"ready in {seconds:.0f} s: {url}   (engine: {{class_path: lit_ess.engines.VLLMServerConfig, "
+        guarded = f"clients send ${TOKEN_ENV}; " if os.environ.get(TOKEN_ENV) else ""
+        print(f"ready in {seconds:.0f} s: {url}   ({guarded}engine: {{class_path: lit_ess.engines.VLLMServerConfig, "
               f"init_args: {{urls: [{url}], dtype: {args.dtype}"
               f"{f', max_lora_rank: {args.max_lora_rank}' if args.max_lora_rank else ''}}}}})", flush=True)
         return server.proc.wait()

@@ -35,7 +35,10 @@ adapter before is unloaded at the next push, once no request can name it, and th
 The dev routes need `VLLM_SERVER_DEV_MODE=1`, the token route `--enable-scale-out`; both are checked at
 start, with the vLLM version, processed logprobs, the dtype and the model (`model_fingerprint`), and a
 server that fails a check is refused with the flag to add. The dev routes are not guarded by
-`--api-key`: bind servers to a private interface (a launched server listens on 127.0.0.1).
+`--api-key`; every server lit-ess starts runs lit_ess/engines/guard.py's middleware: with
+LIT_ESS_SERVER_TOKEN set (required on a non-loopback host) every route but /health wants that token,
+which this client sends. A launched server listens on 127.0.0.1, on a port checked free, and its
+readiness check reads back the id it was launched with: no other process is taken for it.
 
 Faults: a server that refuses connections, resets them, gives no answer within its timeout
 (startup_timeout for a server by URL's first answer, request_timeout for generation and a drain's pause,
@@ -73,6 +76,7 @@ from ..knobs import check
 from ..lora import is_adapter_payload
 from .base import (Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit,
                    derive_seed, devices_env)
+from .guard import ID_ENV, ID_HEADER, auth_headers, exposure_error, listener, port_holder, unauthorized_hint
 from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs
 
 VLLM_SERIES = "0.32."       # the vLLM release lit-ess is written against (pyproject.toml pins it)
@@ -98,7 +102,8 @@ class VLLMServerConfig(EngineConfig):
         kv_cache_gib: launched server on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).
         enforce_eager: launched server: no CUDA graphs / compilation (faster start).
         seed: launched server: the engine's own seed, an integer >= 0 (each request also gets a derived seed).
-        port: launched server: its port on 127.0.0.1; None = a free one.
+        port: launched server: its port on 127.0.0.1, which must be free (a port another process holds is
+            refused, naming that process); None = a free one.
         server_args: launched server: more command-line flags, as they are (e.g. ["--max-num-seqs", "512"]).
         log_file: launched server: where its output goes; None = a file in the temp folder. Every error
             names it.
@@ -301,7 +306,8 @@ def server_command(model_path: str, c: VLLMServerConfig, host: str, port: int) -
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
            "--served-model-name", served_model_name(model_path), "--dtype", c.dtype,
            "--gpu-memory-utilization", str(gmu), "--seed", str(c.seed), "--logprobs-mode", "processed_logprobs",
-           "--enable-scale-out", "--generation-config", "vllm", "--host", host, "--port", str(port)]
+           "--enable-scale-out", "--generation-config", "vllm", "--middleware", "lit_ess.engines.guard.Guard",
+           "--host", host, "--port", str(port)]
     if c.max_model_len is not None:
         cmd += ["--max-model-len", str(c.max_model_len)]
     if c.enforce_eager:
@@ -316,8 +322,11 @@ def server_command(model_path: str, c: VLLMServerConfig, host: str, port: int) -
 
 
 def server_env(c: VLLMServerConfig) -> dict[str, str]:
-    """The launched server's environment: dev routes on, one OpenMP thread unless the caller set more."""
+    """The launched server's environment: dev routes on, one OpenMP thread unless the caller set more, and
+    this lit-ess first on the path (the server imports its guard middleware)."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    root = str(Path(__file__).resolve().parents[2])            # the folder holding this lit_ess package
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     if c.max_lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"             # the /v1/load_lora_adapter route
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(max(1, c.kv_cache_gib))))
@@ -338,11 +347,44 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
 
 
-class LaunchedServer:
-    """A vLLM server process on this machine, in its own process group, its output in `log_file`."""
+STARTUP_PROGRESS_S = 15.0      # a console line every this many seconds while a launched server starts
 
-    def __init__(self, cmd: list[str], env: dict, log_file: str | None, url: str):
-        self.url = url
+
+def launch(model_path: str, c: VLLMServerConfig, host: str, port: int, log_file: str | None,
+           serve: bool = False) -> LaunchedServer:
+    """Launch a server for `model_path` on `host`:`port` (vLLM's last --host in `c.server_args` wins) once it
+    is known to be lit-ess's alone: the port is free, and a host other machines reach has the shared token (one
+    line naming the knob otherwise: `serve`'s flags, or the engine's); it is given a new id, which its
+    readiness check reads back (lit_ess/engines/guard.py)."""
+    cmd = server_command(model_path, c, host, port)
+    host = _last_host(cmd)
+    where = f"--host {host}" if serve or host == "127.0.0.1" else f"engine.server_args --host {host}"
+    if (error := exposure_error(host, where)) is not None:
+        raise ValueError(error)
+    fix = "pass another --port" if serve else ("a launched server needs a port of its own: set another engine.port, "
+                                               "or port: null for a free one")
+    if (held := port_holder(host, port)) is not None:
+        raise ValueError(f"{'--port' if serve else 'engine.port'} {port}: {held}: {fix}")
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+    server_id = uuid.uuid4().hex
+    return LaunchedServer(cmd, dict(server_env(c), **{ID_ENV: server_id}), log_file, f"http://{local}:{port}",
+                          server_id, fix)
+
+
+def _last_host(cmd: list[str]) -> str:
+    """The host a server command listens on: its last `--host X` or `--host=X` (argparse's rule)."""
+    last = max(i for i, a in enumerate(cmd) if a == "--host" or a.startswith("--host="))
+    return cmd[last + 1] if cmd[last] == "--host" and last + 1 < len(cmd) else cmd[last].partition("=")[2]
+
+
+class LaunchedServer:
+    """A vLLM server process on this machine, in its own process group, its output in `log_file`. With a
+    `server_id` (`launch`), readiness is a /health answer carrying that id; `fix` ends the error when another
+    process answers instead."""
+
+    def __init__(self, cmd: list[str], env: dict, log_file: str | None, url: str, server_id: str | None = None,
+                 fix: str = ""):
+        self.url, self.server_id, self.fix = url, server_id, fix
         if log_file is None:
             fd, log_file = tempfile.mkstemp(prefix=f"lit-ess-vllm-server-{os.getpid()}-", suffix=".log")
             os.close(fd)
@@ -352,23 +394,37 @@ class LaunchedServer:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, preexec_fn=_die_with_parent)
         atexit.register(self.stop)
+        print(f"lit-ess: starting a vLLM server at {self.url} (log: {self.log_file})", file=sys.stderr, flush=True)
 
     def wait_ready(self, timeout: float) -> float:
-        """Seconds until GET /health answers 200; one-line errors if the process exits or time runs out."""
+        """Seconds until GET /health answers 200 (with this server's id, when it has one); one-line errors if
+        the process exits, another process answers, or time runs out."""
         import urllib.error
+        import urllib.parse
         import urllib.request
 
-        t0 = time.perf_counter()
+        t0 = said = time.perf_counter()
         while time.perf_counter() - t0 < timeout:
+            if time.perf_counter() - said >= STARTUP_PROGRESS_S:      # the console: still waiting, and how long
+                said = time.perf_counter()
+                print(f"lit-ess: waiting for the vLLM server at {self.url}: {said - t0:.0f} s "
+                      f"(engine.startup_timeout {timeout:.0f} s)", file=sys.stderr, flush=True)
             if (rc := self.proc.poll()) is not None:
                 raise RuntimeError(f"the vLLM server for {self.url} exited with code {rc} during start-up: "
                                    f"{self.last_line()!r} (log: {self.log_file})")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - t0
+                    ready, answered_by = r.status == 200, r.headers.get(ID_HEADER)
             except (urllib.error.URLError, OSError):
-                pass
+                ready = False
+            if ready and self.server_id in (None, answered_by):
+                return time.perf_counter() - t0
+            if ready:                   # not the server launched: another process listens on its port
+                self.stop()
+                at = urllib.parse.urlsplit(self.url)
+                raise ServerError(f"vLLM server {self.url}; server log: {self.log_file}: GET /health answered 200 from "
+                                  f"another process than the server launched (pid {self.proc.pid}): "
+                                  f"{at.hostname}:{at.port} is in use by {listener(at.port)}: {self.fix}")
             time.sleep(1.0)
         self.stop()
         raise RuntimeError(f"the vLLM server for {self.url} was not ready after {timeout:.0f} s (engine.startup_timeout; "
@@ -473,11 +529,10 @@ class VLLMServerEngine(RolloutEngine):
                 self.urls = [u.rstrip("/") for u in c.urls]
             else:
                 port = c.port if c.port is not None else free_port()
-                url = f"http://127.0.0.1:{port}"
-                self.server = LaunchedServer(server_command(model_path, c, "127.0.0.1", port), server_env(c),
-                                             c.log_file, url)
-                self.urls = [url]
-                self.server.wait_ready(c.startup_timeout)
+                self.server = launch(model_path, c, "127.0.0.1", port, c.log_file)
+                self.urls = [self.server.url]
+                seconds = self.server.wait_ready(c.startup_timeout)
+                print(f"lit-ess: vLLM server ready at {self.server.url} after {seconds:.0f} s", file=sys.stderr, flush=True)
             self.outstanding = {u: 0 for u in self.urls}
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
@@ -564,7 +619,8 @@ class VLLMServerEngine(RolloutEngine):
         # idle connections close before uvicorn's 5 s keep-alive does: reusing one it has closed fails the request.
         # No connection limit: `slots` bounds the generate requests, and a control call must never queue behind
         # them (an in-flight update's /pause would wait for the very requests it should freeze)
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+                                     headers=auth_headers())     # the fleet's shared token (lit_ess/engines/guard.py)
 
     def _run(self, coro):
         """Run `coro` on the client's event loop (its own thread) and wait for its result."""
@@ -638,6 +694,8 @@ class VLLMServerEngine(RolloutEngine):
         server out (`gone_on_5xx`), or is an error of the call (a load that failed inside: the server is fine)."""
         call = what or f"{method} {route}"
         status, text = await self._request(url, method, route, body, knob, call)
+        if status == 401 and 401 not in ok:
+            raise ServerError(f"{self._where(url)}: {call} answered HTTP 401 (unauthorized): {unauthorized_hint()}")
         if status not in ok:
             error = ServerGone if status >= 500 and gone_on_5xx else ServerError
             raise error(f"{self._where(url)}: {call} answered HTTP {status}: {text[:300]!r}")

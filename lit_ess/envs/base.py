@@ -16,7 +16,7 @@ Which environment plays, and the runner's limits: `EnvConfig` (config.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Union
 
 from lit_ess.rewards import RewardError
@@ -41,9 +41,11 @@ class EnvError(RewardError):
 @dataclass(frozen=True)
 class Example:
     """A prompt-source example, what an environment starts an episode from (lit_ess.datamodules.prompts
-    re-exports it: prompt sources make them). `prompt` is text, or chat messages (lit_ess.chat)."""
+    re-exports it: prompt sources make them). `prompt` is text, or chat messages (lit_ess.chat).
+    `columns`: the dataset row's fields, which a reward may take by name (lit_ess.rewards.bind)."""
     prompt: str | list[Message]
     answer: str
+    columns: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

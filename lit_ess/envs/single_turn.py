@@ -9,23 +9,29 @@ thread busy here.
 """
 from __future__ import annotations
 
-from lit_ess.rewards import resolve_reward
+from lit_ess.rewards import bind
 
 from .base import Action, Environment, Example, Step
 
 
 class SingleTurn(Environment):
     """Args:
-        reward: a built-in reward name (exact_match, gsm8k, math_verify) or 'module:function'.
+        reward: a built-in reward name (exact_match, gsm8k, math_verify) or 'module:function', one sample
+            at a time (it may take prompt, completion, answer and the row's columns by name).
     """
 
     def __init__(self, reward: str = "exact_match"):
-        self.reward = resolve_reward(reward)
-        self.answer = ""
+        self.reward = bind(reward)
+        if self.reward.batched or self.reward.is_async:
+            raise ValueError(f"SingleTurn(reward={reward!r}): an episode scores one completion with a plain function; "
+                             f"name it as data.reward instead (batched and async rewards are scored there)")
+        self.example = Example("", "")
 
     def reset(self, example: Example) -> str:
-        self.answer = example.answer
+        self.example = example
         return example.prompt
 
     def step(self, action: Action) -> Step:
-        return Step(reward=self.reward(action.text, self.answer), done=True)
+        e = self.example
+        return Step(reward=self.reward.call(self.reward.kwargs([e.prompt], [action.text], [e.answer], [e.columns])[0]),
+                    done=True)

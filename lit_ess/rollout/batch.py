@@ -134,7 +134,6 @@ class RolloutBatch:
 
     @classmethod
     def from_state(cls, state: dict) -> "RolloutBatch":
-        state = _current(state)
         return cls(**{f.name: _typed(f, state[f.name]) if k == CONFIG else state[f.name]
                       for f, k in declared(cls) if f.name in state})
 
@@ -199,21 +198,6 @@ def _plain(value):
 
 def _typed(f: Field, value):
     return value if value is None or isinstance(value, f.metadata["cls"]) else f.metadata["cls"](**value)
-
-
-def _current(state: dict) -> dict:
-    """A checkpointed batch in this layout: states written with the sampling settings as one dict (holding
-    `engine_dtype`) and the proximal step as an int (-1: none) are converted."""
-    state = dict(state)
-    if isinstance(state.get("sampling"), dict) and "engine_dtype" in state["sampling"]:
-        settings = dict(state["sampling"])
-        state["engine_dtype"] = settings.pop("engine_dtype")
-        state["sampling"] = replace(SamplingConfig(), **settings)
-    if "prox_version" in state:
-        step = state.pop("prox_version")
-        state["proximal"] = None if step < 0 else Proximal(step, "scored" if state.get("prox_logprobs") is not None
-                                                              else "own_pass")
-    return state
 
 
 @dataclass(kw_only=True)

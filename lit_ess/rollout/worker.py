@@ -55,6 +55,7 @@ class RolloutRequest:
     prompt_texts: list[str]
     answers: list[str]
     prompt_keys: list[int] | None = None
+    columns: list[dict] | None = None     # each prompt's dataset row, for rewards that take columns by name
 
 
 @dataclass
@@ -67,6 +68,8 @@ class EvalRequest:
     keys: list[int]
     n: int = 1
     sampling: SamplingConfig | None = None
+    prompt_texts: list[str] | None = None
+    columns: list[dict] | None = None
 
 
 @dataclass
@@ -83,7 +86,7 @@ class WorkerConfig:
     model_path: str
     engine: EngineConfig
     sampling: SamplingConfig
-    reward: str = "exact_match"
+    reward: str | list = "exact_match"      # data.reward: a name or a list of lit_ess.rewards.Reward
     reward_timeout: float = 5.0
     samples_per_prompt: int = 8
     steps_per_rollout: int = 1
@@ -165,7 +168,7 @@ class RolloutWorker:
             return groups, texts, time.perf_counter() - t0, None
         from lit_ess.envs.base import Example
 
-        examples = [Example(p, a) for p, a in zip(req.prompt_texts, req.answers)]
+        examples = [Example(p, a, r) for p, a, r in zip(req.prompt_texts, req.answers, _rows(req.columns, len(req.answers)))]
         eps = self.runner.run(self.engine, examples, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
         groups = [eps[i * n:(i + 1) * n] for i in range(len(req.prompts))]
         return groups, [e.text() for e in eps], time.perf_counter() - t0, self.runner.state_dict()
@@ -177,8 +180,9 @@ class RolloutWorker:
         n = self.config.samples_per_prompt
         t0 = time.perf_counter()
         if self.runner is None:
-            answers = [a for a in req.answers for _ in range(n)]
-            rewards = torch.tensor(self.scorer(texts, answers), dtype=torch.float32).view(len(groups), n)
+            rewards = self.scorer(texts, _repeat(req.answers, n), _repeat(req.prompt_texts, n),
+                                  _repeat(_rows(req.columns, len(groups)), n))
+            rewards = torch.tensor(rewards, dtype=torch.float32).view(len(groups), n)
         else:
             rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
         return rewards, time.perf_counter() - t0
@@ -218,6 +222,7 @@ class RolloutWorker:
 
         stats = {
             "rollout/reward_mean": float(rewards.mean()),
+            **({f"train/reward/{k}": v for k, v in self.scorer.parts.items()} if isinstance(c.reward, list) else {}),
             "rollout/reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
             "rollout/rows": float(rewards.numel()),
             "rollout/response_len": float(lengths.mean()),
@@ -258,7 +263,8 @@ class RolloutWorker:
                 [len(s.token_ids) for g in groups for s in g])
 
     def score_eval(self, req: "EvalRequest", texts: list[str], lengths: list[int]) -> dict[str, torch.Tensor]:
-        rewards = self.scorer(texts, [a for a in req.answers for _ in range(req.n)])
+        rewards = self.scorer(texts, _repeat(req.answers, req.n), _repeat(req.prompt_texts or [""] * len(req.answers), req.n),
+                              _repeat(_rows(req.columns, len(req.answers)), req.n))
         return {"reward": torch.tensor(rewards, dtype=torch.float32).view(-1, req.n),
                 "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
 
@@ -269,3 +275,13 @@ class RolloutWorker:
         if self.runner is not None:
             self.runner.close()
         self.engine.close()
+
+
+def _repeat(xs: list, n: int) -> list:
+    """Per prompt -> per sample: each item n times, in order."""
+    return [x for x in xs for _ in range(n)]
+
+
+def _rows(columns: list[dict] | None, k: int) -> list[dict]:
+    """Each prompt's dataset row (empty for a request of earlier releases, or a source without columns)."""
+    return columns if columns is not None else [{}] * k

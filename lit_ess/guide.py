@@ -1,0 +1,246 @@
+"""What `lit-ess` says to its user besides the run: its own `--help`, the pointer at the top of `fit --help`,
+the one line for `test`/`predict` (not offered), "did you mean" for a mistyped key or subcommand, and the
+block at the end of `fit` that says where the checkpoint, the exported model and the logs went.
+
+Lightning's stock text describes a generic Trainer tool and lists every Trainer flag first (`fit --help`
+is ~490 lines, the lit-ess knobs at its end); jsonargparse names a mistyped key without a suggestion
+("Option 'lrr' is not accepted"), and Python's argparse a mistyped subcommand without one.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import typing
+from pathlib import Path
+
+from jsonargparse import DefaultHelpFormatter
+
+SUBCOMMANDS = ("fit", "validate")
+DOCS = "docs/quickstart.md and docs/configuration.md in the lit-ess repository (`mkdocs serve` there)"
+
+HELP = f"""\
+RL post-training of language models on PyTorch Lightning: vLLM (or transformers) samples, the trainer
+learns with P3O (the batch's effective sample size in place of a clip range) or GRPO, DAPO, GSPO, CISPO,
+decoupled PPO or REINFORCE. A run is one YAML config: the policy (model), the prompts, engine and reward
+(data) and the Trainer.
+
+First commands:
+  lit-ess-tiny runs/demo/init                       build a tiny offline model (or use an HF model name)
+  lit-ess fit --config configs/demo_sft.yaml        supervised warm start of the demo
+  lit-ess fit --config configs/demo.yaml            RL with P3O; --ckpt_path last resumes it
+  lit-ess fit --config configs/demo.yaml --print_config     every knob with its value
+
+Then: lit-ess validate --config CONFIG --ckpt_path CKPT (held-out metrics), lit-ess-export CKPT DIR
+(a Hugging Face folder).
+Docs: {DOCS}."""
+
+FIT_HELP = """\
+Train: RL (lit_ess.module.PolicyModule with lit_ess.datamodules.RolloutDataModule) or SFT (lit_ess.sft.SFTModule
+with lit_ess.datamodules.SFTDataModule), as the config's class_path says.
+
+The lit-ess knobs:
+  --model.help PolicyModule         the policy: model_path, objective, lr, micro-batches, LoRA, ...
+  --data.help RolloutDataModule     prompts (source), engine, sampling, reward, batch shape, async mode
+  --print_config                    the whole config with every value (after --config and other flags)
+  --model.init_args.KEY VALUE       set one, e.g. --model.init_args.lr 1e-4, --data.init_args.reward KEY
+Lightning's Trainer flags (--trainer.*) follow below; the lit-ess knobs are under --model and --data."""
+
+# the one-line help of each subcommand in `lit-ess --help` (Lightning's are the Trainer methods' docstrings)
+SUMMARY = {"fit": "train (RL or SFT) as the config says; --ckpt_path last resumes",
+           "validate": "held-out metrics of a checkpoint (--ckpt_path CKPT)"}
+
+VALIDATE_HELP = """\
+Held-out metrics (val/pass@k, val/reward_mean) of a checkpoint: --config CONFIG --ckpt_path CKPT; the prompts
+come from data.val_source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
+
+NOT_OFFERED = {
+    "test": "`lit-ess test` is not offered (the policy has no test step): held-out metrics come from "
+            "`lit-ess validate --config CONFIG --ckpt_path CKPT` with data.val_source",
+    "predict": "`lit-ess predict` is not offered: export the policy (`lit-ess-export CKPT DIR`) and sample from DIR "
+               "with vLLM or transformers, or run `lit-ess validate --config CONFIG --ckpt_path CKPT`",
+}
+
+
+class Formatter(DefaultHelpFormatter):
+    """jsonargparse's help formatter, with descriptions printed as written (their line breaks kept)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+def parser_kwargs() -> dict:
+    """LightningCLI's parser_kwargs: our description for the command and for each subcommand, the
+    subcommands' usage line short (argparse would list all ~60 options first)."""
+    usage = "%(prog)s --config CONFIG [--KEY VALUE ...] [--print_config]"
+    return {"prog": "lit-ess", "description": HELP, "formatter_class": Formatter,
+            "fit": {"description": FIT_HELP, "usage": usage, "formatter_class": Formatter},
+            "validate": {"description": VALIDATE_HELP, "usage": usage + " [--ckpt_path CKPT]",
+                         "formatter_class": Formatter}}
+
+
+def not_offered(args: list[str]) -> str | None:
+    """The one line for a subcommand lit-ess lists no more (`test`, `predict`), else None."""
+    return NOT_OFFERED.get(_first_word(args) or "")
+
+
+def _first_word(args: list[str]) -> str | None:
+    """The subcommand: the first argument that is neither an option nor the value of -c/--config."""
+    i = 0
+    while i < len(args):
+        if args[i] in ("-c", "--config"):
+            i += 2
+            continue
+        if not args[i].startswith("-"):
+            return args[i]
+        i += 1
+    return None
+
+
+# ------------------------------------------------------------------ did you mean
+def did_you_mean(message: str, inputs: dict[str, object]) -> str:
+    """`message` (a parse error of jsonargparse or argparse) with "; did you mean KEY?" when the unknown key
+    or subcommand it names is close to a known one (no subcommand at all: a pointer to --help).
+    inputs: the user's keys (dotted, from the config files and the command line, `flat_inputs`) with
+    their values, to find where a key sits and which class it belongs to."""
+    if re.search(r'"subcommand" .* not provided', message):
+        return f"{message.rstrip('.')}: `lit-ess --help` says what to run first"
+    if m := re.search(r"invalid choice: '([^']*)'", message):
+        hint = _close(m.group(1), [*SUBCOMMANDS, *NOT_OFFERED])
+        return f"{message}; did you mean '{hint}'?" if hint in SUBCOMMANDS else message
+    m = (re.search(r"accept option '([^']+)'", message) or re.search(r"unrecognized arguments: --([^\s=]+)", message)
+         or re.search(r"Option '([^']+)' is not accepted", message))
+    if m is None:
+        return message
+    name = m.group(1)                  # the whole key, or its end (jsonargparse names the part it got to)
+    paths = [k for k in inputs if k == name or k.endswith(f".{name}")] or [name]
+    for path in paths:
+        parent, _, leaf = path.rpartition(".")
+        names = _parameters(_class_at(parent, inputs)) if parent else []
+        if hint := _close(leaf, names):
+            return f"{message}; did you mean {parent}.{hint}?"
+    return message
+
+
+def _close(word: str, choices) -> str | None:
+    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def flat_inputs(sources: list[tuple[str, object]]) -> dict[str, object]:
+    """{dotted key: value} of (key, value) pairs whose values may be nested dicts (a config file's content
+    under the key "")."""
+    flat: dict[str, object] = {}
+
+    def walk(prefix: str, value) -> None:
+        flat.pop(prefix, None)                        # given again later: the later one wins, and comes last
+        flat[prefix] = value
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+    for key, value in sources:
+        walk(key.rstrip("+"), value)
+    flat.pop("", None)
+    return flat
+
+
+ROOTS = {"trainer": "lightning.pytorch.Trainer"}
+SHORT = ("lit_ess.module", "lit_ess.sft", "lit_ess.datamodules", "lit_ess.callbacks", "lit_ess.objectives",
+         "lit_ess.engines", "lightning.pytorch.callbacks", "lightning.pytorch.loggers")
+
+
+def _class_at(path: str, inputs: dict[str, object]):
+    """The class whose arguments the dotted `path` holds (`model.init_args` -> the model's class,
+    `data.init_args.sampling` -> SamplingConfig), from the class_path the user gave or a parameter's type;
+    None when it cannot be told."""
+    parts = [p for p in path.split(".") if p != "init_args"]
+    cls, seen = None, []
+    for part in parts:
+        seen.append(part)
+        given = _class_path(inputs, seen)
+        if given is not None:
+            cls = _import(given)
+        elif not seen[:-1]:
+            cls = _import(ROOTS.get(part, ""))
+        else:
+            cls = _annotated_class(cls, part)
+        if cls is None:
+            return None
+    return cls
+
+
+def _class_path(inputs: dict[str, object], parts: list[str]) -> str | None:
+    """The class_path the user gave for the key `parts` (with or without init_args between), if any."""
+    for key, value in reversed(inputs.items()):      # the last given wins, as in jsonargparse
+        keyed = [p for p in key.split(".") if p != "init_args"]
+        if keyed == [*parts, "class_path"] and isinstance(value, str):
+            return value
+        if keyed == parts and isinstance(value, str) and re.fullmatch(r"[\w.]+", value):
+            return value            # --model PolicyModule, objective: GRPO
+    return None
+
+
+def _import(name: str):
+    if not name:
+        return None
+    candidates = [name] if "." in name else [f"{m}.{name}" for m in SHORT]
+    for dotted in candidates:
+        module, _, attr = dotted.rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def _annotated_class(owner, name: str):
+    """The class a parameter `name` of `owner` is typed as (Optional/Union: its first class), or None."""
+    if owner is None:
+        return None
+    try:
+        hints = typing.get_type_hints(owner.__init__)
+    except Exception:                 # noqa: BLE001 -- a hint that does not resolve: no suggestion
+        return None
+    todo = [hints.get(name)]
+    while todo:
+        hint = todo.pop(0)
+        if inspect.isclass(hint) and hint.__module__ != "builtins":
+            return hint
+        todo += list(typing.get_args(hint))
+    return None
+
+
+def _parameters(cls) -> list[str]:
+    if cls is None:
+        return []
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+# ------------------------------------------------------------------ end of fit
+def wrap_up(trainer, checkpoints: list[Path], exports: list[str]) -> str:
+    """The block printed when `fit` ends: where the newest checkpoint, the exported model and the logs are
+    (paths under the current folder relative to it, as configs give them)."""
+    rows = [("checkpoint", f"{_shown(checkpoints[0])}  (resume: --ckpt_path last)" if checkpoints else
+             "none written (add a ModelCheckpoint to trainer.callbacks)")]
+    rows += [("model", f"{_shown(d)}  (Hugging Face folder: model_path of a later run, or vLLM)") for d in exports] or \
+        [("model", "not exported (lit_ess.callbacks.ExportHF, or lit-ess-export CKPT DIR)")]
+    for lg in trainer.loggers:
+        folder = getattr(lg, "log_dir", None) or getattr(lg, "save_dir", None)
+        if folder:
+            how = f"  (tensorboard --logdir {_shown(folder)})" if type(lg).__name__ == "TensorBoardLogger" else ""
+            rows.append(("logs", f"{_shown(folder)}{how}"))
+    if not trainer.loggers:
+        rows.append(("logs", "none (trainer.logger)"))
+    return "\n".join([f"lit-ess: fit done at step {trainer.global_step}:"] + [f"  {k:<12}{v}" for k, v in rows])
+
+
+def _shown(path) -> str:
+    """`path` relative to the current folder when it lies under it, else absolute."""
+    full = Path(path).resolve()
+    return str(full.relative_to(Path.cwd().resolve())) if full.is_relative_to(Path.cwd().resolve()) else str(full)
+
