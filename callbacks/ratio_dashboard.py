@@ -1,16 +1,19 @@
-"""RatioDashboard: TensorBoard histograms of the importance ratios and a custom-scalars layout.
+"""RatioDashboard: histograms of the importance ratios and a custom-scalars layout.
 
 Every `every_n_steps` it writes histograms of the step's token log-ratios log(pi_theta / pi_b) and of
 the capped weights min(rho, e_B) (P3O), of the rows' policy lag and of the trained tokens' lag (steps;
 below the row's oldest-token lag when the weights changed in flight, lit_ess.engines VLLMServerConfig
 weight_update: in_flight), gathered from all ranks and written by rank 0 (the logger is a
 dummy elsewhere). At fit start it writes a custom-scalars layout that groups ESS, KL, reward, lengths.
+They go to every logger of the trainer through lit_ess.trackers: TensorBoard and W&B show histograms,
+MLflow and others get p05/p50/p95 scalars (said once at start); the layout is TensorBoard's.
 """
 from __future__ import annotations
 
 import lightning as L
 import torch
 
+from lit_ess import trackers
 from lit_ess.knobs import check
 
 LAYOUT = {
@@ -28,15 +31,6 @@ LAYOUT = {
 }
 
 
-def _tensorboard(trainer):
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    for lg in trainer.loggers:
-        if isinstance(lg, TensorBoardLogger):
-            return lg.experiment
-    return None
-
-
 class RatioDashboard(L.Callback):
     """Histograms of the importance ratios and policy lag, and the custom-scalars layout.
 
@@ -45,15 +39,17 @@ class RatioDashboard(L.Callback):
         max_values: at most this many token values per histogram (a random subset beyond it; >= 1).
     """
 
+    writes = ("histograms", "layout")               # what lit_ess.trackers.notices checks the loggers for
+
     def __init__(self, every_n_steps: int = 1, max_values: int = 100_000):
         check("RatioDashboard.every_n_steps", every_n_steps, ge=1, integer=True)
         check("RatioDashboard.max_values", max_values, ge=1, integer=True)
         self.every_n_steps, self.max_values = every_n_steps, max_values
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        tb = _tensorboard(trainer)
-        if trainer.is_global_zero and tb is not None:
-            tb.add_custom_scalars(LAYOUT)
+        trackers.announce(trainer)
+        if trainer.is_global_zero:
+            trackers.log_layout(trainer, LAYOUT)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -67,17 +63,12 @@ class RatioDashboard(L.Callback):
             if t.numel() > self.max_values:
                 t = t[torch.randperm(t.numel())[: self.max_values]]
             gathered[name] = t
-        tb = _tensorboard(trainer)
-        if not trainer.is_global_zero or tb is None:
+        if not trainer.is_global_zero:
             return
-        if "log_ratio" in gathered and gathered["log_ratio"].numel():
-            tb.add_histogram("ratio/log_ratio", gathered["log_ratio"], step)
-        if "weight" in gathered and gathered["weight"].numel():
-            tb.add_histogram("ratio/capped_weight", gathered["weight"], step)
-        if "policy_lag" in gathered and gathered["policy_lag"].numel():
-            tb.add_histogram("rollout/policy_lag", gathered["policy_lag"], step)
-        if "token_lag" in gathered and gathered["token_lag"].numel():
-            tb.add_histogram("rollout/token_lag", gathered["token_lag"], step)
+        for name, key in (("log_ratio", "ratio/log_ratio"), ("weight", "ratio/capped_weight"),
+                          ("policy_lag", "rollout/policy_lag"), ("token_lag", "rollout/token_lag")):
+            if name in gathered and gathered[name].numel():
+                trackers.log_histogram(trainer, key, gathered[name], step)
 
 
 def _all_gather_varlen(t: torch.Tensor, device: torch.device) -> list[torch.Tensor]:

