@@ -128,12 +128,12 @@ def stress(axis: str) -> list[Cell]:
 
 
 # The mechanism experiments' per-step traces (lit_ess/gradient_profile.py and the objectives' metrics)
-TRACES = (("train/policy_lag", "lag of the step's rows"), ("train/kl_behavior", "KL(pi || pi_b), k3 per token"),
-          ("train/grad_norm", "gradient norm"), ("train/grad_scale", "|dL/dlp| / a plain policy gradient's"),
-          ("train/kl_grad_share", "P3O: KL term's share of |dL/dlp|"),
+TRACES = (("train/policy_lag", "lag of the step's rows"), ("train/kl_behavior", "KL(pi ‖ pi_b), k3 per token"),
+          ("train/grad_norm", "gradient norm"), ("train/grad_scale", "‖dL/dlp‖ / a plain policy gradient's"),
+          ("train/kl_grad_share", "P3O: KL term's share of ‖dL/dlp‖"),
           ("train/kl_grad_cos", "P3O: cos(policy-gradient term, KL term)"),
-          ("train/grad_share_rho_lo", "share of |dL/dlp| on rho < 1/2"),
-          ("train/grad_share_rho_hi", "share of |dL/dlp| on rho > 2"),
+          ("train/grad_share_rho_lo", "share of ‖dL/dlp‖ on rho < 1/2"),
+          ("train/grad_share_rho_hi", "share of ‖dL/dlp‖ on rho > 2"),
           ("train/capped_frac", "P3O: tokens capped (rho > e_B)"), ("train/sample_nll", "-log p of the samples"))
 
 EXPERIMENTS = {e.name: e for e in [
