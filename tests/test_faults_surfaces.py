@@ -264,7 +264,8 @@ def test_fit_with_another_service_on_the_launched_servers_port_is_one_line_namin
         line = fault_line(cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300), code=2)
     finally:
         stop_fake(httpd)
-    assert re.search(rf"engine\.port {port}: 127\.0\.0\.1:{port} is in use by pid {os.getpid()} \(.*python.*\): "
+    # the holder's command line as ps shows it (under pytest-xdist its process title, not "python ...")
+    assert re.search(rf"engine\.port {port}: 127\.0\.0\.1:{port} is in use by pid {os.getpid()} \(.+\): "
                      rf"a launched server needs a port of its own: set another engine\.port, or port: null", line), line
     assert "vLLM 0" not in line and not (tmp_path / "server.log").exists()
 
