@@ -3,8 +3,9 @@
 (a) the demo config (configs/demo.yaml: 32 prompts x 8 samples, P3O, 2-digit addition);
 (b) the same with a latency-bound reward: a verifier that waits 2 ms per completion (0.5 s per rollout
     of 256 completions), as remote sandboxes and judges do.
-Goal for (b): async <= 0.6x sync. In (a) generation and training both compute on the same 2 CPU
-cores, so overlapping them cannot make both faster; the number is reported as measured.
+Goal for (b): async <= 0.6x sync colocated, <= 0.8x on the dedicated server (issue 40). In (a)
+generation and training both compute on the same 2 CPU cores, so overlapping them cannot make both
+faster; the number is reported as measured.
 
 On `--devices` data-parallel ranks (DDP, default 2) async runs in both placements: colocated (a worker
 process per rank, each with its own in-process vLLM generating its half) and dedicated (every rank's
@@ -133,8 +134,8 @@ def main(argv=None):
                              "cpu_floor_ratio_per_round": floor, "cpu_floor_ratio_median": statistics.median(floor),
                              "sync_round_medians": rounds["sync"], "load_avg_1min_before_after": load,
                              "phase_split_per_round": splits}
-            goal = "  (goal <= 0.6)" if case.startswith("(b)") else ""
             for mode in modes[1:]:
+                goal = f"  (goal <= {0.8 if 'dedicated' in mode else 0.6})" if case.startswith("(b)") else ""
                 y = statistics.median(times[mode])
                 key = mode.replace(" ", "_")
                 per_round = [x / z for x, z in zip(rounds[mode], rounds["sync"])]

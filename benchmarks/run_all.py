@@ -82,8 +82,9 @@ def _async(j):
         latency = case.startswith("(b)")
         ratios = {k[:-len("_ratio")].replace("_", " "): v for k, v in r.items() if k.endswith("_ratio")} or {"async": r["ratio"]}
         for mode, ratio in ratios.items():
-            out.append(row(f"s/step, {mode} S=1 / sync, {ranks} rank(s), {case}", ratio, "<= 0.6" if latency else None,
-                           ratio <= 0.6 if latency else None))
+            goal = 0.8 if "dedicated" in mode else 0.6        # issue 40: a server fleet at <= 0.8x sync
+            out.append(row(f"s/step, {mode} S=1 / sync, {ranks} rank(s), {case}", ratio,
+                           f"<= {goal}" if latency else None, ratio <= goal if latency else None))
     return out
 
 

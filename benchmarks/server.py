@@ -3,7 +3,8 @@ prompts x 8 samples, <= 8 new tokens, fp32). Server and client share the machine
 configs/demo_server.yaml.
 
 (1) Engines alone, in this process: start-up seconds, seconds per generate call (the two engines
-    alternate, `--rounds` calls each, the median kept) and seconds per weight update.
+    alternate, `--rounds` calls each, the median kept; a prompt's group is one request in both, and
+    whether both drew the same tokens is recorded per round) and seconds per weight update.
 (2) Training, `lit-ess fit` of the demo config at the latency-bound shape (a verifier that waits 2 ms
     per completion, benchmarks.timing:waiting_exact_match): seconds per optimizer step of today's async
     worker (the in-process engine in its worker process, S = 1) against the server engine (the server
@@ -100,13 +101,15 @@ def main() -> None:
     local = VLLMConfig(max_model_len=256).build(model)
     local_start = time.perf_counter() - t0
 
-    gen = {"server": [], "in_process": []}
+    gen, same = {"server": [], "in_process": []}, []
     for r in range(args.rounds + 1):                                  # round 0 warms both up, not kept
+        drawn = []
         for name, engine in (("server", server), ("in_process", local)):
             t0 = time.perf_counter()
-            engine.generate(prompts, args.samples, s, call_seed=r)
+            drawn.append([[c.token_ids for c in g] for g in engine.generate(prompts, args.samples, s, call_seed=r)])
             if r:
                 gen[name].append(time.perf_counter() - t0)
+        same.append(drawn[0] == drawn[1])               # the same seeds: the same tokens from both engines
 
     hf = AutoModelForCausalLM.from_pretrained(model).eval()
     update = {"server": [], "in_process": []}
@@ -141,6 +144,7 @@ def main() -> None:
               "start_seconds": {"server": server_start, "in_process": local_start},
               "generate_seconds_median": med["generate"], "update_seconds_median": med["update"],
               "generate_ratio_server_over_in_process": med["generate"]["server"] / med["generate"]["in_process"],
+              "same_tokens_per_round": same,
               "generate_seconds_all": gen, "update_seconds_all": update}
     if any(fit.values()):
         worker = statistics.median(fit["async worker (in-process engine)"])

@@ -46,6 +46,44 @@ EPISODES = [("rollout/reward_mean", "training reward (1 / tries), last 10% of st
             ("rollout/turns", "policy turns per episode, last 10% of steps"), ("train/ess", "mean ESS e_B")]
 
 
+# How a run's samples were seeded: its summary's `seed_scheme` (lit_ess.engines.base.SEED_SCHEME when it ran);
+# summaries written before the field (before 2026-11-27) were all drawn per sample. Both draw from the same
+# distribution; a run drawn under one scheme is not repeated under the other.
+LEGACY_SEED_SCHEME = "per-sample"
+SEED_SCHEMES = {"per-sample": "one vLLM request per sample, seeded by (seed, step, prompt, sample)",
+                "per-group": "one vLLM request per prompt's group, sample j seeded with the group's seed + j"}
+
+
+def seed_scheme(run: dict) -> str:
+    """The seed scheme of a stored run (an entry of `_runs`)."""
+    return run["summary"].get("seed_scheme", LEGACY_SEED_SCHEME)
+
+
+def cell_seed_scheme(runs: list[dict]) -> str | None:
+    """Which seed scheme a cell's stored runs used: its name, `mixed (2 per-group, 1 per-sample of 3)`, or
+    None for a cell without runs."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[seed_scheme(r)] = counts.get(seed_scheme(r), 0) + 1
+    if len(counts) <= 1:
+        return next(iter(counts), None)
+    return f"mixed ({', '.join(f'{k} {name}' for name, k in sorted(counts.items()))} of {len(runs)})"
+
+
+def seed_schemes(name: str, exp, summaries: Path, scale: Scale) -> str:
+    """One sentence: the seed scheme of the experiment's stored runs, per cell where they differ."""
+    by: dict[str, list[str]] = {}
+    for cell in exp.cells[:scale.cells]:
+        if (scheme := cell_seed_scheme(_runs(summaries, name, cell)[0])) is not None:
+            by.setdefault(scheme, []).append(cell.label)
+    if len(by) == 1:
+        scheme = next(iter(by))
+        return f"Sampling seeds: every stored run **{scheme}** ({SEED_SCHEMES.get(scheme, scheme)})."
+    cells = "; ".join(f"**{scheme}**: {', '.join(f'`{c}`' for c in labels)}" for scheme, labels in by.items())
+    return (f"Sampling seeds, by cell ({'; '.join(f'{k}: {v}' for k, v in SEED_SCHEMES.items())}): {cells}."
+            if by else "")
+
+
 def read_curves(path: Path) -> dict[str, list[tuple[int, float]]]:
     """A summary's curves.csv (a row per step, a column per scalar, empty where not logged)."""
     out: dict[str, list[tuple[int, float]]] = {}
@@ -746,6 +784,7 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
                       f"held-out pass@1 at T = 1.0 is **{own_base:.3f}**, the collapse line {own_base - COLLAPSE:.3f}.", ""]
         section = _stress_section if exp.axis else _section
         lines += section(name, exp, summaries, results, scale, own_base, stats)
+        lines += [seed_schemes(name, exp, summaries, scale), ""]
     warm, warm_claim = _warm_starts(summaries, scale, base)
     lines += warm + claims(stats, scale, warm_claim)
     page = results / "results.md"

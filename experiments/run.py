@@ -11,12 +11,12 @@
 
 Runs land in `runs/experiments/<experiment>/<cell>/seed<k>/` (`--quick`: runs/experiments-quick): the
 config (`config.yaml`, rerun it with `lit-ess fit --config`), TensorBoard files, `metrics.csv`, and
-`done.json` (wall time). A run whose `done.json` sits beside the same `config.yaml` is skipped (a cell
+`done.json` (wall time, seed scheme). A run whose `done.json` sits beside the same `config.yaml` is skipped (a cell
 whose config changed runs again); a failed run leaves `failed.txt`
 (the end of its stderr), is counted in the report, and is tried again next time.
 
 Each finished run also leaves a small summary, kept in the repository: `experiments/results/<experiment>/
-<cell>/seed<k>/` (`summary.json`: wall time and final metrics; `curves.csv`: the scalars the page
+<cell>/seed<k>/` (`summary.json`: wall time, config digest, seed scheme and final metrics; `curves.csv`: the scalars the page
 plots, a row per step). The page is always made from every experiment's summaries, so one experiment can be rerun
 alone and the rest of the page stays. A summary records its config's digest: in a checkout without the run's
 folder (runs/ is not in the repository) a summary with the same digest counts as the run made, others run again
@@ -50,9 +50,10 @@ from pathlib import Path
 import yaml
 
 from lit_ess.console import quiet_console
+from lit_ess.engines.base import SEED_SCHEME
 
 from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, base_folder, temperature
-from .report import decisive, read_csv, resolved, write_report
+from .report import LEGACY_SEED_SCHEME, decisive, read_csv, resolved, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARIES = ROOT / "experiments" / "results"
@@ -250,7 +251,7 @@ def run_cell(exp_name: str, cell, seed: int, sft: Path, out: Path, summaries: Pa
             (dest / old).unlink(missing_ok=True)
         (dest / "failed.txt").write_text(tail[-1500:])
         return "failed"
-    (d / "done.json").write_text(json.dumps({"seconds": round(time.time() - t0, 1)}) + "\n")
+    (d / "done.json").write_text(json.dumps({"seconds": round(time.time() - t0, 1), "seed_scheme": SEED_SCHEME}) + "\n")
     summarize_run(d, dest, cell, digest)
     return "done"
 
@@ -272,9 +273,13 @@ def config_digest(exp_name: str, cell, seed: int, scale: Scale) -> str:
 
 
 def summarize_run(d: Path, dest: Path, cell, digest: str) -> None:
-    """A finished run's summary from its folder: wall time, the config's digest, and the evaluation at
-    its own temperature."""
-    summary = {"seconds": json.loads((d / "done.json").read_text())["seconds"], "config_sha256": digest}
+    """A finished run's summary from its folder: wall time, the config's digest, how its samples were seeded
+    (`seed_scheme`, lit_ess.engines.base.SEED_SCHEME when it ran; a run finished before the field: "per-sample"),
+    and the evaluation at its own temperature. The scheme is not in the digest: a stored run drawn per sample
+    stays made (the same config, other draws of the same distribution), and the page says which it was."""
+    done = json.loads((d / "done.json").read_text())
+    summary = {"seconds": done["seconds"], "config_sha256": digest,
+               "seed_scheme": done.get("seed_scheme", LEGACY_SEED_SCHEME)}
     if (temp := temperature(cell)) != 1.0:
         own = read_csv(d / "own_val" / "metrics.csv")["val/pass@1"][-1][1]
         summary["own_temperature"] = {"temperature": temp, "val/pass@1": round(own, 5)}

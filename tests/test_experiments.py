@@ -369,6 +369,47 @@ def test_a_summary_made_elsewhere_with_the_same_config_is_reused(tmp_path):
     assert made(d, dest, "cfg", digest) and not made(d, dest, "other", digest)
 
 
+def test_a_summary_names_its_runs_seed_scheme_and_a_run_made_before_reads_per_sample(tmp_path):
+    """summary.json records how the run's samples were seeded (`seed_scheme`, written beside the wall time
+    in done.json when it finished); a run finished before the field was drawn per sample. The digest stays
+    the config's, so a stored summary without the field is still the run made."""
+    from experiments.run import config_digest, made, summarize_run
+
+    from lit_ess.engines.base import SEED_SCHEME
+
+    cell = EXPERIMENTS["clip"].cells[0]
+    digest = config_digest("clip", cell, 0, FULL)
+    for done, want in (({"seconds": 2.0, "seed_scheme": SEED_SCHEME}, "per-group"), ({"seconds": 2.0}, "per-sample")):
+        d, dest = tmp_path / want / "run", tmp_path / want / "summary"
+        d.mkdir(parents=True)
+        (d / "done.json").write_text(json.dumps(done))
+        (d / "metrics.csv").write_text("tag,step,value\nval/pass@1,4,0.5\n")
+        summarize_run(d, dest, cell, digest)
+        summary = json.loads((dest / "summary.json").read_text())
+        assert summary["seed_scheme"] == want and summary["config_sha256"] == digest
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "summary.json").write_text(json.dumps({"seconds": 1.0, "config_sha256": digest}))     # stored before
+    assert made(tmp_path / "no-run", old, "cfg", digest)
+
+
+def test_page_says_which_seed_scheme_each_cells_runs_used(tmp_path):
+    """Stored runs without the field are per-sample; an experiment whose cells differ names them per cell,
+    a cell with both says how many of each."""
+    _summary(tmp_path / "_base" / "val", 0.5)
+    for s in range(3):
+        _summary(tmp_path / "clip" / "p3o" / f"seed{s}", 0.6)                                  # before the field
+        _summary(tmp_path / "clip" / "grpo_eps0.2" / f"seed{s}", 0.6, seed_scheme="per-group")
+        _summary(tmp_path / "clip" / "dapo" / f"seed{s}", 0.6, **({"seed_scheme": "per-group"} if s else {}))
+        _summary(tmp_path / "ablations" / "p3o" / f"seed{s}", 0.6)
+    page = write_report(tmp_path, tmp_path / "out", FULL, "test").read_text()
+    clip, ablations = (next(x for x in page.split("\n## ") if x.startswith(EXPERIMENTS[e].title))
+                       for e in ("clip", "ablations"))
+    assert "**per-group**: `grpo_eps0.2`; **mixed (2 per-group, 1 per-sample of 3)**: `dapo`; **per-sample**: `p3o`." \
+        in clip
+    assert "Sampling seeds: every stored run **per-sample** (one vLLM request per sample" in ablations
+
+
 def test_runs_are_not_added_to_summaries_of_another_warm_start(tmp_path):
     from experiments.run import base_validation
 

@@ -98,8 +98,8 @@ def test_a_generate_answer_that_is_not_vllms_is_one_line_naming_the_url(answer, 
     engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
     FakeVLLM.answers = {"/inference/v1/generate": (200, answer)}
     try:
-        with pytest.raises(ServerError, match=rf"vLLM server {fake_server}: POST /inference/v1/generate \(prompt 0 "
-                                              rf"sample 0[^)]*\) answered .*, not what vLLM 0\.32\.x answers") as e:
+        with pytest.raises(ServerError, match=rf"vLLM server {fake_server}: POST /inference/v1/generate \(prompt 0, "
+                                              rf"1 sample\(s\)[^)]*\) answered .*, not what vLLM 0\.32\.x answers") as e:
             engine.generate([[1, 2]], 1, SamplingConfig(seed=0))
         assert "\n" not in str(e.value)
     finally:

@@ -25,7 +25,7 @@ from e2e_utils import cli, pythonpath, rl_config, scalars, write_config
 from test_engines import PROMPTS, max_logprob_gap
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ess.engines import SamplingConfig, VLLMServerConfig
+from lit_ess.engines import SamplingConfig, VLLMServerConfig, group_seed
 from lit_ess.engines.vllm_engine import adapter_root
 from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, LeaderConfig, ServerError, ServerGone, free_port,
                                          served_model_name, server_command, server_env)
@@ -118,7 +118,8 @@ class FakeVLLM(BaseHTTPRequestHandler):
         route = self.path.split("?")[0]
         self.hits.append(self.path)
         sent = self.rfile.read(int(self.headers.get("content-length") or 0))
-        self.bodies.append((route, json.loads(sent) if sent else None))
+        req = json.loads(sent) if sent else {}
+        self.bodies.append((route, req or None))
         if route == "/inference/v1/generate" and self.hang:
             time.sleep(self.hang)
         if route == "/health" and self.health_hang:
@@ -127,8 +128,12 @@ class FakeVLLM(BaseHTTPRequestHandler):
             code, body = self.answers[route]
         else:
             code, body = 200, self.defaults.get(route, {})
-        if route == "/inference/v1/generate" and (self.bodies[-1][1] or {}).get("model"):
-            body = {**body, "model": self.bodies[-1][1]["model"]}      # vLLM names the adapter that sampled
+        if route == "/inference/v1/generate" and req.get("model"):
+            body = {**body, "model": req["model"]}                     # vLLM names the adapter that sampled
+        n = (req.get("sampling_params") or {}).get("n", 1)
+        if (route == "/inference/v1/generate" and code == 200 and isinstance(body, dict)
+                and isinstance(body.get("choices"), list) and len(body["choices"]) == 1):
+            body = {**body, "choices": [{**body["choices"][0], "index": i} for i in range(n)]}   # a group: n choices
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()     # str: vLLM's plain text
         self.send_response(code)
         self.send_header("content-type", "text/plain" if isinstance(body, str) else "application/json")
@@ -198,12 +203,12 @@ def test_requests_of_a_dead_server_go_to_the_other_until_none_is_left(two_fakes,
     gone too, the call fails in one line naming its URL and the request."""
     (url_a, httpd_a, a), (url_b, httpd_b, b) = two_fakes
     engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10).build(tiny_model_dir)
-    assert len(engine.generate([[1, 2]], 4, SamplingConfig(seed=0))[0]) == 4
+    assert [len(g) for g in engine.generate([[1, 2], [3], [4], [5]], 4, SamplingConfig(seed=0))] == [4] * 4
     assert generates(a) >= 1 and generates(b) >= 1                      # both in use
     stop_fake(httpd_a)
     before = generates(b)
-    assert [c.token_ids for c in engine.generate([[1, 2]], 6, SamplingConfig(seed=0))[0]] == [[5]] * 6
-    assert generates(b) - before >= 6
+    assert [c.token_ids for c in engine.generate([[1, 2], [3]], 6, SamplingConfig(seed=0))[0]] == [[5]] * 6
+    assert generates(b) - before >= 2                                   # a request per group
     warning = capfd.readouterr().err
     assert f"vLLM server {url_a}" in warning and "its requests go to the other 1 server(s)" in warning
     FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "3"}), "/reset_prefix_cache": (200, {"success": True})}
@@ -211,8 +216,8 @@ def test_requests_of_a_dead_server_go_to_the_other_until_none_is_left(two_fakes,
     engine.load_weights(model.state_dict().items(), version=3)         # pushed to the live server only
     assert engine.version == 3 and "/collective_rpc" in b.hits and "/collective_rpc" not in a.hits
     stop_fake(httpd_b)
-    with pytest.raises(ServerError, match=rf"vLLM server {url_b}: POST /inference/v1/generate \(prompt 0 sample \d, "
-                                          r"2 prompt tokens\) failed: .*no other server is left") as e:
+    with pytest.raises(ServerError, match=rf"vLLM server {url_b}: POST /inference/v1/generate \(prompt 0, 2 "
+                                          r"sample\(s\), 2 prompt tokens\) failed: .*no other server is left") as e:
         engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
     assert "\n" not in str(e.value)
     engine.close()
@@ -231,7 +236,7 @@ def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, t
     t0 = time.perf_counter()
     groups = engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
     assert time.perf_counter() - t0 < 15
-    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
+    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 2
     said = "got no answer in 2 s (engine.request_timeout)" if fault == "no answer" else "answered HTTP 500"
     assert said in capfd.readouterr().err
     engine.close()
@@ -250,7 +255,7 @@ def test_a_silent_server_is_found_by_the_heartbeat_long_before_request_timeout(h
     t0 = time.perf_counter()
     groups = engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
     took = time.perf_counter() - t0
-    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 6
+    assert [len(g) for g in groups] == [3, 3] and generates(b) >= 2
     err = capfd.readouterr().err
     if heartbeat:
         assert took < 6, took
@@ -303,6 +308,20 @@ def test_a_server_that_passes_the_checks_is_used(fake_server, tiny_model_dir):
     assert [[(c.token_ids, c.logprobs, c.version) for c in g] for g in groups] == [[([5], [-1.0], 0)] * 2]
     engine.close()
     assert not os.path.exists(engine.weights_root)
+
+
+def test_a_group_is_one_request_with_n_samples_and_its_group_seed(fake_server, tiny_model_dir):
+    """A call asks for each prompt's n samples in one POST /inference/v1/generate (`n`), seeded with the
+    group's seed (vLLM seeds sample j with it + j): 3 prompts x 4 samples are 3 requests, not 12."""
+    engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
+    FakeVLLM.bodies.clear()
+    groups = engine.generate([[1, 2], [3], [1, 2]], 4, SamplingConfig(seed=9), call_seed=7, prompt_keys=[5, 6, 7])
+    engine.close()
+    assert [len(g) for g in groups] == [4, 4, 4]
+    sent = sorted((b["token_ids"], b["sampling_params"]["n"], b["sampling_params"]["seed"])
+                  for route, b in FakeVLLM.bodies if route == "/inference/v1/generate")
+    assert sent == sorted([([1, 2], 4, group_seed(9, 7, 5)), ([3], 4, group_seed(9, 7, 6)),
+                           ([1, 2], 4, group_seed(9, 7, 7))])
 
 
 # ---- servers shared by several ranks: rank 0 pushes, the others follow ----
@@ -737,6 +756,18 @@ def test_samples_of_a_group_are_not_copies(server):
 
 
 @pytest.mark.e2e
+def test_the_server_and_the_in_process_engine_draw_the_same_tokens(server, vllm_engine):
+    """Both vLLM engines seed a group alike (group_seed, sample j: + j): the same prompts, seed and call
+    seed give the same token ids and logprobs from the server as in process."""
+    s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=99)
+    here = vllm_engine.generate(PROMPTS, 8, s, call_seed=2, prompt_keys=[3, 4, 5])
+    there = server.generate(PROMPTS, 8, s, call_seed=2, prompt_keys=[3, 4, 5])
+    assert [[c.token_ids for c in g] for g in there] == [[c.token_ids for c in g] for g in here]
+    assert [x for g in there for c in g for x in c.logprobs] == \
+        pytest.approx([x for g in here for c in g for x in c.logprobs], abs=1e-5)
+
+
+@pytest.mark.e2e
 def test_stop_strings_and_eos_end_completions(server, tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     s = SamplingConfig(temperature=1.0, max_new_tokens=24, stop=["a", "b", "c", "1"], seed=5)
@@ -876,7 +907,7 @@ def test_a_server_killed_mid_call_leaves_its_requests_to_the_other(served, serve
     want = server.generate(PROMPTS, 8, s, call_seed=5)
     proxy = DyingProxy(served, die_at=0)
     engine = VLLMServerConfig(urls=[proxy.url, served], max_model_len=256).build(tiny_model_dir)
-    proxy.die_at = proxy.accepted + 4                    # after 3 connections of the next call (keep-alive: ~3 requests)
+    proxy.die_at = proxy.accepted + 1        # at the next call's first new connection (its 2 of 3 groups: >= 1 new)
     got = engine.generate(PROMPTS, 8, s, call_seed=5)
     assert proxy.dead.is_set()
     assert [[c.token_ids for c in g] for g in got] == [[c.token_ids for c in g] for g in want]
@@ -908,7 +939,7 @@ def test_a_server_gone_in_an_async_run_stops_it_with_the_same_line(fake_server, 
         dm.next_batch(0)
         stop_fake(httpd)
         dm.push_weights({"w": torch.ones(2)}.items(), 1)
-        with pytest.raises(EngineFault, match=rf"^vLLM server {url}: POST /(pause\S*|inference/v1/generate \(prompt \d+ sample \d+, \d+ prompt tokens\)) "
+        with pytest.raises(EngineFault, match=rf"^vLLM server {url}: POST /(pause\S*|inference/v1/generate \(prompt \d+, \d+ sample\(s\), \d+ prompt tokens\)) "
                                           r"failed: ClientConnectorError") as e:
             for step in range(1, 4):
                 dm.next_batch(step)

@@ -27,8 +27,9 @@ class SamplingConfig:
         top_k: keep the k most likely tokens (-1 = off).
         max_new_tokens: completion length cap; longer completions finish with reason "length".
         stop: strings that end a completion (the completion keeps the tokens that produced them).
-        seed: base seed, an integer >= 0. Each request gets its own seed derived from (seed, call seed,
-            prompt, sample), so the n samples of a group and repeated prompts are never copies. None = unseeded.
+        seed: base seed, an integer >= 0. Each prompt's group gets its own seed derived from (seed, call
+            seed, prompt key), its sample j that seed + j (`group_seed`), so the n samples of a group and
+            repeated prompts are never copies. None = unseeded.
     """
 
     temperature: float = 1.0
@@ -61,6 +62,21 @@ def derive_seed(*parts: int) -> int:
     """A 31-bit seed from a tuple of ints; distinct tuples give (practically) distinct seeds."""
     h = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+# How the vLLM engines seed a call's samples, recorded with every experiment run (experiments/run.py):
+# "per-group" (this code): one request per prompt with n samples, seeded group_seed(...), vLLM seeding its
+# child j with that seed + j; "per-sample" (runs made before 2026-11-27): one request per sample, seeded
+# derive_seed(seed, call seed, prompt key, j). Same distribution, other draws.
+SEED_SCHEME = "per-group"
+
+
+def group_seed(seed: int | None, call_seed: int, key: int) -> int | None:
+    """The seed of one prompt's group of samples in a call: derive_seed(seed, call seed, prompt key), None
+    when sampling is unseeded. Sample j of the group draws with seed + j (vLLM 0.32 seeds child j of a
+    request with `n` samples so), in process and on a server alike, so both engines draw the same tokens.
+    Two groups overlap only when their seeds lie within n of each other (about 2n / 2^31 per pair)."""
+    return None if seed is None else derive_seed(seed, call_seed, key)
 
 
 @dataclass(frozen=True)
@@ -148,8 +164,9 @@ class RolloutEngine(ABC):
                  prompt_keys: list[int] | None = None) -> list[list[Completion]]:
         """n completions for each prompt (token ids), grouped per prompt.
 
-        Request seeds derive from (sampling.seed, call_seed, key of the prompt, sample); a prompt's key
-        is its position in `prompt_keys` order (default: its index in `prompts`). Data-parallel ranks
+        A prompt's group is seeded group_seed(sampling.seed, call_seed, key of the prompt), its sample j
+        with that seed + j (the vLLM engines; the hf engine seeds chunks of rows); a prompt's key is its
+        entry in `prompt_keys` (default: its index in `prompts`). Data-parallel ranks
         pass the prompt's position in the whole step, so a sharded run samples what one rank would."""
 
     @abstractmethod

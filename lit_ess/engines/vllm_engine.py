@@ -24,8 +24,8 @@ from torch import Tensor
 from ..console import harmless_stderr_dropped, verbose
 from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit, derive_seed,
-                   devices_env)
+from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit, devices_env,
+                   group_seed)
 
 
 def _configure_env(kv_cache_gib: float) -> None:
@@ -237,29 +237,26 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        # One request per sample: vLLM expands n>1 into children that share one seed (copies).
+        # One request per prompt with its n samples, seeded group_seed(...): vLLM seeds sample j with it + j
+        # (as the server engine asks), so the group's samples and repeated prompts are never copies.
         # No detokenization unless stop strings need the text: the worker decodes the token ids itself,
         # and vLLM's incremental detokenizer and per-logprob token decoding run on every decode step.
         detokenize = bool(sampling.stop)
-        reqs, params = [], []
         keys = range(len(prompts)) if prompt_keys is None else prompt_keys
-        for key, p in zip(keys, prompts):
-            for j in range(n):
-                seed = None if sampling.seed is None else derive_seed(sampling.seed, call_seed, key, j)
-                reqs.append(TokensPrompt(prompt_token_ids=list(p)))
-                params.append(SamplingParams(
-                    n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                    max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None, seed=seed,
-                    logprobs=0, include_stop_str_in_output=True, detokenize=detokenize))
+        reqs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        params = [SamplingParams(
+            n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_new_tokens, stop=list(sampling.stop) or None,
+            seed=group_seed(sampling.seed, call_seed, key), logprobs=0, include_stop_str_in_output=True,
+            detokenize=detokenize) for key in keys]
         outs = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
         self._remove_replaced_adapters()          # vLLM has loaded the current adapter: older folders are unread
-        flat = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
-            flat.append(Completion(ids, lps, "length" if c.finish_reason == "length" else "stop", self.version))
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return [[self._completion(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+    def _completion(self, c) -> Completion:
+        ids = list(c.token_ids)
+        lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
+        return Completion(ids, lps, "length" if c.finish_reason == "length" else "stop", self.version)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         # lazily: vLLM's load_weights consumes the iterator, so a sharded policy is gathered tensor by tensor

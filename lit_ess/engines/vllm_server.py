@@ -1,8 +1,11 @@
 """vLLM's own OpenAI server as the rollout engine: one or more servers by URL, or one launched here.
 
-Token ids in, token ids out: each sample is one `POST /inference/v1/generate` with its own derived
-seed (a batched call with one seed returns copies for repeated prompts), sent concurrently from a
-background event loop and spread over the servers by least outstanding requests. A response carries
+Token ids in, token ids out: each prompt's group of n samples is one `POST /inference/v1/generate`
+with `n` and the group's derived seed (vLLM seeds sample j with it + j; the in-process engine asks the
+same, so both draw the same tokens), sent concurrently from a background event loop over a pool of
+kept-alive connections and spread over the servers by least outstanding requests. (The token route
+takes one prompt a request; a batched /v1/completions call takes one seed for all its prompts and
+returns copies for repeated prompts.) A response carries
 the sampled ids, vLLM's *processed* logprob of each (what it sampled from: pi_b) and the weight-version
 spans of its tokens: each token's behaviour version (`Completion.token_versions`); a completion's
 version is the oldest span's label.
@@ -75,7 +78,7 @@ from torch import Tensor
 from ..knobs import check
 from ..lora import is_adapter_payload
 from .base import (Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit,
-                   derive_seed, devices_env)
+                   devices_env, group_seed)
 from .guard import ID_ENV, ID_HEADER, auth_headers, exposure_error, listener, port_holder, unauthorized_hint
 from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs
 
@@ -116,7 +119,7 @@ class VLLMServerConfig(EngineConfig):
         heartbeat_timeout: seconds a server may take to answer GET /health.
         control_timeout: seconds one control call (reload, version, reset, resume; a pause of
             weight_update: in_flight; a drain's pause may take request_timeout) may take.
-        max_concurrency: requests in flight over all servers at once.
+        max_concurrency: requests in flight over all servers at once (a request: one prompt's group of n samples).
         weights_dir: where pushed weights are written as safetensors; every server must read it at the
             same path (a shared filesystem for servers on other machines). None = a folder of this
             process in /dev/shm (memory), enough for servers on this machine.
@@ -796,22 +799,23 @@ class VLLMServerEngine(RolloutEngine):
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig, call_seed: int = 0,
                  prompt_keys: list[int] | None = None) -> list[list[Completion]]:
-        """One request per sample, seeded as the in-process engine seeds them (derive_seed(seed, call
-        seed, prompt key, sample)), all in flight at once up to max_concurrency."""
+        """One request per prompt for its n samples (`n`), seeded as the in-process engine seeds them
+        (group_seed(seed, call seed, prompt key); vLLM seeds sample j with it + j), all in flight at once up
+        to max_concurrency on the client's pooled connections. (vLLM's token route takes one prompt a request;
+        /v1/completions takes several but one seed for all, which clones repeated prompts.)"""
         keys = range(len(prompts)) if prompt_keys is None else prompt_keys
         adapter = self.adapter              # one adapter for the call's requests, whatever is pushed meanwhile
-        jobs = [(list(p), None if sampling.seed is None else derive_seed(sampling.seed, call_seed, key, j), key, j)
-                for key, p in zip(keys, prompts) for j in range(n)]
-        flat = self._run_all([self._sample(p, seed, sampling, f"prompt {key} sample {j}", adapter)
-                              for p, seed, key, j in jobs])
-        return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+        return self._run_all([self._group(list(p), n, group_seed(sampling.seed, call_seed, key), sampling,
+                                          f"prompt {key}, {n} sample(s)", adapter)
+                              for key, p in zip(keys, prompts)])
 
-    async def _sample(self, prompt: list[int], seed: int | None, s: SamplingConfig, what: str,
-                      adapter: tuple[str, int] | None = None) -> Completion:
-        params = {"n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
+    async def _group(self, prompt: list[int], n: int, seed: int | None, s: SamplingConfig, what: str,
+                     adapter: tuple[str, int] | None = None) -> list[Completion]:
+        params = {"n": n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": 0.0,
                   "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
                   "max_tokens": s.max_new_tokens, "stop": list(s.stop) or None, "include_stop_str_in_output": True,
                   "detokenize": bool(s.stop), "seed": seed, "logprobs": 0}
+        what = f"{what}, {len(prompt)} prompt tokens"
         async with self.slots:
             while True:                     # a server that is gone: the same request (same seed) to another
                 if not (live := self._live()):
@@ -824,13 +828,18 @@ class VLLMServerEngine(RolloutEngine):
                         body["model"] = adapter[0]
                     _, out = await self._watched(url, self._ask(
                         url, "POST", "/inference/v1/generate", body, knob="request_timeout",
-                        what=f"POST /inference/v1/generate ({what}, {len(prompt)} prompt tokens)"))
+                        what=f"POST /inference/v1/generate ({what})"))
                     break
                 except ServerGone as e:
                     self._put_out(url, e)
                 finally:
                     self.outstanding[url] -= 1
-        choice, ids, lps = self._sampled(url, f"POST /inference/v1/generate ({what})", out)
+        return [self._completion(url, choice, ids, lps, out.get("model"), what, adapter)
+                for choice, ids, lps in self._sampled(url, f"POST /inference/v1/generate ({what})", out, n)]
+
+    def _completion(self, url: str, choice: dict, ids: list[int], lps: list[float], model: str | None, what: str,
+                    adapter: tuple[str, int] | None) -> Completion:
+        """One choice of a generate answer: its ids, their logprobs and each token's version (the spans)."""
         if len(lps) != len(ids):
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) returned {len(ids)} tokens "
                               f"with {len(lps)} logprobs")
@@ -839,24 +848,28 @@ class VLLMServerEngine(RolloutEngine):
         except ValueError as e:
             raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}): {e}") from None
         if adapter is not None:              # sampled by the adapter it named, on the base weights it started with
-            if out.get("model") != adapter[0] or any(v != 0 for v in versions):
+            if model != adapter[0] or any(v != 0 for v in versions):
                 raise ServerError(f"{self._where(url)}: POST /inference/v1/generate ({what}) was sampled by model "
-                                  f"{out.get('model')!r} on base weights {sorted(set(versions))}, not adapter {adapter[0]!r} "
+                                  f"{model!r} on base weights {sorted(set(versions))}, not adapter {adapter[0]!r} "
                                   f"on the model's (version 0): another client changes this server")
             versions = [adapter[1]] * len(ids)
         return Completion(ids, lps, "length" if choice.get("finish_reason") == "length" else "stop",
                           min(versions, default=self.version), token_versions=versions)
 
-    def _sampled(self, url: str, call: str, out: dict) -> tuple[dict, list[int], list[float]]:
-        """The first choice of a generate answer, its token ids and their logprobs; one line naming the URL
-        for an answer that is not vLLM's."""
+    def _sampled(self, url: str, call: str, out: dict, n: int) -> list[tuple[dict, list[int], list[float]]]:
+        """The n choices of a generate answer in sample order (`index`), each with its token ids and their
+        logprobs; one line naming the URL for an answer that is not vLLM's or holds another number of choices."""
         try:
-            choice = out["choices"][0]
-            ids = [int(t) for t in choice["token_ids"]]
-            lps = [float(e["logprob"]) for e in (choice.get("logprobs") or {}).get("content") or []]
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            choices = sorted(out["choices"], key=lambda c: int(c.get("index", 0)))
+            parsed = [(c, [int(t) for t in c["token_ids"]],
+                       [float(e["logprob"]) for e in (c.get("logprobs") or {}).get("content") or []]) for c in choices]
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise self._not_vllm(url, call, out) from None
-        return choice, ids, lps
+        if not parsed:
+            raise self._not_vllm(url, call, out)
+        if len(parsed) != n:
+            raise ServerError(f"{self._where(url)}: {call} returned {len(parsed)} choices for n={n}")
+        return parsed
 
     # ---- weights ----
 
