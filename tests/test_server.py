@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig, group_seed
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, LeaderConfig, ServerError, ServerGone, free_port,
-                                         served_model_name, server_command, server_env)
+from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, LaunchedServer, LeaderConfig, ServerError,
+                                         ServerGone, free_port, served_model_name, server_command, server_env)
 from lit_ess.logprobs import sequence_logprobs
 
 
@@ -149,8 +149,8 @@ class QuietHTTPServer(ThreadingHTTPServer):
         pass                     # a client that gave up on a hanging answer: a broken pipe, as expected
 
 
-def start_fake(handler) -> tuple[str, ThreadingHTTPServer]:
-    httpd = QuietHTTPServer(("127.0.0.1", 0), handler)
+def start_fake(handler, port: int = 0) -> tuple[str, ThreadingHTTPServer]:
+    httpd = QuietHTTPServer(("127.0.0.1", port), handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{httpd.server_address[1]}", httpd
@@ -193,6 +193,16 @@ def two_fakes(fake_server):
         stop_fake(httpd)
 
 
+def until(done, seconds: float) -> bool:
+    """Whether `done()` holds within `seconds` (asked every 0.1 s)."""
+    t0 = time.monotonic()
+    while not done():
+        if time.monotonic() - t0 > seconds:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def generates(handler) -> int:
     return sum(h == "/inference/v1/generate" for h in handler.hits)
 
@@ -219,8 +229,44 @@ def test_requests_of_a_dead_server_go_to_the_other_until_none_is_left(two_fakes,
     with pytest.raises(ServerError, match=rf"vLLM server {url_b}: POST /inference/v1/generate \(prompt 0, 2 "
                                           r"sample\(s\), 2 prompt tokens\) failed: .*no other server is left") as e:
         engine.generate([[1, 2]], 2, SamplingConfig(seed=0))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).endswith(f"(2 in engine.urls; out before: {url_a})")
     engine.close()
+
+
+def test_a_server_back_at_its_url_is_taken_back_only_with_the_runs_model_weights_and_label(two_fakes, tiny_model_dir,
+                                                                                         capfd):
+    """A server out of the run that answers GET /health again at its URL: serving another model it stays out, with
+    one warning naming why (said once, though tried at every heartbeat); serving the run's model it is taken back
+    while the run goes on, after the run's last weights are reloaded there and its label is the run's step, and
+    takes requests again."""
+    (url_a, httpd_a, _), (url_b, _, _) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, heartbeat_seconds=0.2,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "3"}), "/reset_prefix_cache": (200, {"success": True})}
+    engine.load_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items(), version=3)
+    port = int(url_a.rsplit(":", 1)[1])
+    stop_fake(httpd_a)
+    engine.generate([[1, 2], [3]], 2, SamplingConfig(seed=0))
+    assert list(engine.gone) == [url_a]
+    other = type("Other", (FakeVLLM,), {"hits": [], "defaults": {**FakeVLLM.defaults,
+                                                                 "/v1/models": {"data": [{"id": "another-model"}]}}})
+    _, httpd_a = start_fake(other, port)
+    assert until(lambda: other.hits.count("/version") >= 3, 10)         # tried again at later heartbeats
+    engine.generate([[1, 2], [3]], 2, SamplingConfig(seed=0))
+    assert list(engine.gone) == [url_a] and generates(other) == 0        # refused before any request
+    err = capfd.readouterr().err
+    assert err.count(f"vLLM server {url_a} answers again but stays out of the run: vLLM server {url_a} serves "
+                     f"['another-model']") == 1, err
+    stop_fake(httpd_a)
+    back = type("Back", (FakeVLLM,), {"hits": []})
+    _, httpd_a = start_fake(back, port)
+    assert until(lambda: not engine.gone, 10), engine.gone
+    engine.generate([[1, 2], [3], [4], [5]], 2, SamplingConfig(seed=0))
+    assert "/collective_rpc" in back.hits and generates(back) >= 2   # checks' probe + samples
+    assert back.hits.index("/collective_rpc") < back.hits.index("/weight_info", back.hits.index("/collective_rpc"))
+    assert f"vLLM server {url_a} is back: it holds the weights of step 3 again" in capfd.readouterr().err
+    engine.close()
+    stop_fake(httpd_a)
 
 
 @pytest.mark.parametrize("fault", ["no answer", "HTTP 500"])
@@ -918,6 +964,58 @@ def test_a_server_killed_mid_call_leaves_its_requests_to_the_other(served, serve
     assert list(engine.gone) == [proxy.url]
     assert len(engine.generate(PROMPTS, 2, s)[0]) == 2              # later calls: the live server only
     engine.close()
+
+
+@pytest.mark.e2e
+def test_a_server_killed_and_restarted_at_its_url_is_taken_back_with_the_runs_weights(
+        served, server, vllm_engine, hf_model, tiny_model_dir, tmp_path, capfd):
+    """Two real servers, the second launched here: kill -9 of its process group puts it out and the run goes on
+    with the first; restarted at the same URL (the model folder's weights, no label), it is taken back while the run
+    goes on, once it holds the run's pushed weights and carries their label, and samples what the first does."""
+    c = VLLMServerConfig(max_model_len=256)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def launch(log: str) -> LaunchedServer:
+        s = LaunchedServer(server_command(tiny_model_dir, c, "127.0.0.1", port), server_env(c), str(tmp_path / log), url)
+        s.wait_ready(600)
+        return s
+
+    second = launch("first.log")
+    engine = VLLMServerConfig(urls=[served, url], max_model_len=256, heartbeat_seconds=1.0,
+                              heartbeat_timeout=2.0).build(tiny_model_dir)
+    try:
+        pushed = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in pushed.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.load_weights(pushed.state_dict().items(), version=3)
+        s = SamplingConfig(temperature=1.0, max_new_tokens=12, seed=8)
+        os.killpg(second.proc.pid, signal.SIGKILL)
+        second.proc.wait(30)
+        assert [len(g) for g in engine.generate(PROMPTS, 4, s)] == [4, 4, 4]        # from the first alone
+        assert list(engine.gone) == [url]
+        second = launch("restarted.log")
+        assert until(lambda: not engine.gone, 60), engine.gone           # the heartbeat finds it, it is taken back
+        groups = engine.generate(PROMPTS * 4, 4, s, call_seed=1)
+        err = capfd.readouterr().err
+        assert f"vLLM server {url} is back: it holds the weights of step 3 again" in err, err
+        assert weight_label(url) == "3" and "POST /collective_rpc" in (tmp_path / "restarted.log").read_text()
+        assert "POST /inference/v1/generate" in (tmp_path / "restarted.log").read_text()     # it samples again
+        assert all(c.version == 3 for g in groups for c in g)
+        alone = VLLMServerConfig(urls=[url], max_model_len=256).build(tiny_model_dir)  # the restarted one's samples
+        try:
+            there = alone.generate(PROMPTS, 4, s, call_seed=1)
+        finally:
+            alone.close()
+        assert [[c.token_ids for c in g] for g in there] == [[c.token_ids for c in g] for g in groups[:3]]
+        base = vllm_engine.generate(PROMPTS, 4, s, call_seed=1)                   # the model folder's weights
+        assert [[c.token_ids for c in g] for g in there] != [[c.token_ids for c in g] for g in base]
+    finally:
+        engine.close()
+        second.stop()
+        server.load_weights(hf_model.state_dict().items(), version=0)           # the module's server as it was
 
 
 def test_a_server_gone_in_an_async_run_stops_it_with_the_same_line(fake_server, tiny_model_dir):

@@ -47,8 +47,11 @@ Faults: a server that refuses connections, resets them, gives no answer within i
 (startup_timeout for a server by URL's first answer, request_timeout for generation and a drain's pause,
 control_timeout for the rest; the error names the knob), or answers HTTP 5xx is out of the run (ServerGone): the
 request goes again, with its seed, to the server with the fewest outstanding requests among the
-others, and weight pushes skip it. When none is left the call fails with one line naming the URL, the
-request and, for a launched server, its exit code and log (an EngineFault: the CLI prints that line).
+others, and weight pushes skip it. A server out that answers GET /health again (the heartbeat asks) is
+taken back by the next call once the start checks pass, the last pushed weights are loaded and its label
+is the run's, while the run goes on (`_take_back`). When none is left the call fails with one line naming the URL, the request,
+the servers out before it and, for a launched server, its exit code and log (an EngineFault: the CLI
+prints that line).
 
 A server for other machines: `python -m lit_ess.engines.serve --model DIR --port P` (lit_ess/engines/serve.py).
 """
@@ -115,7 +118,9 @@ class VLLMServerConfig(EngineConfig):
         request_timeout: seconds one generate request may take before the call fails.
         heartbeat_seconds: while requests are in flight, each server's GET /health every this many seconds:
             a server that does not answer it within heartbeat_timeout (stopped, hung, cut off) is out of the
-            run at once, and its requests go to the others, instead of after request_timeout. None = off.
+            run at once, and its requests go to the others, instead of after request_timeout. A server out of the
+            run is asked the same: answering again, it is taken back (in the background) once it holds the run's
+            weights (pushed again, label checked). None = off (and no server is taken back).
         heartbeat_timeout: seconds a server may take to answer GET /health.
         control_timeout: seconds one control call (reload, version, reset, resume; a pause of
             weight_update: in_flight; a drain's pause may take request_timeout) may take.
@@ -540,6 +545,10 @@ class VLLMServerEngine(RolloutEngine):
             self.gone: dict[str, str] = {}     # servers out of the run, with the error that put them out
             self.silence = {u: asyncio.Event() for u in self.urls}  # set when the heartbeat puts it out
             self.answered = {u: 0.0 for u in self.urls}              # when it last answered a generate request
+            self.back: set[str] = set()        # servers out of the run that answer GET /health again (`_probe`)
+            self.probes: dict[str, asyncio.Future] = {}               # the probes of servers out, running
+            self.refusals: dict[str, str] = {}                        # why a server back was not taken back
+            self.fleet = threading.Lock()      # a push and the taking back of a server are never interleaved
             if role == "follows":              # rank 0 may still be launching the server it shares
                 self._run_all([self._await_start(u) for u in self.urls])
             self._run_all([self._check_server(u) for u in self.urls])
@@ -575,6 +584,10 @@ class VLLMServerEngine(RolloutEngine):
         c, misses = self.config, {u: 0 for u in self.urls}
         while True:
             await asyncio.sleep(c.heartbeat_seconds)
+            for url in list(self.gone):        # out of the run: does it answer again? (a call then takes it back)
+                misses[url] = 0
+                if url not in self.probes and url not in self.back:
+                    self.probes[url] = asyncio.ensure_future(self._probe(url))
             busy = [u for u in self._live() if self.outstanding[u] > 0]
             t0 = time.monotonic()
             answers = await asyncio.gather(*(self._request(u, "GET", "/health", None, "heartbeat_timeout",
@@ -594,6 +607,59 @@ class VLLMServerEngine(RolloutEngine):
                         print(f"lit-ess: warning: {self.gone[url]}; its requests go to the other {len(live)} "
                               f"server(s) from now on", file=sys.stderr, flush=True)
                     self.silence[url].set()
+
+    async def _probe(self, url: str) -> None:
+        """GET /health of a server out of the run, within heartbeat_timeout: answering 200 (restarted, or reachable
+        again), it is taken back by a thread of its own (`_take_back`), while the run goes on without it."""
+        try:
+            if (await self._request(url, "GET", "/health", None, "heartbeat_timeout", "GET /health (probe)"))[0] == 200:
+                self.back.add(url)
+                threading.Thread(target=self._take_back, name="lit-ess-vllm-server-take-back", daemon=True).start()
+        except ServerError:
+            pass
+        finally:
+            self.probes.pop(url, None)
+
+    def _take_back(self) -> None:
+        """Take back into the run each server out of it that answers again (the heartbeat's probe), once it passes
+        the start checks, holds the run's weights (pushed again; a follower's: rank 0 pushed them) and carries their
+        label, all within control_timeout. One that fails stays out, the reason said once. Never during a push (the
+        push waits, at most control_timeout): the server gets the weights of the last push that ended."""
+        with self.fleet:
+            urls, self.back = [u for u in self.back if u in self.gone], set()
+            if self.closed or not urls:
+                return
+            rejoins = [asyncio.wait_for(self._rejoin(u), self.config.control_timeout) for u in urls]
+            for url, e in zip(urls, self._run_all(rejoins, return_exceptions=True)):
+                if isinstance(e, asyncio.TimeoutError):
+                    e = ServerError(f"{self._where(url)}: taking it back (checks, weights, label) took more than "
+                                    f"{self.config.control_timeout:g} s (engine.control_timeout)")
+                if not isinstance(e, BaseException):
+                    print(f"lit-ess: vLLM server {url} is back: it holds the weights of step {self.version} again "
+                          f"and takes requests from now on", file=sys.stderr, flush=True)
+                elif self.refusals.get(url) != str(e):
+                    self.refusals[url] = str(e)
+                    print(f"lit-ess: warning: vLLM server {url} answers again but stays out of the run: {e}",
+                          file=sys.stderr, flush=True)
+
+    async def _rejoin(self, url: str) -> None:
+        """Bring a server back to the run's weights and label, then into the run (on the client's loop, where
+        generation reads `gone`). Its base weights: the last push (`weights_path`), else the model folder's, whose
+        label the start checks set; then the adapters a request may name."""
+        await self._check_server(url)
+        if self.role == "follows" or self.weights_path is None:
+            want = str(self.version) if self.role == "follows" else "-1" if self.role == "leads" else "0"
+            if (label := await self._label(url)) != want:
+                raise ServerError(f"{self._where(url)} carries weights {label!r}, not those of step {want} this run "
+                                  f"samples" + (" (rank 0 pushes them)" if self.role == "follows" else ""))
+        else:
+            await self._reload(url, self.weights_path, self.version)      # pushes, labels, resets, checks the label
+        for name, folder in self.adapters:
+            await self._call(url, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder},
+                             text_ok=True, gone_on_5xx=False, what=f"POST /v1/load_lora_adapter from {folder}")
+        self.silence[url] = asyncio.Event()
+        self.refusals.pop(url, None)
+        del self.gone[url]
 
     async def _watched(self, url: str, coro):
         """Await `coro`, a call to `url`; raise ServerGone instead as soon as the heartbeat puts `url` out."""
@@ -661,8 +727,9 @@ class VLLMServerEngine(RolloutEngine):
                 print(f"lit-ess: warning: {error}; its requests go to the other {len(live)} server(s) from now on",
                       file=sys.stderr, flush=True)
         if not self._live():
-            raise ServerGone(f"{error}; no other server is left ({len(self.urls)} in engine.urls)" if len(self.urls) > 1
-                             else str(error)) from None
+            before = [u for u in self.gone if u != url]
+            raise ServerGone(f"{error}; no other server is left ({len(self.urls)} in engine.urls; out before: "
+                             f"{', '.join(before)})" if before else str(error)) from None
 
     async def _request(self, url: str, method: str, route: str, body: dict | None, knob: str, call: str,
                        seconds: float | None = None) -> tuple[int, str]:
@@ -877,7 +944,12 @@ class VLLMServerEngine(RolloutEngine):
         """Write the weights as safetensors into a new folder of weights_dir (renamed into place when
         whole), make every server reload them, label them `version`, reset its prefix cache, check.
         The whole state dict is held in host memory while the file is written (one file).
-        A follower gets no tensors: it waits until the servers carry `version`."""
+        A follower gets no tensors: it waits until the servers carry `version`. (Never while a server out of the
+        run is being taken back: `_take_back`.)"""
+        with self.fleet:
+            self._push(named_tensors, version)
+
+    def _push(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         if self.role == "follows":
             self._run(self._follow(version))
             self.version = version
@@ -1036,6 +1108,8 @@ class VLLMServerEngine(RolloutEngine):
         atexit.unregister(self.close)
         if self.heartbeat is not None:
             self.heartbeat.cancel()
+        for probe in list(getattr(self, "probes", {}).values()):
+            self.loop.call_soon_threadsafe(probe.cancel)
         if self.client is not None and self.loop.is_running():
             if self.server is None:                                # servers by URL go on: unload this run's adapters
                 for name, _ in self.adapters:
