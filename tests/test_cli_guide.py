@@ -105,10 +105,10 @@ def test_no_suggestion_for_a_key_close_to_none(read):
 def test_a_launched_server_says_its_url_log_and_wait(tmp_path, monkeypatch, capsys):
     """While a launched server starts: its URL and log file at once, then the seconds waited every
     STARTUP_PROGRESS_S (the engine says when it is ready). The server here answers after 2.5 s."""
-    from lit_ess.engines import vllm_server
-    from lit_ess.engines.vllm_server import LaunchedServer, free_port
+    from lit_ess.engines import server_launch
+    from lit_ess.engines.server_launch import LaunchedServer, free_port
 
-    monkeypatch.setattr(vllm_server, "STARTUP_PROGRESS_S", 1.0)
+    monkeypatch.setattr(server_launch, "STARTUP_PROGRESS_S", 1.0)
     port = free_port()
     script = ("import http.server, time\n"
               "class H(http.server.BaseHTTPRequestHandler):\n"

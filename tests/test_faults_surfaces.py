@@ -15,7 +15,7 @@ from test_faults_state import fault_line
 from test_server import FakeVLLM, fake_server  # noqa: F401  (a fixture)
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig
-from lit_ess.engines.vllm_server import ServerError, ServerGone
+from lit_ess.engines.server_pool import ServerError, ServerGone
 
 
 # ---------------------------------------------------------------- resume
@@ -253,7 +253,7 @@ def test_fit_with_another_service_on_the_launched_servers_port_is_one_line_namin
     naming the port, who holds it (this test's process) and the knob to change; no server is launched."""
     from test_server import _fake_on, stop_fake
 
-    from lit_ess.engines.vllm_server import free_port
+    from lit_ess.engines.server_launch import free_port
 
     port = free_port()
     httpd = _fake_on(port, Unrelated)
@@ -278,7 +278,7 @@ def test_a_service_that_takes_the_port_during_start_up_is_not_taken_for_the_laun
     server is stopped."""
     from test_server import _fake_on, stop_fake, vllm_children
 
-    from lit_ess.engines.vllm_server import free_port
+    from lit_ess.engines.server_launch import free_port
 
     port, log, taken = free_port(), tmp_path / "server.log", {}
 

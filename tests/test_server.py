@@ -27,8 +27,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_ess.engines import SamplingConfig, VLLMServerConfig, group_seed
 from lit_ess.engines.vllm_engine import adapter_root
-from lit_ess.engines.vllm_server import (WEIGHTS_PREFIX, FollowerConfig, LaunchedServer, LeaderConfig, ServerError,
-                                         ServerGone, free_port, served_model_name, server_command, server_env)
+from lit_ess.engines.server_launch import LaunchedServer, free_port, served_model_name, server_command, server_env
+from lit_ess.engines.server_pool import ServerError, ServerGone
+from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, FollowerConfig, LeaderConfig
 from lit_ess.logprobs import sequence_logprobs
 
 
@@ -247,20 +248,20 @@ def test_a_server_back_at_its_url_is_taken_back_only_with_the_runs_model_weights
     port = int(url_a.rsplit(":", 1)[1])
     stop_fake(httpd_a)
     engine.generate([[1, 2], [3]], 2, SamplingConfig(seed=0))
-    assert list(engine.gone) == [url_a]
+    assert list(engine.pool.gone) == [url_a]
     other = type("Other", (FakeVLLM,), {"hits": [], "defaults": {**FakeVLLM.defaults,
                                                                  "/v1/models": {"data": [{"id": "another-model"}]}}})
     _, httpd_a = start_fake(other, port)
     assert until(lambda: other.hits.count("/version") >= 3, 10)         # tried again at later heartbeats
     engine.generate([[1, 2], [3]], 2, SamplingConfig(seed=0))
-    assert list(engine.gone) == [url_a] and generates(other) == 0        # refused before any request
+    assert list(engine.pool.gone) == [url_a] and generates(other) == 0        # refused before any request
     err = capfd.readouterr().err
     assert err.count(f"vLLM server {url_a} answers again but stays out of the run: vLLM server {url_a} serves "
                      f"['another-model']") == 1, err
     stop_fake(httpd_a)
     back = type("Back", (FakeVLLM,), {"hits": []})
     _, httpd_a = start_fake(back, port)
-    assert until(lambda: not engine.gone, 10), engine.gone
+    assert until(lambda: not engine.pool.gone, 10), engine.pool.gone
     engine.generate([[1, 2], [3], [4], [5]], 2, SamplingConfig(seed=0))
     assert "/collective_rpc" in back.hits and generates(back) >= 2   # checks' probe + samples
     assert back.hits.index("/collective_rpc") < back.hits.index("/weight_info", back.hits.index("/collective_rpc"))
@@ -308,7 +309,7 @@ def test_a_silent_server_is_found_by_the_heartbeat_long_before_request_timeout(h
         assert re.search(r"GET /health \(heartbeat\) failed twice in a row with \d request\(s\) in flight "
                          r"\(engine.heartbeat_timeout 1 s\): GET /health \(heartbeat\) got no answer in 1 s "
                          r"\(engine.heartbeat_timeout\); its requests go to the other 1 server", err), err
-        assert url_a not in engine._live()
+        assert url_a not in engine.pool.live()
     else:
         assert took >= 8 and "got no answer in 8 s (engine.request_timeout)" in err
     engine.close()
@@ -321,7 +322,7 @@ def test_a_slow_server_that_answers_its_heartbeat_is_kept(two_fakes, tiny_model_
                               heartbeat_timeout=1).build(tiny_model_dir)
     a.hang = 2.0
     engine.generate([[1, 2], [3]], 3, SamplingConfig(seed=0))
-    assert generates(a) >= 1 and engine._live() == [url_a, url_b]
+    assert generates(a) >= 1 and engine.pool.live() == [url_a, url_b]
     assert "heartbeat" not in capfd.readouterr().err
     engine.close()
 
@@ -406,7 +407,7 @@ def test_a_server_rank_0_put_out_is_left_by_the_follower_too(two_fakes, tiny_mod
     engine = FollowerConfig(urls=[a, b], startup_timeout=10, control_timeout=1).build(tiny_model_dir)
     t0 = time.perf_counter()
     engine.load_weights((), version=3)
-    assert 1.0 <= time.perf_counter() - t0 < 10 and engine._live() == [a]
+    assert 1.0 <= time.perf_counter() - t0 < 10 and engine.pool.live() == [a]
     assert f"vLLM server {b} still carries weights '2' 1 s after another server took those of step 3" in \
         capfd.readouterr().err
     engine.close()
@@ -608,7 +609,7 @@ def test_an_adapter_the_server_cannot_load_fails_the_push_not_the_server(fake_se
     engine = VLLMServerConfig(urls=[fake_server], startup_timeout=10, max_lora_rank=4).build(tiny_model_dir)
     with pytest.raises(ServerError, match="unsupported module") as e:
         engine.load_weights(iter(fake_adapter(1.0)), 1)
-    assert "ServerGone" not in type(e.value).__name__ and engine._live() == [fake_server]
+    assert "ServerGone" not in type(e.value).__name__ and engine.pool.live() == [fake_server]
     engine.close()
 
 
@@ -641,7 +642,7 @@ def test_a_dead_url_fails_in_one_line(tiny_model_dir):
 def test_the_launched_server_dies_with_its_parent(tmp_path):
     """A parent killed with kill -9 takes its server with it (PR_SET_PDEATHSIG), shown with a stand-in
     for vLLM: a sleeping process launched as the engine launches the server."""
-    code = ("import sys, time; from lit_ess.engines.vllm_server import LaunchedServer; "
+    code = ("import sys, time; from lit_ess.engines.server_launch import LaunchedServer; "
             "s = LaunchedServer([sys.executable, '-c', 'import time; time.sleep(600)'], {}, sys.argv[1], 'http://x'); "
             "print(s.proc.pid, flush=True); time.sleep(600)")
     parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "log")], stdout=subprocess.PIPE, text=True,
@@ -961,7 +962,7 @@ def test_a_server_killed_mid_call_leaves_its_requests_to_the_other(served, serve
         for c, d in zip(g, w):
             assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
     assert f"vLLM server {proxy.url}: POST /inference/v1/generate" in capfd.readouterr().err
-    assert list(engine.gone) == [proxy.url]
+    assert list(engine.pool.gone) == [proxy.url]
     assert len(engine.generate(PROMPTS, 2, s)[0]) == 2              # later calls: the live server only
     engine.close()
 
@@ -995,9 +996,9 @@ def test_a_server_killed_and_restarted_at_its_url_is_taken_back_with_the_runs_we
         os.killpg(second.proc.pid, signal.SIGKILL)
         second.proc.wait(30)
         assert [len(g) for g in engine.generate(PROMPTS, 4, s)] == [4, 4, 4]        # from the first alone
-        assert list(engine.gone) == [url]
+        assert list(engine.pool.gone) == [url]
         second = launch("restarted.log")
-        assert until(lambda: not engine.gone, 60), engine.gone           # the heartbeat finds it, it is taken back
+        assert until(lambda: not engine.pool.gone, 60), engine.pool.gone           # the heartbeat finds it, it is taken back
         groups = engine.generate(PROMPTS * 4, 4, s, call_seed=1)
         err = capfd.readouterr().err
         assert f"vLLM server {url} is back: it holds the weights of step 3 again" in err, err

@@ -1,5 +1,5 @@
 """Start a vLLM server that `lit_ess.engines.VLLMServerConfig(urls=[...])` can use, on any machine,
-with exactly the flags of the server lit-ess launches itself (`vllm_server.server_command`); prints
+with exactly the flags of the server lit-ess launches itself (`server_launch.server_command`); prints
 its URL when it answers /health and runs until Ctrl-C or SIGTERM, which stop it. A port another
 process holds is refused, naming it; a host other machines reach needs the fleet's shared token:
 
@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from .guard import TOKEN_ENV
-from .vllm_server import VLLMServerConfig, launch
+from .server_launch import launch
+from .vllm_server import VLLMServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,8 @@ import torch
 
 from lit_ess.engines import EngineConfig, VLLMServerConfig
 from lit_ess.engines.base import visible_devices
-from lit_ess.engines.vllm_server import FollowerConfig, LeaderConfig, free_port
+from lit_ess.engines.server_launch import free_port
+from lit_ess.engines.vllm_server import FollowerConfig, LeaderConfig
 
 from .executor import InlineExecutor, RolloutExecutor
 from .process import WorkerProcess
