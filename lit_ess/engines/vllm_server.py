@@ -80,8 +80,8 @@ from torch import Tensor
 
 from ..knobs import check
 from ..lora import is_adapter_payload
-from .base import (Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit,
-                   devices_env, group_seed)
+from ..sampling import Completion, SamplingConfig, group_seed
+from .base import EngineConfig, EngineFault, RolloutEngine, WeightTransfer, capped_limit, devices_env
 from .guard import ID_ENV, ID_HEADER, auth_headers, exposure_error, listener, port_holder, unauthorized_hint
 from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs
 
