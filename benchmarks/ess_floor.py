@@ -38,7 +38,8 @@ def measure(model: str, name: str, phases: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
-    from lit_ess.engines import SamplingConfig, VLLMConfig
+    from lit_ess.engines import VLLMConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.logprobs import sequence_logprobs
     from lit_ess.objectives import ess_stats
 

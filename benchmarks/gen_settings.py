@@ -40,7 +40,8 @@ def measure(model: str, prompts: int, samples: int, new_tokens: int, rounds: int
 
     from lit_ess.datamodules import Arithmetic
     from lit_ess.datamodules.prompts import encode_prompt
-    from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig
+    from lit_ess.engines import HFConfig, VLLMConfig
+    from lit_ess.sampling import SamplingConfig
 
     tok = AutoTokenizer.from_pretrained(model)
     ps = [encode_prompt(tok, e.prompt) for e in Arithmetic(digits=2, size=10000, seed=0).examples[:prompts]]

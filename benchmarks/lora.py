@@ -52,7 +52,8 @@ def checkpoint_bytes(model_dir: str, lora) -> dict:
 
 def sync_seconds(model_dir: str, rank: int, pushes: int) -> dict:
     """Median seconds of (push + a 1-token request) and of the request alone, for both sync modes."""
-    from lit_ess.engines import SamplingConfig, VLLMConfig
+    from lit_ess.engines import VLLMConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.lora import LoRA
     from lit_ess.module import PolicyModule
 

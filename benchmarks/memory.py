@@ -72,8 +72,8 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
 
 def make_batch(vocab: int, rows: int, tokens: int, prompt: int = 8, seed: int = 0):
     """A synthetic global batch: `rows` x `tokens`, the first `prompt` tokens of each row a prompt."""
-    from lit_ess.engines import SamplingConfig
-    from lit_ess.rollout import RolloutBatch
+    from lit_ess.sampling import SamplingConfig
+    from lit_ess.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, vocab, (rows, tokens), generator=g)

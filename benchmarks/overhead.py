@@ -60,7 +60,8 @@ def main(argv=None) -> dict:
     import torch
 
     from benchmarks.step import make_batch
-    from lit_ess.engines import SamplingConfig, VLLMConfig
+    from lit_ess.engines import VLLMConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.module import PolicyModule
     from lit_ess.tiny import build_tiny_model
 

@@ -30,10 +30,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_ess.engines import SamplingConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import DecoupledPPO
-from lit_ess.rollout import Proximal, RolloutBatch
+from lit_ess.batch import Proximal, RolloutBatch
 from lit_ess.tiny import build_tiny_model
 
 
@@ -52,7 +52,7 @@ def make_batch(vocab: int, rows: int, prompt: int, new: int, phase: int, index: 
 
 class Phases(L.LightningDataModule):
     """Synthetic phases of k batches, served one per step with no prefetch (a loader of known length
-    whose items are made when read); the module's data side (lit_ess.rollout.RolloutData) as RolloutDataModule
+    whose items are made when read); the module's data side (lit_ess.data.RolloutData) as RolloutDataModule
     is, with no engine to push weights to."""
 
     def __init__(self, k: int, steps: int, **shape):

@@ -87,7 +87,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lit_ess.engines import SamplingConfig, VLLMConfig, VLLMServerConfig
+    from lit_ess.engines import VLLMConfig, VLLMServerConfig
+    from lit_ess.sampling import SamplingConfig
 
     model = args.model or str(__import__("lit_ess.tiny", fromlist=["x"]).build_tiny_model(Path(tempfile.mkdtemp()) / "m"))
     tok = AutoTokenizer.from_pretrained(model)

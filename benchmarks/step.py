@@ -22,11 +22,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig
+from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.logprobs import sequence_logprobs
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import P3O
-from lit_ess.rollout import RolloutBatch
+from lit_ess.batch import RolloutBatch
 from lit_ess.tiny import build_tiny_model
 
 

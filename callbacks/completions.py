@@ -15,7 +15,7 @@ import torch
 
 from lit_ess import trackers
 from lit_ess.knobs import check
-from lit_ess.rollout import RolloutBatch
+from lit_ess.batch import RolloutBatch
 
 
 def _cut(text: str, limit: int) -> str:

@@ -2,7 +2,7 @@
 
 The decision is the module's (PolicyModule.push_due, asked of the data side: `wants_weights`, the same
 on every rank), taken at the end of each step; this callback then gathers the weights
-(`pl_module.policy_weights()`) and hands them to the data side (lit_ess.rollout.RolloutData
+(`pl_module.policy_weights()`) and hands them to the data side (lit_ess.data.RolloutData
 `push_weights`), which the module received at setup (`pl_module.rollouts`). So with k optimizer steps
 per rollout the full weights are gathered once per phase, not after every step, and under FSDP2 every
 rank enters the weight gather at the same steps. The callback pushes at train start (which covers a
@@ -15,7 +15,7 @@ import time
 
 import lightning as L
 
-from lit_ess.rollout import RolloutData
+from lit_ess.data import RolloutData
 
 
 class WeightSync(L.Callback):

@@ -35,7 +35,7 @@ every rank in the same round, with its error. Whether new weights are needed is 
 (`wants_weights` is true on every rank when it is on one), so every rank enters the weight gather
 (FSDP2) at the same steps, whatever the timing of each rank's worker.
 
-This module is the trainer's data side (lit_ess.rollout.RolloutData), handed to the module in `setup`
+This module is the trainer's data side (lit_ess.data.RolloutData), handed to the module in `setup`
 (`attach_rollouts`): a phase's waiting batches for proximal scoring, and the weights. The module asks
 `wants_weights(version)` after each step (the same answer on every rank) and lit_ess.callbacks.WeightSync
 then calls `push_weights(tensors, version)` on every rank: only when the engine will generate next (with
@@ -56,14 +56,16 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_ess.engines import EngineConfig, SamplingConfig, VLLMConfig, VLLMServerConfig
+from lit_ess.batch import RolloutBatch
+from lit_ess.data import RolloutConsumer
+from lit_ess.engines import EngineConfig, VLLMConfig, VLLMServerConfig
 from lit_ess.envs import EnvConfig
 from lit_ess.rewards import Reward, RewardScorer, as_rewards
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
-from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBatch, RolloutBuffer, RolloutConsumer,
-                             RolloutExecutor, RolloutRequest, Ranks, TorchRanks, WorkerConfig, build_executor, in_step,
-                             shares_servers)
+from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBuffer, RolloutExecutor, RolloutRequest, Ranks, TorchRanks,
+                             WorkerConfig, build_executor, in_step, shares_servers)
+from lit_ess.sampling import SamplingConfig
 
 from lit_ess.chat import ChatFormat, Prompt, check_format, prompt_text
 

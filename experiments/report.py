@@ -46,7 +46,7 @@ EPISODES = [("rollout/reward_mean", "training reward (1 / tries), last 10% of st
             ("rollout/turns", "policy turns per episode, last 10% of steps"), ("train/ess", "mean ESS e_B")]
 
 
-# How a run's samples were seeded: its summary's `seed_scheme` (lit_ess.engines.base.SEED_SCHEME when it ran);
+# How a run's samples were seeded: its summary's `seed_scheme` (lit_ess.sampling.SEED_SCHEME when it ran);
 # summaries written before the field (before 2026-11-27) were all drawn per sample. Both draw from the same
 # distribution; a run drawn under one scheme is not repeated under the other.
 LEGACY_SEED_SCHEME = "per-sample"

@@ -50,7 +50,7 @@ from pathlib import Path
 import yaml
 
 from lit_ess.console import quiet_console
-from lit_ess.engines.base import SEED_SCHEME
+from lit_ess.sampling import SEED_SCHEME
 
 from .cells import EXPERIMENTS, FULL, K, QUICK, TEMPERATURE, Scale, apply, base_config, base_folder, temperature
 from .report import LEGACY_SEED_SCHEME, decisive, read_csv, resolved, write_report
@@ -274,7 +274,7 @@ def config_digest(exp_name: str, cell, seed: int, scale: Scale) -> str:
 
 def summarize_run(d: Path, dest: Path, cell, digest: str) -> None:
     """A finished run's summary from its folder: wall time, the config's digest, how its samples were seeded
-    (`seed_scheme`, lit_ess.engines.base.SEED_SCHEME when it ran; a run finished before the field: "per-sample"),
+    (`seed_scheme`, lit_ess.sampling.SEED_SCHEME when it ran; a run finished before the field: "per-sample"),
     and the evaluation at its own temperature. The scheme is not in the digest: a stored run drawn per sample
     stays made (the same config, other draws of the same distribution), and the page says which it was."""
     done = json.loads((d / "done.json").read_text())

@@ -22,7 +22,7 @@ mean over ranks, min, max, pooled std).
 Proximal logprobs (log pi_prox, the policy's own with the weights that start a rollout phase), when the
 objective uses them (`objective.needs_proximal`): `score_phase` scores the phase's waiting batches once,
 no grad, when its first batch is trained; that batch uses its own gradient pass's lp.detach() (same
-weights, same forward). The waiting batches come from the data side (lit_ess.rollout.RolloutData), which
+weights, same forward). The waiting batches come from the data side (lit_ess.data.RolloutData), which
 RolloutDataModule hands over at setup (`attach_rollouts`).
 
 Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
@@ -41,6 +41,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from .batch import Proximal, RolloutBatch
+from .data import RolloutData
 from .health import ESSAlarm, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
 from .knobs import check
 from .logprobs import DEFAULT_CHUNK, check_chunked_head, sequence_logprobs
@@ -49,8 +51,7 @@ from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, ESSStats, Objective, ess_stats, ratio_metrics
 from .packing import check_packed_forward, packed_logprobs, plan_micro_batches, plan_ranks
-from .engines import SamplingConfig
-from .rollout import Proximal, RolloutBatch, RolloutData
+from .sampling import SamplingConfig
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
 
 PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3"}   # model.packing's attention
@@ -293,7 +294,7 @@ class PolicyModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def attach_rollouts(self, data: RolloutData) -> None:
-        """The data side this module trains from (lit_ess.rollout.RolloutData): the waiting batches of a
+        """The data side this module trains from (lit_ess.data.RolloutData): the waiting batches of a
         phase for proximal scoring, and the weight-push decision. RolloutDataModule.setup hands itself
         over, once per stage."""
         self.rollouts = data
@@ -838,7 +839,7 @@ def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadat
 
 def _no_proximal(objective: Objective, why: str) -> str:
     return (f"objective {type(objective).__name__} uses the trainer's proximal logprobs, which training_step scores "
-            f"from the data side's waiting batches (lit_ess.rollout.RolloutData, e.g. RolloutDataModule): {why}")
+            f"from the data side's waiting batches (lit_ess.data.RolloutData, e.g. RolloutDataModule): {why}")
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:

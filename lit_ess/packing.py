@@ -1,6 +1,6 @@
 """Train on tokens, not padding: micro-batches by a token budget, and padding-free packing.
 
-Rows are the `[B, T]` rows of a step (left-aligned, right-padded; lit_ess.rollout.batch). A row's
+Rows are the `[B, T]` rows of a step (left-aligned, right-padded; lit_ess.batch). A row's
 length is its count of attention-mask tokens.
 
 Planning (pure, deterministic: rows sorted by length, longest first, ties by index):

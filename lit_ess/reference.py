@@ -29,13 +29,14 @@ quiet_console()            # before transformers and vLLM are imported
 import torch  # noqa: E402
 
 from lit_ess.advantages import group_advantages  # noqa: E402
+from lit_ess.batch import Row, collate  # noqa: E402
 from lit_ess.datamodules.prompts import Arithmetic, PromptOrder, encode_prompt  # noqa: E402
-from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig  # noqa: E402
+from lit_ess.engines import HFConfig, VLLMConfig  # noqa: E402
 from lit_ess.knobs import check  # noqa: E402
 from lit_ess.logprobs import sequence_logprobs  # noqa: E402
 from lit_ess.objectives import OBJECTIVE_CLASSES, batch_ess  # noqa: E402
 from lit_ess.rewards import RewardScorer  # noqa: E402
-from lit_ess.rollout import Row, collate  # noqa: E402
+from lit_ess.sampling import SamplingConfig  # noqa: E402
 from lit_ess.step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, lr_factor  # noqa: E402
 
 

@@ -72,8 +72,8 @@ def build_model(folder: Path, shape: dict, dtype: torch.dtype, device=None) -> s
 
 def synthetic_batch(rows: int, length: int, vocab: int, device):
     """`rows` rows of `length` tokens, the last 3/4 completion, behaviour logprobs near the policy's scale."""
-    from lit_ess.engines import SamplingConfig
-    from lit_ess.rollout import Row, collate
+    from lit_ess.sampling import SamplingConfig
+    from lit_ess.batch import Row, collate
 
     g = torch.Generator().manual_seed(0)
     P = length // 4
@@ -186,9 +186,10 @@ def one_rank_group(device):
 def ess_steps(model_dir: str, device, dtype: str, steps: int, prompts: int, samples: int, new_tokens: int) -> dict:
     """Synchronous on-policy RL steps: hf engine (same dtype) samples, trainer trains one step, weights pushed."""
     from lit_ess.advantages import group_advantages
-    from lit_ess.engines import HFConfig, SamplingConfig
+    from lit_ess.engines import HFConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.module import PolicyModule
-    from lit_ess.rollout import Row, collate
+    from lit_ess.batch import Row, collate
     from lit_ess.step import build_optimizer
 
     engine = HFConfig(dtype=dtype, device=str(device), batch_size=prompts * samples).build(model_dir)

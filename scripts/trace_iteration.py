@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     from lit_ess.callbacks import LogCompletions, RatioDashboard, WeightSync
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
     from lit_ess.module import PolicyModule
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.tiny import build_tiny_model
 
     calls: Counter = Counter()               # (file, function) -> calls
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_tiny_model(Path(tmp) / "model"))
         data = RolloutDataModule(model_path=model, engine=getattr(engines, args.engine)(),
-                                 sampling=engines.SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=500),
+                                 sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=500),
                                  prompts_per_rollout=8, samples_per_prompt=4, steps_per_rollout=args.steps_per_rollout)
         module = PolicyModule(model, objective=getattr(objectives, args.objective)(), lr=1e-3)
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.step + 2, log_every_n_steps=1,

@@ -55,7 +55,8 @@ def sampled_batch(model_dir: str):
     """The first batch (16 rows) of one phase sampled by the transformers engine: 4 arithmetic prompts x 4
     samples, at most 6 new tokens, seeded."""
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
-    from lit_ess.engines import HFConfig, SamplingConfig
+    from lit_ess.engines import HFConfig
+    from lit_ess.sampling import SamplingConfig
 
     dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=4,
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
@@ -70,7 +71,7 @@ def off_policy(batch):
     non-degenerate advantages."""
     import torch
 
-    from lit_ess.rollout import Proximal
+    from lit_ess.batch import Proximal
 
     g = torch.Generator().manual_seed(0)
     m = batch.completion_mask

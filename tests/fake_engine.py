@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from lit_ess.engines import Completion, EngineConfig, RolloutEngine
+from lit_ess.engines import EngineConfig, RolloutEngine
+from lit_ess.sampling import Completion
 
 
 @dataclass

@@ -13,7 +13,8 @@ from agent_fns import HTTPFailure, post
 from test_envs import byte_tok, chat_tok, ids  # noqa: F401  (fixtures)
 
 from lit_ess.datamodules.prompts import Example, encode_prompt
-from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
+from lit_ess.engines import RolloutEngine
+from lit_ess.sampling import Completion, SamplingConfig, derive_seed
 from lit_ess.envs import AgentRunner, EnvConfig, EnvError, EpisodeRunner, make_runner
 from lit_ess.envs.agent import Call, assemble
 from lit_ess.envs.proxy import RequestError

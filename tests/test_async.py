@@ -12,8 +12,9 @@ import torch
 
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from fake_engine import FakeConfig
-from lit_ess.engines import SamplingConfig
-from lit_ess.rollout import RolloutBuffer, Row, WorkerError, collate
+from lit_ess.sampling import SamplingConfig
+from lit_ess.rollout import RolloutBuffer, WorkerError
+from lit_ess.batch import Row, collate
 
 
 def weights(version: int):

@@ -11,7 +11,7 @@ import torch
 
 from lit_ess.rollout import RankFailed, WorkerError, WorkerProcess
 from fake_engine import FakeConfig
-from lit_ess.engines import SamplingConfig
+from lit_ess.sampling import SamplingConfig
 from test_async import make_dm, weights
 
 

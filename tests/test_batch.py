@@ -7,9 +7,8 @@ import pytest
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from lit_ess.engines import SamplingConfig
-from lit_ess.rollout import Proximal, RolloutBatch, Row, collate
-from lit_ess.rollout.batch import CONFIG, KINDS, PLAIN, ROW, TEXTS, TOKEN, kind, token
+from lit_ess.batch import CONFIG, KINDS, PLAIN, ROW, TEXTS, TOKEN, Proximal, RolloutBatch, Row, collate, kind, token
+from lit_ess.sampling import SamplingConfig
 
 
 def _rows() -> list[Row]:

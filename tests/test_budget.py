@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from e2e_utils import off_policy, sampled_batch, spawn_ranks
-from lit_ess.engines import SamplingConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import AGGREGATIONS, GRPO, OBJECTIVE_CLASSES, P3O
-from lit_ess.rollout import Proximal, Row, collate
+from lit_ess.batch import Proximal, Row, collate
 
 BUDGET = 50        # rows x longest row (prompt + completion tokens) per micro-batch, on the batch below
 CUTS = {"rows": {"micro_batch_size": 2}, "budget": {"micro_batch_tokens": BUDGET}, "packed": {"packing": True},

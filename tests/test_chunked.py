@@ -3,12 +3,12 @@ logits: equal log-probabilities, entropies and gradients, and no training forwar
 import pytest
 import torch
 
-from lit_ess.engines import SamplingConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.logprobs import check_chunked_head, sequence_logprobs
 from lit_ess.lora import LoRA
 from lit_ess.objectives import P3O
 from lit_ess.packing import packed_logprobs
-from lit_ess.rollout import Row, collate
+from lit_ess.batch import Row, collate
 
 CHUNK = 5
 SAMPLING = [dict(temperature=1.0, top_k=-1, top_p=1.0), dict(temperature=0.7, top_k=20, top_p=1.0),

@@ -7,7 +7,8 @@ import torch
 
 from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
 from lit_ess.advantages import group_advantages
-from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.engines import HFConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.rewards import RewardScorer, exact_match, gsm8k, math_verify
 
 

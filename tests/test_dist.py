@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, spawn_ranks, write_config
-from lit_ess.engines import SamplingConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.objectives import P3O, P4O, ess_stats
-from lit_ess.rollout import Proximal, Row, collate
+from lit_ess.batch import Proximal, Row, collate
 
 pytestmark = pytest.mark.dist
 

@@ -14,7 +14,8 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")        # [text](target) and ![al
 # the API pages: module -> an object its page must render from the docstrings
 API = {"objectives": "lit_ess.objectives.P3O", "module": "lit_ess.module.PolicyModule",
        "datamodules": "lit_ess.datamodules.RolloutDataModule", "engines": "lit_ess.engines.VLLMConfig",
-       "callbacks": "lit_ess.callbacks.WeightSync", "rollout": "lit_ess.rollout.RolloutBatch",
+       "callbacks": "lit_ess.callbacks.WeightSync", "rollout": "lit_ess.rollout.RolloutWorker",
+       "batch": "lit_ess.batch.RolloutBatch", "sampling": "lit_ess.sampling.SamplingConfig",
        "envs": "lit_ess.envs.EpisodeRunner"}
 
 

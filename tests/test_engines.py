@@ -3,7 +3,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ess.engines import HFConfig, SamplingConfig, group_seed
+from lit_ess.engines import HFConfig
+from lit_ess.sampling import SamplingConfig, group_seed
 from lit_ess.logprobs import sequence_logprobs
 
 PROMPTS = [[1, 20, 21, 14], [1, 22], [1, 20, 21, 14]]   # a repeated prompt on purpose

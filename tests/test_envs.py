@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from lit_ess.datamodules import SFTDataModule
 from lit_ess.datamodules.prompts import Arithmetic, CalculatorTranscripts, Example, PromptSource, encode_prompt
-from lit_ess.engines import Completion, RolloutEngine, SamplingConfig
+from lit_ess.engines import RolloutEngine
+from lit_ess.sampling import Completion, SamplingConfig
 from lit_ess.envs import (Action, Calculator, EnvConfig, EnvError, Environment, EpisodeRunner, RetryArithmetic, Step,
                           TemplateError, collate_episodes, episode_stats)
 from lit_ess.envs.arithmetic import calculate
 from lit_ess.objectives import P3O
-from lit_ess.rollout.batch import Row, collate
+from lit_ess.batch import Row, collate
 from lit_ess.tiny import build_chat_tokenizer, build_tokenizer
 
 S = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=0)

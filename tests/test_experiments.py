@@ -375,7 +375,7 @@ def test_a_summary_names_its_runs_seed_scheme_and_a_run_made_before_reads_per_sa
     the config's, so a stored summary without the field is still the run made."""
     from experiments.run import config_digest, made, summarize_run
 
-    from lit_ess.engines.base import SEED_SCHEME
+    from lit_ess.sampling import SEED_SCHEME
 
     cell = EXPERIMENTS["clip"].cells[0]
     digest = config_digest("clip", cell, 0, FULL)

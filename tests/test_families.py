@@ -83,7 +83,7 @@ def test_family_export_loads_in_vllm(runs, family, vllm_built):
     its logprobs equal the exported model's (the weights, the untied head, the RoPE scaling all arrived)."""
     from transformers import AutoModelForCausalLM
 
-    from lit_ess.engines import SamplingConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.logprobs import sequence_logprobs
 
     out, res = runs[family, "VLLMConfig"]

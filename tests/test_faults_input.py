@@ -105,7 +105,7 @@ def test_reward_and_group_size_are_checked_at_start():
 
 def test_async_worker_stops_on_a_failing_reward_with_the_same_error(tiny_model_dir):
     from fake_engine import FakeConfig
-    from lit_ess.engines import SamplingConfig
+    from lit_ess.sampling import SamplingConfig
 
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
                            prompts_per_rollout=2, samples_per_prompt=2, source=Arithmetic(size=10),

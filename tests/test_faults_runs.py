@@ -87,7 +87,7 @@ def test_a_stalled_async_worker_stops_the_run_with_its_pid_and_stage(tiny_model_
 
     from fake_engine import FakeConfig
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
-    from lit_ess.engines import SamplingConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.rollout import WorkerError
     from test_async import weights
 
@@ -122,7 +122,7 @@ def test_a_custom_reward_that_hangs_times_out_in_the_worker(tiny_model_dir):
     from fake_engine import FakeConfig
     from hanging_rewards import digits_unless_five
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
-    from lit_ess.engines import SamplingConfig
+    from lit_ess.sampling import SamplingConfig
 
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), prompts_per_rollout=2,
                            samples_per_prompt=2, source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
@@ -172,7 +172,7 @@ def test_a_long_training_step_is_not_a_stalled_worker(tiny_model_dir):
 
     from fake_engine import FakeConfig
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
-    from lit_ess.engines import SamplingConfig
+    from lit_ess.sampling import SamplingConfig
     from test_async import weights
 
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.05), mode="async", max_staleness=1,

@@ -14,8 +14,9 @@ from e2e_utils import cli, cli_each, rl_config, write_config
 from test_faults_state import fault_line
 from test_server import FakeVLLM, fake_server  # noqa: F401  (a fixture)
 
-from lit_ess.engines import SamplingConfig, VLLMServerConfig
+from lit_ess.engines import VLLMServerConfig
 from lit_ess.engines.server_pool import ServerError, ServerGone
+from lit_ess.sampling import SamplingConfig
 
 
 # ---------------------------------------------------------------- resume

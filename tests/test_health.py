@@ -3,7 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from lit_ess.engines import HFConfig, SamplingConfig, VLLMConfig
+from lit_ess.engines import HFConfig, VLLMConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.health import ESSAlarm, StepFacts, exact_on_policy
 
 EXACT = StepFacts(lag_max=0, engine_dtype="float32", precision="32-true", model_dtype="float32", cast_dtype=None,

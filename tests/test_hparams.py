@@ -7,7 +7,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_ess.callbacks import WeightSync
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
-from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.engines import HFConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
 
 PLAIN = (str, int, float, bool, type(None))

@@ -10,7 +10,8 @@ from lit_ess.datamodules import RolloutDataModule
 from lit_ess.engines import VLLMServerConfig
 from lit_ess.engines.vllm_server import span_versions
 from lit_ess.objectives import P3O
-from lit_ess.rollout import RolloutBatch, RolloutBuffer, Row, collate
+from lit_ess.rollout import RolloutBuffer
+from lit_ess.batch import RolloutBatch, Row, collate
 
 LN2 = math.log(2)
 

@@ -412,7 +412,8 @@ def test_each_adapter_push_is_loaded_once_and_closing_the_executor_removes_its_f
     dead process (kill -9) goes when an engine starts."""
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
-    from lit_ess.engines import SamplingConfig, VLLMConfig
+    from lit_ess.engines import VLLMConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.engines.vllm_engine import adapter_root
     from lit_ess.rollout.executor import InlineExecutor
     from lit_ess.rollout.worker import WorkerConfig

@@ -7,7 +7,8 @@ import torch
 
 from e2e_utils import sampled_batch
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
-from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.engines import HFConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, GSPO, P3O
 

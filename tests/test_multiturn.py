@@ -15,7 +15,8 @@ from e2e_utils import cli, kill_after_checkpoint, scalars, trained_prompts, writ
 from test_dist_async import by_phase, records
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.datamodules.prompts import PromptOrder, encode_prompt
-from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.engines import HFConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.envs import EnvConfig, EnvError, Environment, Step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from lit_ess.objectives import P3O, P4O, batch_ess
-from lit_ess.rollout import Proximal
+from lit_ess.batch import Proximal
 
 LN2 = math.log(2)
 
@@ -240,7 +240,8 @@ def test_trains_through_the_module_with_two_steps_per_rollout(tiny_model_dir):
     the policy, so e_prox < 1 and pi_prox takes a share of the mixture."""
     from lit_ess.callbacks import WeightSync
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
-    from lit_ess.engines import HFConfig, SamplingConfig
+    from lit_ess.engines import HFConfig
+    from lit_ess.sampling import SamplingConfig
     from lit_ess.module import PolicyModule
 
     kept = Kept()

@@ -10,8 +10,26 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# layer of each installed package, lowest first: a module may import its own layer and those below
-LAYERS = {"lit_ess.engines": 0, "lit_ess.rollout": 1, "lit_ess.datamodules": 2, "lit_ess.callbacks": 2}
+# The layers of lit_ess and the layers each stands on; a module imports its own layer and what its layer
+# stands on (directly or through another layer), nothing else: no import runs up, or across to a
+# neighbour. The order, lowest first:
+#     ground < envs, engines < rollout < datamodules, callbacks < entry points
+#     ground < trainer < datamodules, callbacks
+# The ground floor is lit_ess itself and every module directly in lit_ess/ that no other layer names: the
+# vocabulary every layer speaks (batch, sampling, data, objectives, knobs, rewards, logprobs, ...). The
+# trainer stands on it alone: it names the batch, the sampling settings and the data side
+# (lit_ess.data's Protocols), never the engines or the rollout layer. Every subpackage has a layer: one
+# that has none fails test_every_module_has_a_layer until it is named here.
+LAYERS = {   # layer: (its packages and modules, the layers it stands on)
+    "ground": ([], []),
+    "envs": (["lit_ess.envs"], ["ground"]),                      # environments and episodes; call a Sampler
+    "engines": (["lit_ess.engines"], ["ground"]),                # vLLM in process, vLLM servers, hf
+    "rollout": (["lit_ess.rollout"], ["envs", "engines"]),       # worker, buffer, executors, transports
+    "trainer": (["lit_ess.module", "lit_ess.sft"], ["ground"]),  # the LightningModules
+    "datamodules": (["lit_ess.datamodules"], ["rollout", "trainer"]),
+    "callbacks": (["lit_ess.callbacks"], ["rollout", "trainer"]),
+    "entry points": (["lit_ess.cli", "lit_ess.config_check", "lit_ess.reference"], ["datamodules", "callbacks"]),
+}
 SOURCES = {"lit_ess": ROOT / "lit_ess", "lit_ess.callbacks": ROOT / "callbacks", "lit_ess.datamodules": ROOT / "datamodules"}
 
 
@@ -47,10 +65,10 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """lit_ess modules imported anywhere in the file (module level or inside functions)."""
+def _import_lines(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(lit_ess module, line) of every import in the file (module level or inside functions)."""
     pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -58,30 +76,54 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
             for alias in node.names:
                 full = f"{base}.{alias.name}"
-                found.add(full if full in known else base)
+                found.append((full if full in known else base, node.lineno))
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return {m for m in found if m in known and m != name}
+            found.extend((a.name, node.lineno) for a in node.names)
+    return [(m, line) for m, line in found if m in known and m != name]
 
 
-def _layer(module: str) -> int | None:
-    return next((v for k, v in LAYERS.items() if module == k or module.startswith(k + ".")), None)
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """lit_ess modules imported anywhere in the file (module level or inside functions)."""
+    return {m for m, _ in _import_lines(name, path, known)}
+
+
+def _layer(module: str, path: Path) -> str | None:
+    """The layer of a module; None for a module of a subpackage LAYERS does not name."""
+    for layer, (names, _) in LAYERS.items():
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return layer
+    return "ground" if module == "lit_ess" or path.parent == ROOT / "lit_ess" else None
+
+
+def _below(layer: str) -> set[str]:
+    """The layers `layer` stands on, directly or through another."""
+    out, todo = set(), list(LAYERS[layer][1])
+    while todo:
+        if (below := todo.pop()) not in out:
+            out.add(below)
+            todo.extend(LAYERS[below][1])
+    return out
+
+
+def test_every_module_has_a_layer():
+    mods = _modules()
+    homeless = sorted(n for n, p in mods.items() if _layer(n, p) is None)
+    assert not homeless, f"modules in no layer: {homeless}: name their package in LAYERS (tests/test_packaging.py)"
 
 
 def test_layers_import_downward_only():
-    """engines < rollout < datamodules, callbacks: nothing imports a layer above its own, except the two
-    composition roots (lit_ess.cli, and lit_ess.reference, the plain loop) and the package's own exports."""
+    """A module imports its own layer and the layers it stands on (LAYERS), nothing above or beside."""
     mods = _modules()
     bad = []
     for name, path in mods.items():
-        if name in ("lit_ess.cli", "lit_ess.reference"):
-            continue
-        mine = _layer(name)
-        for dep in _imports(name, path, set(mods)):
-            theirs = _layer(dep)
-            if theirs is not None and (mine is None and theirs >= 2 or mine is not None and theirs > mine):
-                bad.append(f"{name} -> {dep}")
-    assert not bad, bad
+        if (mine := _layer(name, path)) is None:
+            continue                                         # test_every_module_has_a_layer names it
+        for dep, line in _import_lines(name, path, set(mods)):
+            theirs = _layer(dep, mods[dep])
+            if theirs is not None and theirs != mine and theirs not in _below(mine):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {name} ({mine}) imports {dep} ({theirs}); "
+                           f"{mine} stands on {', '.join(sorted(_below(mine))) or 'nothing'}")
+    assert not bad, "imports that run up or across the layers (tests/test_packaging.py LAYERS):\n" + "\n".join(bad)
 
 
 def test_no_import_circle():

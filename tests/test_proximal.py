@@ -8,12 +8,14 @@ import torch
 
 from lit_ess.callbacks import WeightSync
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
-from lit_ess.engines import HFConfig, SamplingConfig
+from lit_ess.engines import HFConfig
+from lit_ess.sampling import SamplingConfig
 from lit_ess.logprobs import sequence_logprobs
 from lit_ess.lora import LoRA
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, DecoupledPPO
-from lit_ess.rollout import Proximal, RolloutBuffer
+from lit_ess.rollout import RolloutBuffer
+from lit_ess.batch import Proximal
 
 
 def data(model_dir, k=2, **kw):

@@ -154,7 +154,7 @@ def test_a_weighted_list_is_the_weighted_sum_and_keeps_each_part():
 def test_async_worker_scores_columns_and_batches(tiny_model_dir, tmp_path):
     """The worker process gets each prompt's row and the weighted list: the phase's parts and total by hand."""
     from fake_engine import FakeConfig
-    from lit_ess.engines import SamplingConfig
+    from lit_ess.sampling import SamplingConfig
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({**r, "level": "2"}) + "\n" for r in ROWS))

@@ -25,7 +25,8 @@ from e2e_utils import cli, pythonpath, rl_config, scalars, write_config
 from test_engines import PROMPTS, max_logprob_gap
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_ess.engines import SamplingConfig, VLLMServerConfig, group_seed
+from lit_ess.engines import VLLMServerConfig
+from lit_ess.sampling import SamplingConfig, group_seed
 from lit_ess.engines.vllm_engine import adapter_root
 from lit_ess.engines.server_launch import LaunchedServer, free_port, served_model_name, server_command, server_env
 from lit_ess.engines.server_pool import ServerError, ServerGone

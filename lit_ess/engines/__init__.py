@@ -4,12 +4,9 @@ Each engine has a typed config (`VLLMConfig`, `VLLMServerConfig`, `HFConfig`) wh
 name engines in YAML (`engine: {class_path: lit_ess.engines.HFConfig, init_args: {dtype: bfloat16}}`),
 code builds them the same way (`VLLMConfig(dtype="bfloat16").build(model_path)`).
 """
-from .base import (Completion, EngineConfig, EngineFault, RolloutEngine, SamplingConfig, WeightTransfer, derive_seed,
-                   group_seed)
+from .base import EngineConfig, EngineFault, RolloutEngine, WeightTransfer
 from .hf_engine import HFConfig
 from .vllm_engine import VLLMConfig
 from .vllm_server import VLLMServerConfig
 
-__all__ = ["Completion", "EngineConfig", "EngineFault", "HFConfig", "RolloutEngine", "SamplingConfig", "VLLMConfig", "VLLMServerConfig",
-           "WeightTransfer",
-           "derive_seed", "group_seed"]
+__all__ = ["EngineConfig", "EngineFault", "HFConfig", "RolloutEngine", "VLLMConfig", "VLLMServerConfig", "WeightTransfer"]

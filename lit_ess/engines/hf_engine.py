@@ -24,9 +24,10 @@ from torch import Tensor
 
 from ..health import NonFiniteError, first_nonfinite
 from ..logprobs import process_logits
-from .base import Completion, EngineConfig, RolloutEngine, SamplingConfig, derive_seed, truncate_at_stop
+from .base import EngineConfig, RolloutEngine, truncate_at_stop
 from ..lora import is_adapter_payload
 from ..knobs import check
+from ..sampling import Completion, SamplingConfig, derive_seed
 
 log = logging.getLogger(__name__)
 

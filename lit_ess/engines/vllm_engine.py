@@ -24,8 +24,8 @@ from torch import Tensor
 from ..console import harmless_stderr_dropped, verbose
 from ..knobs import check
 from ..lora import is_adapter_payload, write_adapter
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit, devices_env,
-                   group_seed)
+from ..sampling import Completion, SamplingConfig, group_seed
+from .base import EngineConfig, RolloutEngine, WeightTransfer, capped_limit, devices_env
 
 
 def _configure_env(kv_cache_gib: float) -> None:

@@ -78,8 +78,8 @@ from torch import Tensor
 
 from ..knobs import check
 from ..lora import is_adapter_payload
-from .base import (Completion, EngineConfig, RolloutEngine, SamplingConfig, WeightTransfer, capped_limit, devices_env,
-                   group_seed)
+from ..sampling import Completion, SamplingConfig, group_seed
+from .base import EngineConfig, RolloutEngine, WeightTransfer, capped_limit, devices_env
 from .server_launch import LaunchedServer, free_port, launch, same_model, served_model_name
 from .server_pool import VLLM_SERIES, PoolOwner, ServerError, ServerGone, ServerPool
 from .vllm_engine import LORA_RANKS, adapter_root, lora_dtype_error, remove_orphan_adapter_dirs

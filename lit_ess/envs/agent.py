@@ -42,8 +42,8 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
-from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
 from lit_ess.rewards import as_score, import_named
+from lit_ess.sampling import Completion, Sampler, SamplingConfig, derive_seed
 
 from .base import Action, Environment, Example, Message, Step
 from .config import EnvConfig, resolve_env
@@ -125,12 +125,12 @@ def assemble(calls: list[Call], episode: Episode) -> Episode:
 
 
 class EngineQueue:
-    """Calls of many episodes to an engine that takes one call at a time (not `RolloutEngine.concurrent`):
+    """Calls of many episodes to an engine that takes one call at a time (not `Sampler.concurrent`):
     the calls that arrive while one runs go together in the next, one `generate` per (sampling, call seed),
     each prompt with its own key, so each sample has the seed it would have alone. The thread that finds
     the engine free runs it for everyone waiting. `close` ends the run's use of the engine."""
 
-    def __init__(self, engine: RolloutEngine):
+    def __init__(self, engine: Sampler):
         self.engine, self.lock, self.running = engine, threading.Lock(), threading.Lock()
         self.pending: list[tuple[list[int], SamplingConfig, int, int, Future]] = []
         self.closed = False
@@ -190,7 +190,7 @@ class Session:
     """One episode's conversation with the policy: each request's prompt ids (continuing the conversation
     token in, token out), the engine call, the record. Its methods run in the proxy's threads."""
 
-    def __init__(self, runner: "AgentRunner", engine: RolloutEngine | EngineQueue, sampling: SamplingConfig,
+    def __init__(self, runner: "AgentRunner", engine: Sampler | EngineQueue, sampling: SamplingConfig,
                  call_seed: int, key: int):
         self.runner, self.engine, self.sampling, self.call_seed, self.key = runner, engine, sampling, call_seed, key
         self.calls: list[Call] = []
@@ -342,7 +342,7 @@ class AgentRunner(EpisodeRunner):
         self.what = f"agent {self.agent.name!r}"
         self.proxy = None
 
-    def run(self, engine: RolloutEngine, examples: list[Example], n: int, sampling: SamplingConfig,
+    def run(self, engine: Sampler, examples: list[Example], n: int, sampling: SamplingConfig,
             call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
         """n episodes per example, example-major; call k of episode `key * n + j` is seeded by (sampling.seed,
         call_seed, k, the episode) as EpisodeRunner seeds its later turns."""

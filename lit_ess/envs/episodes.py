@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lit_ess.engines import Completion, RolloutEngine, SamplingConfig, derive_seed
+from lit_ess.batch import RolloutBatch, Row, collate
 from lit_ess.knobs import check
 from lit_ess.rewards import as_score
-from lit_ess.rollout.batch import RolloutBatch, Row, collate
+from lit_ess.sampling import Completion, Sampler, SamplingConfig, derive_seed
 
 from .base import Action, EnvError, Environment, Example, Message, Step, is_observation
 from .config import EnvConfig
@@ -167,7 +167,7 @@ class EpisodeRunner:
         self.errors = self.timeouts = 0
         self.what = f"environment {config.env!r}"        # who failed, in messages
 
-    def run(self, engine: RolloutEngine, examples: list[Example], n: int, sampling: SamplingConfig,
+    def run(self, engine: Sampler, examples: list[Example], n: int, sampling: SamplingConfig,
             call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
         """n episodes per example, example-major (example i's at i*n ... i*n + n - 1). Request seeds
         derive from (sampling.seed, call_seed, turn, the example's key, the sample), `prompt_keys` as in
@@ -410,7 +410,7 @@ def to_row(episode: Episode, advantage: float, prompt_id: int, prompt_text: str)
 
 def collate_episodes(episodes: list[Episode], advantages: list[float], prompt_ids: list[int],
                      prompt_texts: list[str], pad_id: int, **fields) -> RolloutBatch:
-    """Pad episodes into a RolloutBatch (lit_ess.rollout.batch.collate) whose completion_mask is True on
+    """Pad episodes into a RolloutBatch (lit_ess.batch.collate) whose completion_mask is True on
     the policy's tokens only: the environment's tokens are context, never trained on, never in the ESS."""
     rows = [to_row(e, a, i, t) for e, a, i, t in zip(episodes, advantages, prompt_ids, prompt_texts, strict=True)]
     return collate(rows, pad_id, **fields)

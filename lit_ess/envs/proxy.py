@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from lit_ess.engines import SamplingConfig
+from lit_ess.sampling import SamplingConfig
 
 MODEL_NAME = "policy"
 

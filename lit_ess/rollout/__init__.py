@@ -1,8 +1,7 @@
 """The rollout layer: the worker that turns prompts into scored, batched samples, the versioned buffer
-the trainer reads from, and the worker's process for asynchronous training."""
-from .batch import Proximal, RolloutBatch, Row, collate
+the trainer reads from, and the worker's process for asynchronous training. The batches it makes are
+lit_ess.batch's RolloutBatch; the trainer sees this layer only through lit_ess.data's Protocols."""
 from .buffer import RolloutBuffer
-from .data import RolloutConsumer, RolloutData
 from .executor import InlineExecutor, RolloutExecutor, WorkerError
 from .placement import build_executor, placed, shares_servers
 from .process import WorkerProcess
@@ -10,6 +9,5 @@ from .ranks import RankFailed, Ranks, TorchRanks, in_step
 from .worker import EvalRequest, PhaseResult, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["EvalRequest", "InlineExecutor", "RankFailed", "Ranks", "RolloutExecutor",
-           "TorchRanks", "build_executor", "in_step", "placed", "shares_servers", "PhaseResult", "Proximal",
-           "RolloutBatch", "RolloutBuffer", "RolloutConsumer", "RolloutData", "RolloutRequest", "RolloutWorker", "Row",
-           "WorkerConfig", "WorkerError", "WorkerProcess", "collate"]
+           "TorchRanks", "build_executor", "in_step", "placed", "shares_servers", "PhaseResult",
+           "RolloutBuffer", "RolloutRequest", "RolloutWorker", "WorkerConfig", "WorkerError", "WorkerProcess"]

@@ -20,7 +20,7 @@ the checkpoint; requests in flight are kept by the owner and regenerated after a
 """
 from __future__ import annotations
 
-from .batch import RolloutBatch
+from lit_ess.batch import RolloutBatch
 
 
 class RolloutBuffer:

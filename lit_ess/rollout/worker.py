@@ -34,13 +34,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lit_ess.advantages import group_advantages
-from lit_ess.engines import Completion, EngineConfig, SamplingConfig, derive_seed
-import lit_ess.envs.agent as agent              # modules, not their names: lit_ess.envs imports this package
-import lit_ess.envs.episodes as episodes
-from lit_ess.envs.config import EnvConfig
+from lit_ess.batch import RolloutBatch, Row, collate
+from lit_ess.engines import EngineConfig
+from lit_ess.envs import EnvConfig, Episode, episode_stats, make_runner, to_row
+from lit_ess.envs.base import Example
 from lit_ess.rewards import RewardScorer
+from lit_ess.sampling import Completion, SamplingConfig, derive_seed
 
-from .batch import RolloutBatch, Row, collate
 from .transport import Ticket, build_transport
 
 
@@ -119,8 +119,8 @@ class RolloutWorker:
             env, limit = c.env, c.engine.model_len(c.model_path)
             if env.max_episode_tokens is None and limit is not None:
                 env = replace(env, max_episode_tokens=limit[0])
-            self.runner = agent.make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate,
-                                            prompt_limit=c.prompt_limit)
+            self.runner = make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate,
+                                      prompt_limit=c.prompt_limit)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
@@ -155,7 +155,7 @@ class RolloutWorker:
         return self.score(req, *self.sample(req))
 
     @torch.no_grad()
-    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[episodes.Episode]], list[str],
+    def sample(self, req: RolloutRequest) -> tuple[list[list[Completion]] | list[list[Episode]], list[str],
                                                    float, dict[str, int] | None]:
         """Stage 1, the engine: n completions (or, with an environment, episodes) per prompt, their texts,
         the generation time (an episode's environment steps included) and the environment's cumulative
@@ -166,14 +166,12 @@ class RolloutWorker:
             groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
             return groups, texts, time.perf_counter() - t0, None
-        from lit_ess.envs.base import Example
-
         examples = [Example(p, a, r) for p, a, r in zip(req.prompt_texts, req.answers, _rows(req.columns, len(req.answers)))]
         eps = self.runner.run(self.engine, examples, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
         groups = [eps[i * n:(i + 1) * n] for i in range(len(req.prompts))]
         return groups, [e.text() for e in eps], time.perf_counter() - t0, self.runner.state_dict()
 
-    def rewards(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]],
+    def rewards(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[Episode]],
                 texts: list[str]) -> tuple[torch.Tensor, float]:
         """The rewards `[P, n]` of a phase's samples (an episode's are its environment's), and the seconds
         they took."""
@@ -187,7 +185,7 @@ class RolloutWorker:
             rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
         return rewards, time.perf_counter() - t0
 
-    def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[episodes.Episode]], texts: list[str],
+    def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[Episode]], texts: list[str],
               t_gen: float, env_counters: dict[str, int] | None) -> PhaseResult:
         """Stage 2, no engine: rewards, group advantages, rows, the phase's batches and statistics. (The worker process
         runs it in a thread, beside the next phase's sampling: the environment's counters are those `sample`
@@ -210,7 +208,7 @@ class RolloutWorker:
             lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
             cut = sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel()
         else:
-            rows = [episodes.to_row(groups[g][j], float(adv[g, j]), req.prompt_ids[g], req.prompt_texts[g])
+            rows = [to_row(groups[g][j], float(adv[g, j]), req.prompt_ids[g], req.prompt_texts[g])
                     for g in keep for j in range(n)]
             # the policy's tokens of an episode; the share of its turns cut by max_new_tokens
             lengths = torch.tensor([sum(e.mask) for g in groups for e in g], dtype=torch.float32)
@@ -239,7 +237,7 @@ class RolloutWorker:
             "rollout/multi_version_frac": sum(len(set(r.versions_trained())) > 1 for r in rows) / max(len(rows), 1),
         }
         if env_counters is not None:
-            stats.update(episodes.episode_stats([e for g in groups for e in g]), **{
+            stats.update(episode_stats([e for g in groups for e in g]), **{
                 "rollout/env_errors": float(env_counters["errors"]),
                 "rollout/env_timeouts": float(env_counters["timeouts"])})
         k = c.steps_per_rollout

@@ -10,6 +10,9 @@
 
 `wants_weights` gives the same answer on every data-parallel rank, so under FSDP2 every rank enters the
 weight gather at the same steps.
+
+They sit on the ground floor, beside the batch they carry, so the module and the callbacks name them
+without importing the rollout layer or the data modules.
 """
 from __future__ import annotations
 

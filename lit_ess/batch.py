@@ -43,7 +43,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lit_ess.engines import SamplingConfig
+from .sampling import SamplingConfig
 
 TOKEN, ROW, TEXTS, CONFIG, PLAIN = "token", "row", "texts", "config", "plain"
 KINDS = (TOKEN, ROW, TEXTS, CONFIG, PLAIN)
@@ -78,7 +78,7 @@ def kind(f: Field) -> str:
     """The declared kind of a RolloutBatch field; a field that declares none is named."""
     k = f.metadata.get("kind")
     if k not in KINDS:
-        raise ValueError(f"RolloutBatch field {f.name!r} declares no kind: give it one of lit_ess.rollout.batch's "
+        raise ValueError(f"RolloutBatch field {f.name!r} declares no kind: give it one of lit_ess.batch's "
                          f"token(), row(), texts(), config(), plain()")
     return k
 
