@@ -18,38 +18,14 @@ whole completion, stripped: what a small model without that format writes (confi
 from __future__ import annotations
 
 import difflib
-import functools
-import json
 import re
 from dataclasses import fields, is_dataclass
 
 from lit_ess.envs.base import Example
 from lit_ess.knobs import check
+from lit_ess.task_verifiers import build_dataset, registry
 
 from .prompts import PromptSource
-
-INSTALL = "pip install 'lit-ess[envs]' (or reasoning-gym)"
-
-
-def _registry() -> dict:
-    """reasoning-gym's registered tasks, name -> (dataset class, config class); ImportError in one line
-    when the package is missing."""
-    try:
-        from reasoning_gym.factory import DATASETS
-    except ImportError as e:
-        raise ImportError(f"ReasoningGym needs the reasoning-gym package ({e}): {INSTALL}") from None
-    return DATASETS
-
-
-def _dataset(name: str, config: dict):
-    """The task's dataset for `config` (validated by reasoning-gym itself); a refusal in one line."""
-    from reasoning_gym import create_dataset
-
-    try:
-        return create_dataset(name, **config)
-    except (AssertionError, ValueError, TypeError) as e:
-        why = str(e) or type(e).__name__
-        raise ValueError(f"ReasoningGym(task={name!r}).config {config}: reasoning-gym refuses it: {why}") from None
 
 
 class ReasoningGym(PromptSource):
@@ -76,16 +52,16 @@ class ReasoningGym(PromptSource):
         check("ReasoningGym.size", size, ge=1, integer=True)
         check("ReasoningGym.seed", seed, ge=0, integer=True)
         config = dict(config or {})
-        registry = _registry()
-        if task not in registry:
-            close = difflib.get_close_matches(task, registry, n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"choose one of {len(registry)}: " \
-                f"{', '.join(sorted(registry)[:12])}, ... (reasoning_gym.factory.DATASETS)"
+        tasks = registry()
+        if task not in tasks:
+            close = difflib.get_close_matches(task, tasks, n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else f"choose one of {len(tasks)}: " \
+                f"{', '.join(sorted(tasks)[:12])}, ... (reasoning_gym.factory.DATASETS)"
             raise ValueError(f"ReasoningGym.task: {task!r} is not a reasoning-gym task; {hint}")
         if task == "composite":
             raise ValueError("ReasoningGym.task: 'composite' mixes tasks whose configs are not plain values here; "
                              "give one task per source")
-        settings = _settings(registry[task][1])
+        settings = _settings(tasks[task][1])
         for key in ("size", "seed"):
             if key in config:
                 raise ValueError(f"ReasoningGym.config.{key}: set ReasoningGym.{key} instead (the source's own argument)")
@@ -105,7 +81,7 @@ class ReasoningGym(PromptSource):
         if "{question}" not in template:
             raise ValueError(f"ReasoningGym.template {template!r} leaves out {{question}}: the prompt would not ask it")
         full = {**config, "size": size, "seed": seed}
-        dataset = _dataset(task, full)
+        dataset = build_dataset(task, full)
         about = {"name": task, "config": full, "answer_tag": answer_tag}
         self.task, self.skipped, self.examples = task, 0, []
         for i in range(size):
@@ -118,25 +94,3 @@ class ReasoningGym(PromptSource):
 def _settings(config_cls) -> list[str]:
     """The field names of a task's config dataclass."""
     return [f.name for f in fields(config_cls)] if is_dataclass(config_cls) else []
-
-
-def extract(completion: str, tag: str | None) -> str | None:
-    """The answer the reward scores: the last `<tag>...</tag>` span, stripped (None when there is none), or
-    with `tag` None the whole completion, stripped."""
-    if tag is None:
-        return completion.strip()
-    spans = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", completion, flags=re.DOTALL)
-    return spans[-1].strip() if spans else None
-
-
-@functools.lru_cache(maxsize=32)
-def _verifier(name: str, config_json: str):
-    """The task's dataset built from its config (json), for its `score_answer`: one per task and config."""
-    return _dataset(name, json.loads(config_json))
-
-
-def score(completion: str, entry: dict, task: dict) -> float:
-    """The reasoning-gym task's own verdict on a completion: `score_answer(answer, entry)` of the dataset
-    the entry came from (`task`: the ReasoningGym source's column). The reward `reasoning_gym`."""
-    verifier = _verifier(task["name"], json.dumps(task["config"], sort_keys=True))
-    return float(verifier.score_answer(extract(completion, task.get("answer_tag")), entry))

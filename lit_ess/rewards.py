@@ -77,7 +77,7 @@ def math_verify(completion: str, answer: str) -> float:
 def reasoning_gym(completion: str, entry: dict, task: dict) -> float:
     """A reasoning-gym task's own verifier (`score_answer`) on the completion, for prompts of
     lit_ess.datamodules.ReasoningGym (its columns `entry` and `task`; needs the reasoning-gym package)."""
-    from lit_ess.datamodules.reasoning_tasks import score
+    from .task_verifiers import score
 
     return score(completion, entry, task)
 
