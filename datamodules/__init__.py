@@ -5,5 +5,6 @@ from .prompts import Arithmetic, CalculatorTranscripts, Example, HFPrompts, Prom
 from .reasoning_tasks import ReasoningGym
 from .rollout import RolloutDataModule
 from .sft import SFTDataModule
+from .verifiers_tasks import VerifiersTasks
 
-__all__ = ["Arithmetic", "CalculatorTranscripts", "ChatFormat", "Example", "HFPrompts", "PromptOrder", "PromptSource", "ReasoningGym", "encode_prompt", "RolloutDataModule", "SFTDataModule"]
+__all__ = ["Arithmetic", "CalculatorTranscripts", "ChatFormat", "Example", "HFPrompts", "PromptOrder", "PromptSource", "ReasoningGym", "encode_prompt", "RolloutDataModule", "SFTDataModule", "VerifiersTasks"]
