@@ -74,6 +74,14 @@ def math_verify(completion: str, answer: str) -> float:
     return float(bool(verify(gold, parse(completion))))
 
 
+def reasoning_gym(completion: str, entry: dict, task: dict) -> float:
+    """A reasoning-gym task's own verifier (`score_answer`) on the completion, for prompts of
+    lit_ess.datamodules.ReasoningGym (its columns `entry` and `task`; needs the reasoning-gym package)."""
+    from .task_verifiers import score
+
+    return score(completion, entry, task)
+
+
 def _import_math_verify() -> None:
     import math_verify  # noqa: F401  (sympy and the parsers: about 2 s on a cold process)
 
@@ -90,7 +98,7 @@ def _warm_up(fn) -> bool:
 
 
 REWARDS: dict[str, Callable[[str, str], float]] = {
-    "exact_match": exact_match, "gsm8k": gsm8k, "math_verify": math_verify,
+    "exact_match": exact_match, "gsm8k": gsm8k, "math_verify": math_verify, "reasoning_gym": reasoning_gym,
 }
 IN_WORKER = {"math_verify"}
 FOLDERS: list[str] = []     # where a user's reward module is looked for first: the config's folder, the working directory
@@ -126,7 +134,7 @@ class Reward:
     """One reward of a weighted list (`data.reward`); the total is the weighted sum of the rewards.
 
     Args:
-        fn: a built-in name (exact_match, gsm8k, math_verify), 'package.module:function' or
+        fn: a built-in name (exact_match, gsm8k, math_verify, reasoning_gym), 'package.module:function' or
             'module.function' (a module beside the config or in the working directory), or a URL that
             scores a batch by POST (lit_ess.reward_url).
         weight: its weight in the total, any finite number (0 = logged, not trained on; a negative
@@ -164,7 +172,7 @@ def import_named(name: str, what: str):
 
 
 def resolve_reward(name: str) -> Callable:
-    """A built-in name (exact_match, gsm8k, math_verify), 'package.module:function', 'module.function' or a
+    """A built-in name (exact_match, gsm8k, math_verify, reasoning_gym), 'package.module:function', 'module.function' or a
     URL (lit_ess.reward_url.RemoteReward)."""
     if name in REWARDS:
         return REWARDS[name]
@@ -246,7 +254,8 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
         for name in params:
             if name not in known and name not in columns:
                 hint = ("; a reward of lists is declared with @lit_ess.rewards.batched"
-                        if name in ("prompts", "completions", "answers") else "")
+                        if name in ("prompts", "completions", "answers") else
+                        "; it scores prompts of lit_ess.datamodules.ReasoningGym" if fn is reasoning_gym else "")
                 raise ValueError(f"reward {spec.fn!r}: parameter {name!r} is neither {', '.join(known)} nor a column "
                                  f"of the dataset (columns: {', '.join(columns) or 'none'}){hint}")
     return BoundReward(fn, spec.fn, _label(spec), spec.weight, tuple(params), varkw, is_batched,

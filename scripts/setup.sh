@@ -33,5 +33,14 @@ else
   pip install -e ".[test,trackers]" "torch==2.13.0"
   pip uninstall -y torchvision torchaudio torchcodec
 fi
+# The `envs` extra (pyproject.toml) for tests/test_reasoning_gym.py, test_verifiers_env.py, test_openenv.py:
+# reasoning-gym with its dependencies (it changes nothing installed); verifiers and openenv-core without
+# resolving their pins (openai < 3, mcp == 2.0.0, gradio's pillow < 13 would downgrade the vLLM stack), with
+# the dependencies they import that are missing, pinned at the versions tested.
+pip install "reasoning-gym==0.1.25" "fastmcp==4.2.3"
+pip install --no-deps "verifiers==0.4.0" "openenv-core==0.3.0" aiofiles==25.1.0 connectrpc==0.11.1 gepa==0.1.4 \
+  msgpack==1.2.4 openai-harmony==0.0.8 prime-pydantic-config==0.4.3 prime-runs==0.1.4 prime-sandboxes==0.5.1 \
+  prime-traces==0.0.10 prime-tunnel==0.1.15 protobuf-py==0.1.1 protobuf-py-ext==0.1.1 pyqwest==0.12.0 \
+  renderers==0.1.12 tenacity==9.2.1 tomli==2.5.0 tomli_w==1.2.0
 .venv/bin/python -c "import torch, transformers, lightning, vllm; print('lit-ess env: torch', torch.__version__, '| vllm', vllm.__version__, '| lightning', lightning.__version__)"
 echo "$want" > "$stamp"

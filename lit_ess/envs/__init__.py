@@ -8,6 +8,11 @@
     episodes.py     EpisodeRunner (batched turns, timed environment steps, limits), Episode, collate_episodes
     agent.py        Agent, AgentRunner: a user's function plays episodes through an OpenAI-compatible URL
     proxy.py        that URL: /v1/chat/completions and /v1/completions, recorded token in, token out
+    verifiers_env.py  Verifiers: a `verifiers` environment's own run() played turn by turn, its rubric the reward
+    openenv_env.py  OpenEnv: an OpenEnv environment's reset/step (a server's sessions, or a class in process)
+
+The last two need the `envs` extra and are named by path (env: lit_ess.envs.verifiers_env:Verifiers), not
+imported here.
 """
 from .agent import Agent, AgentRunner, make_runner
 from .arithmetic import Calculator, RetryArithmetic
