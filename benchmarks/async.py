@@ -19,7 +19,7 @@ seconds of a step, the share of the step the trainer waited for data and the wor
 floor (`cpu_floor_ratio_*`): the sync step's computing (generation + training + weight push) over the
 sync step, the lowest ratio any overlap can reach when the engine and the trainer share the cores.
 
-    .venv/bin/python benchmarks/async.py [--model runs/demo/sft] [--steps 25 --rounds 3 --devices 2] [--cases b]
+    .venv/bin/python benchmarks/async.py [--model runs/demo/sft/model] [--steps 25 --rounds 3 --devices 2] [--cases b]
 """
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ def busy(sync_split: dict[str, float]) -> float:
 
 def run(model: str, out: Path, mode: str, steps: int, reward: str, devices: int) -> tuple[list[float], dict]:
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["output_dir"] = None            # every path of the run is set below
     cfg["model"]["init_args"]["model_path"] = model
     data = cfg["data"]["init_args"]
     data.update({**MODES[mode], "reward": reward, "val_source": None})
@@ -94,7 +95,7 @@ def run(model: str, out: Path, mode: str, steps: int, reward: str, devices: int)
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="runs/demo/sft", help="policy folder (default: the demo's SFT model)")
+    p.add_argument("--model", default="runs/demo/sft/model", help="policy folder (default: the demo's SFT model)")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", type=int, default=2, help="data-parallel ranks (DDP); 1: no placement to compare")

@@ -7,7 +7,7 @@ from; `raw`: untempered and untruncated, as the authors' code records). For each
 `--phases` rollouts of the demo task (32 prompts x 8 samples) with vLLM and reports the step ESS
 e_B = (sum rho)^2 / (n sum rho^2) over each rollout's tokens, as the trainer computes it.
 
-    .venv/bin/python benchmarks/ess_floor.py [--model runs/demo/sft] [--phases 4] [--out benchmarks/results/ess_floor.json]
+    .venv/bin/python benchmarks/ess_floor.py [--model runs/demo/sft/model] [--phases 4] [--out benchmarks/results/ess_floor.json]
 
 Each setting runs in its own process (one vLLM engine each).
 """
@@ -67,7 +67,7 @@ def measure(model: str, name: str, phases: int) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="runs/demo/sft", help="policy folder (default: the demo's SFT model)")
+    p.add_argument("--model", default="runs/demo/sft/model", help="policy folder (default: the demo's SFT model)")
     p.add_argument("--phases", type=int, default=4, help="rollouts of 32 prompts x 8 samples per setting")
     p.add_argument("--out", default="benchmarks/results/ess_floor.json")
     p.add_argument("--one", help=argparse.SUPPRESS)

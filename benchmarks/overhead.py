@@ -15,7 +15,7 @@
 Times are medians; the step variants alternate over --rounds rounds (3 warm-up steps dropped from each),
 so slow phases of the shared machine hit them alike.
 
-    .venv/bin/python benchmarks/overhead.py [--model runs/demo/sft] [--steps 20 --rounds 2 --syncs 20]
+    .venv/bin/python benchmarks/overhead.py [--model runs/demo/sft/model] [--steps 20 --rounds 2 --syncs 20]
 
 Without --model it builds the demo's tiny model (1.8M parameters; `lit_ess.tiny.build_tiny_model`).
 Writes benchmarks/results/overhead.json.

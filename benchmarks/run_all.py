@@ -1,6 +1,6 @@
 """Every benchmark of benchmarks/, each in its own process, then one summary of all of them.
 
-    .venv/bin/python benchmarks/run_all.py [--quick] [--model runs/demo/sft] [--only step overhead ...]
+    .venv/bin/python benchmarks/run_all.py [--quick] [--model runs/demo/sft/model] [--only step overhead ...]
 
 Each benchmark writes its JSON into --results (default benchmarks/results/; with --quick its quick/
 folder, so the full runs' JSON stays), and this script reads them back into `summary.json` and
@@ -10,7 +10,7 @@ that produced it. `--quick` shrinks every benchmark (fewer steps, repeats and ro
 runs in minutes; its numbers are noisier.
 
 The benchmarks that train RL from a warm start (async, staleness, ess_floor, vs_trl) need a policy
-folder: --model (default runs/demo/sft, made by `bash scripts/demo.sh`). When it is missing, this
+folder: --model (default runs/demo/sft/model, made by `bash scripts/demo.sh`). When it is missing, this
 script makes one once: `lit-ess-tiny` and the demo's SFT warm start (configs/demo_sft.yaml) for
 --sft-steps steps, into runs/bench/.
 
@@ -241,6 +241,7 @@ def ensure_model(model: str, sft_steps: int, log) -> str:
     # in runs/bench/: with logger false LightningCLI saves its config.yaml in the working directory
     subprocess.run([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(ROOT / "configs" / "demo_sft.yaml"),
                     "--model.init_args.model_path", str(out / "init"), "--trainer.max_steps", str(sft_steps),
+                    "--output_dir", "null",                 # the export's folder is named below
                     "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
                     "--trainer.callbacks", json.dumps([{"class_path": "lit_ess.callbacks.ExportHF",
                                                         "init_args": {"dirpath": str(out / "sft")}}])],
@@ -274,7 +275,7 @@ def markdown(summary: dict) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="shrink every benchmark (a few minutes in all)")
-    p.add_argument("--model", default="runs/demo/sft", help="warm-started policy for the RL benchmarks")
+    p.add_argument("--model", default="runs/demo/sft/model", help="warm-started policy for the RL benchmarks")
     p.add_argument("--sft-steps", type=int, default=3000, help="SFT steps when --model must be made")
     p.add_argument("--results", default=str(HERE / "results"))
     p.add_argument("--only", nargs="+", help="run only these benchmarks (the others' JSON is read as it is)")

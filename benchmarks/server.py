@@ -13,7 +13,7 @@ configs/demo_server.yaml.
     `--fit-rounds` rounds of `--fit-steps` steps; the first 3 steps of each run are dropped and the
     median kept. The load average is recorded before and after: the machine is shared.
 
-    .venv/bin/python benchmarks/server.py [--model runs/demo/sft] [--rounds 5] [--fit-steps 15 --fit-rounds 1]
+    .venv/bin/python benchmarks/server.py [--model runs/demo/sft/model] [--rounds 5] [--fit-steps 15 --fit-rounds 1]
                                           [--new-tokens 8]
                                           [--out benchmarks/results/server.json]
 """
@@ -48,6 +48,7 @@ def fit_step_seconds(model: str, out: Path, engine: dict, mode: str, steps: int,
     from lit_ess.report import read_scalars
 
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["output_dir"] = None            # every path of the run is set below
     cfg["model"]["init_args"]["model_path"] = model
     cfg["data"]["init_args"]["sampling"]["max_new_tokens"] = new_tokens
     cfg["data"]["init_args"].update({"engine": engine, "mode": mode, "reward": LATENCY_BOUND, "val_source": None,

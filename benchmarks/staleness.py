@@ -4,7 +4,7 @@ For S in --bounds it runs `lit-ess fit` on configs/demo_async.yaml (the demo's S
 8 samples, P3O) for --steps steps with `max_staleness: S`, and reads train/ess, train/policy_lag,
 train/policy_lag_max and rollout/reward_mean back from its TensorBoard files.
 
-    .venv/bin/python benchmarks/staleness.py [--model runs/demo/sft] [--steps 30] [--bounds 0 1 2 4]
+    .venv/bin/python benchmarks/staleness.py [--model runs/demo/sft/model] [--steps 30] [--bounds 0 1 2 4]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default="runs/demo/sft")
+    p.add_argument("--model", default="runs/demo/sft/model")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--bounds", type=int, nargs="+", default=[0, 1, 2, 4])
     p.add_argument("--out", default="benchmarks/results/staleness.json")
@@ -37,6 +37,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as d:
         for S in a.bounds:
             cfg = yaml.safe_load((ROOT / "configs" / "demo_async.yaml").read_text())
+            cfg["output_dir"] = None            # every path of the run is set below
             cfg["model"]["init_args"]["model_path"] = str(Path(a.model).resolve())
             cfg["data"]["init_args"].update({"max_staleness": S, "val_source": None})
             cfg["trainer"].update({"max_steps": a.steps, "enable_checkpointing": False, "enable_progress_bar": False,

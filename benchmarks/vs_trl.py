@@ -55,7 +55,7 @@ OMP_NUM_THREADS=1 they measure the work done, unlike wall time, which includes w
 other jobs hold). The floor is lit-ess's training plus generation time: what a loop with no overhead
 would take.
 
-    .venv/bin/python benchmarks/vs_trl.py [--shape demo --model runs/demo/sft] [--steps 30 --rounds 2]
+    .venv/bin/python benchmarks/vs_trl.py [--shape demo --model runs/demo/sft/model] [--steps 30 --rounds 2]
     .venv/bin/python benchmarks/vs_trl.py --shape long --steps 12 --rounds 2
     PYTHONPATH=. .venv/bin/python -m benchmarks.tail_model runs/tail_policy      # the tail shape's warm start (8 min)
     .venv/bin/python benchmarks/vs_trl.py --shape tail --model runs/tail_policy --steps 8 --rounds 1
@@ -212,6 +212,7 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path, sh
     objective, obj_args, engine, model_args = LIT_RUNS[name]
     tag = "".join(c if c.isalnum() else "_" for c in name)
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    cfg["output_dir"] = None            # every path of the run is set below
     cfg["seed_everything"] = seed
     m = cfg["model"]["init_args"]
     m.update({"model_path": model, "lr": lr, "max_grad_norm": 1.0, "micro_batch_size": None, "weight_decay": 0.0,
@@ -291,7 +292,7 @@ def build_long_model(path: Path) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--shape", choices=list(SHAPES), default="demo")
-    p.add_argument("--model", help="policy folder (demo: default runs/demo/sft, the demo's SFT model; long: "
+    p.add_argument("--model", help="policy folder (demo: default runs/demo/sft/model, the demo's SFT model; long: "
                    "default a random 14.3M-parameter model built here)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=2e-4, help="the demo's RL learning rate")
@@ -325,7 +326,7 @@ def main(argv=None):
         model_info = (build_long_model(Path(model)) if a.shape == "long"
                       else build_tail_model(Path(model), max_new=shape["new_tokens"]))
     else:
-        given = a.model or "runs/demo/sft"
+        given = a.model or "runs/demo/sft/model"
         if not Path(given).is_dir():
             sys.exit(f"vs_trl: no model folder {given}: run `bash scripts/demo.sh` first, or pass --model")
         model = str(Path(given).resolve())

@@ -16,13 +16,24 @@ class ExportHF(L.Callback):
     """Save the trained policy as a Hugging Face folder at the end of fit.
 
     Args:
-        dirpath: output folder; it can be used as `model_path` of a later run or by vLLM.
+        dirpath: output folder; it can be used as `model_path` of a later run or by vLLM. None (default) =
+            OUTPUT_DIR/model, the run's folder (`output_dir`, lit_ess.output_dir); without output_dir it must be given.
     """
 
-    def __init__(self, dirpath: str):
-        if (why := not_replaceable(Path(dirpath))) is not None:     # refused now, not after the run
+    def __init__(self, dirpath: str | None = None):
+        self.dirpath = None
+        if dirpath is not None:
+            self.set_dirpath(dirpath)
+
+    def set_dirpath(self, dirpath: str) -> None:
+        """Write to `dirpath`, refused now (not after the run) when replacing it would delete other files."""
+        if (why := not_replaceable(Path(dirpath))) is not None:
             raise ValueError(f"ExportHF.dirpath={dirpath!r} {why}")
         self.dirpath = dirpath
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if self.dirpath is None:
+            raise ValueError("ExportHF.dirpath is not set: give it a folder (or output_dir in a lit-ess config)")
 
     def on_train_end(self, trainer, pl_module) -> None:
         policy = pl_module.policy

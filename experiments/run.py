@@ -123,7 +123,9 @@ def prepare_base(out: Path, scale: Scale, threads: int | None = None, warm: int 
     if warm:
         apply(cfg, {"seed_everything": warm, "data.init_args.seed": warm})
     apply(cfg, {"model.init_args.model_path": str(base / "init"), "trainer.max_steps": scale.sft_steps,
-                "trainer.logger.init_args.save_dir": str(base), "trainer.logger.init_args.version": "sft",
+                "output_dir": None,          # its paths are named here: the model in _base/sft, as the runs expect
+                "trainer.logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                   "init_args": {"save_dir": str(base), "name": "tb", "version": "sft"}},
                 "trainer.callbacks": [{"class_path": "lit_ess.callbacks.ExportHF", "init_args": {"dirpath": str(sft)}}],
                 "trainer.enable_progress_bar": False})
     print(f"[base] supervised warm start, {scale.sft_steps} steps -> {sft}", flush=True)

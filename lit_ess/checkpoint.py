@@ -185,13 +185,14 @@ def lock_folder(folder: str | Path) -> str | None:
             idle = _idle(lock)
             if idle < LOCK_STALE_S:
                 raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid} on {host}; {lock}, "
-                                 f"refreshed {idle:.0f} s ago): give this run its own dirpath, or remove the lock if "
-                                 f"that run is gone (it is taken over {LOCK_STALE_S:.0f} s after its last refresh)")
+                                 f"refreshed {idle:.0f} s ago): give this run its own output_dir (or dirpath), or "
+                                 f"remove the lock if that run is gone (it is taken over {LOCK_STALE_S:.0f} s after its "
+                                 f"last refresh)")
             notice = (f"checkpoint folder {folder}: taking over the lock of pid {pid} on {host}, not refreshed for "
                       f"{idle:.0f} s")
         elif alive(pid):
             raise ValueError(f"checkpoint folder {folder} is in use by another run (pid {pid}): give this run its own "
-                             f"dirpath, or stop that run first")
+                             f"output_dir (or dirpath), or stop that run first")
         else:
             notice = f"checkpoint folder {folder}: taking over the lock of pid {pid}, which is no longer running"
     tmp = lock.with_name(f"{lock.name}.{os.getpid()}")

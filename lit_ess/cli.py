@@ -35,6 +35,12 @@ torch, transformers, Lightning and vLLM, which took 5-7 s of every `lit-ess fit`
 a profiler's output under `python -m cProfile`) does not run: LIT_ESS_FULL_EXIT=1 keeps the whole exit.
 `main` is the command without it, for callers that keep their process.
 
+One folder per run (lit_ess/output_dir.py): `output_dir` names the run's folder once; its checkpoints, logs and
+exported model follow it unless the config sets those paths itself. `fit` into a folder that already holds a run
+refuses in one line unless told to resume (`--ckpt_path last`: that folder's newest checkpoint) or to start over
+(`--overwrite true`: the old run's folders there are removed first); `validate --ckpt_path last` loads the newest
+checkpoint of the run the config points at.
+
 Resume (`--ckpt_path last` or a path): the config's knobs are the run's. LightningCLI would merge a
 checkpoint file's model hyper-parameters over the config (not for `last`); lit-ess does not, and refuses in
 one line a resume whose model knobs differ from the checkpoint's, naming each (`_check_checkpoint`).
@@ -51,13 +57,14 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Optional
 
 from lit_ess.console import quiet_console
 
 quiet_console()            # before Lightning, transformers and vLLM are imported
 
 from jsonargparse import set_parsing_settings  # noqa: E402
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 from lightning.fabric.plugins.environments import SLURMEnvironment  # noqa: E402
@@ -75,6 +82,7 @@ from lit_ess.engines import EngineConfig, EngineFault  # noqa: E402
 from lit_ess.engines.vllm_server import SHARED_ADAPTERS  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
+from lit_ess.output_dir import OUTPUT_DIR_HELP, OVERWRITE_HELP, follow, follow_callbacks, refusal, run_of  # noqa: E402
 from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, not_offered, parser_kwargs, wrap_up  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
@@ -213,15 +221,38 @@ class LitESSCLI(LightningCLI):
             for choice in getattr(action, "_choices_actions", []):
                 choice.help = SUMMARY.get(choice.dest, choice.help)
 
+    def add_default_arguments_to_parser(self, parser) -> None:
+        """seed_everything (Lightning's), then output_dir: the run's folder (lit_ess.output_dir)."""
+        super().add_default_arguments_to_parser(parser)
+        parser.add_argument("--output_dir", type=Optional[str], default=None, help=OUTPUT_DIR_HELP)
+
+    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+        """fit also takes --overwrite true: start over in an output_dir that holds a run."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand == "fit":
+            parser.add_argument("--overwrite", type=bool, default=False, help=OVERWRITE_HELP)
+        return parser
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.init_args.model_path", "data.init_args.model_path")
         parser.set_defaults({"trainer.max_epochs": -1,
                              "trainer.num_sanity_val_steps": 0})
 
+    def before_instantiate_classes(self) -> None:
+        """The paths the config leaves unset follow output_dir (lit_ess.output_dir.follow). config.yaml keeps
+        the config as given (those paths unset, so it reruns with another output_dir; --overwrite off)."""
+        cfg = self.config.get(str(self.subcommand), self.config)
+        self.output_dir = cfg.get("output_dir")
+        self._given = cfg.clone()
+        if "overwrite" in self._given:
+            self._given["overwrite"] = False
+        follow(cfg, self.output_dir)
+
     def _instantiate_trainer(self, config, callbacks):
         """Add the step progress bar and lit-ess's model summary unless the config brings its own or turns
         them off, and write checkpoints atomically (lit_ess.checkpoint) unless the config brings its own
-        CheckpointIO."""
+        CheckpointIO. ModelCheckpoint and ExportHF without a dirpath write into output_dir; LightningCLI's
+        config.yaml is the config as given, and `validate` writes none (the run's own stays)."""
         given = list(config.get("callbacks") or []) + list(callbacks)
         if config.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks = [*callbacks, StepProgressBar()]
@@ -230,6 +261,12 @@ class LitESSCLI(LightningCLI):
             config["enable_model_summary"] = False     # Lightning's default summary stays out, and its notice
         callbacks = [*callbacks, _StopNotice()]
         trainer = super()._instantiate_trainer(config, callbacks)
+        follow_callbacks(trainer, getattr(self, "output_dir", None))
+        for cb in [cb for cb in trainer.callbacks if isinstance(cb, SaveConfigCallback)]:
+            if self.subcommand == "validate":
+                trainer.callbacks.remove(cb)
+            elif getattr(self, "_given", None) is not None:
+                cb.config = self._given
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         env = trainer._accelerator_connector.cluster_environment
@@ -256,11 +293,12 @@ class LitESSCLI(LightningCLI):
                 _fail(str(e))
 
     def before_fit(self) -> None:
-        """Hold the ModelCheckpoint folders for this run (a second run into one refuses to start).
-        `--ckpt_path last`: resume from the newest readable checkpoint of the ModelCheckpoint folders
-        (lit_ess.checkpoint.resolve_resume), saying so when a torn one is passed over. Then the checks
-        that must come before the run starts: the checkpoint's settings against the module's
-        (`_check_checkpoint`), the engine against lora.sync: adapter (`_check_adapter_sync`)."""
+        """Hold the ModelCheckpoint folders for this run (a second run into one refuses to start). One run
+        per output_dir (`_one_run_per_folder`). `--ckpt_path last`: resume from the newest readable
+        checkpoint of the ModelCheckpoint folders (lit_ess.checkpoint.resolve_resume), saying so when a torn
+        one is passed over. Then the checks that must come before the run starts: the checkpoint's settings
+        against the module's (`_check_checkpoint`), the engine against lora.sync: adapter
+        (`_check_adapter_sync`)."""
         args = self.config_init[self.subcommand]
         dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath]
@@ -271,16 +309,53 @@ class LitESSCLI(LightningCLI):
                 _fail(str(e), traceback=False)
             if notice:
                 print(f"lit-ess: {notice}", file=sys.stderr)
+        held = self._one_run_per_folder(args)
         hpc = _hpc_checkpoints(self.trainer)           # saved when Slurm preempted the run (_Requeue)
         if args.get("ckpt_path") == "last" and (dirs or hpc):   # neither: Lightning's own search (the logger's folder)
             try:
                 args["ckpt_path"], notice = resolve_resume("last", dirs, hpc)
             except ValueError as e:
                 _fail(str(e))
+            if args["ckpt_path"] is None and held:     # a run without a checkpoint: its logs would mix with ours
+                self._refuse(f"--ckpt_path last: output_dir {self.output_dir} holds a run but no checkpoint to "
+                             f"resume from: start over with --overwrite true")
             if notice and self.trainer.is_global_zero:
                 print(f"lit-ess: {notice}", file=sys.stderr)
         self._check_checkpoint(args.get("ckpt_path"), resuming=True)
         self._check_adapter_sync()
+
+    def _one_run_per_folder(self, args) -> bool:
+        """One run per output_dir (lit_ess.output_dir): whether the folder already holds a run (after
+        --overwrite true: no longer). A run there and neither --ckpt_path nor --overwrite: refused in one
+        line (a Slurm job requeued without --ckpt_path resumes from its hpc checkpoint, as in Lightning).
+        --overwrite true: rank 0 removes the old run's folders inside output_dir, after the lock."""
+        if not self.output_dir:
+            return False
+        run = run_of(self.trainer, self.output_dir)
+        held = run.held()
+        if args.get("overwrite"):
+            if args.get("ckpt_path"):
+                self._refuse("--overwrite true starts over, --ckpt_path resumes: give one of them")
+            model_path = getattr(self.model, "hparams", {}).get("model_path")
+            local = Path(model_path).resolve() if model_path and Path(model_path).exists() else None
+            if local is not None and any(local.is_relative_to(p) for p in held):
+                self._refuse(f"--overwrite true would remove model_path {model_path}, which lies in the old run of "
+                             f"output_dir {self.output_dir}: copy it elsewhere first, or give another output_dir")
+            if held and self.trainer.is_global_zero:
+                run.clear()
+                shown = ", ".join(sorted(str(p.relative_to(run.output_dir)) for p in held))
+                print(f"lit-ess: --overwrite true: removed the previous run in {self.output_dir} ({shown})",
+                      file=sys.stderr)
+            return False
+        if held and args.get("ckpt_path") is None and not (SLURMEnvironment.detect() and run.files):
+            self._refuse(refusal(self.output_dir))
+        return bool(held)
+
+    def _refuse(self, message: str) -> None:
+        """One line from rank 0 (every rank stops: they all read the same folder), exit status 2."""
+        if self.trainer.is_global_zero:
+            _fail(message, traceback=False)
+        sys.exit(2)
 
     def after_fit(self) -> None:
         """Where the run's checkpoint, exported model and logs went (lit_ess.guide.wrap_up), on rank 0; not
@@ -290,10 +365,28 @@ class LitESSCLI(LightningCLI):
             return
         dirs = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
         exports = [cb.dirpath for cb in trainer.callbacks if isinstance(cb, lit_ess.callbacks.ExportHF)]
-        print(wrap_up(trainer, candidates(dirs, _hpc_checkpoints(trainer)), exports), file=sys.stderr, flush=True)
+        print(wrap_up(trainer, candidates(dirs, _hpc_checkpoints(trainer)), exports, self.output_dir),
+              file=sys.stderr, flush=True)
 
     def before_validate(self) -> None:
-        self._check_checkpoint(self.config_init[self.subcommand].get("ckpt_path"), resuming=False)
+        """`--ckpt_path last`: the newest readable checkpoint of the run's ModelCheckpoint folders (output_dir's
+        checkpoints/), as fit resumes; none there is one line, not a validation of the untrained model."""
+        args = self.config_init[self.subcommand]
+        dirs = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        hpc = _hpc_checkpoints(self.trainer)
+        if args.get("ckpt_path") == "last" and (dirs or hpc):
+            try:
+                args["ckpt_path"], notice = resolve_resume("last", dirs, hpc)
+            except ValueError as e:
+                _fail(str(e))
+            if args["ckpt_path"] is None:
+                where = f"output_dir {self.output_dir}" if self.output_dir else ", ".join(map(str, dirs))
+                self._refuse(f"--ckpt_path last: no checkpoint in {where} to validate: run fit there first, or "
+                             f"give --ckpt_path FILE")
+            if notice and self.trainer.is_global_zero:
+                print(f"lit-ess: {notice}", file=sys.stderr)
+        self._check_checkpoint(args.get("ckpt_path"), resuming=False)
         self._check_adapter_sync()
 
     def _check_adapter_sync(self) -> None:

@@ -32,8 +32,10 @@ First commands:
   lit-ess fit --config configs/demo.yaml            RL with P3O; --ckpt_path last resumes it
   lit-ess fit --config configs/demo.yaml --print_config     every knob with its value
 
-Then: lit-ess validate --config CONFIG --ckpt_path CKPT (held-out metrics), lit-ess-export CKPT DIR
-(a Hugging Face folder).
+A run writes into its output_dir (checkpoints/, logs/, model/); fit into one that holds a run refuses
+unless given --ckpt_path last (resume) or --overwrite true (start over).
+Then: lit-ess validate --config CONFIG --ckpt_path last (held-out metrics of the run's newest checkpoint),
+lit-ess-export CKPT DIR (a Hugging Face folder).
 Docs: {DOCS}."""
 
 FIT_HELP = """\
@@ -44,16 +46,19 @@ The lit-ess knobs:
   --model.help PolicyModule         the policy: model_path, objective, lr, micro-batches, LoRA, ...
   --data.help RolloutDataModule     prompts (source), engine, sampling, reward, batch shape, async mode
   --print_config                    the whole config with every value (after --config and other flags)
+  --output_dir DIR                  the run's folder: checkpoints/, logs/, model/ (--ckpt_path last resumes
+                                    a run there, --overwrite true starts it over)
   --model.init_args.KEY VALUE       set one, e.g. --model.init_args.lr 1e-4, --data.init_args.reward KEY
 Lightning's Trainer flags (--trainer.*) follow below; the lit-ess knobs are under --model and --data."""
 
 # the one-line help of each subcommand in `lit-ess --help` (Lightning's are the Trainer methods' docstrings)
 SUMMARY = {"fit": "train (RL or SFT) as the config says; --ckpt_path last resumes",
-           "validate": "held-out metrics of a checkpoint (--ckpt_path CKPT)"}
+           "validate": "held-out metrics of a checkpoint (--ckpt_path CKPT, or last: the run's newest)"}
 
 VALIDATE_HELP = """\
-Held-out metrics (val/pass@k, val/reward_mean) of a checkpoint: --config CONFIG --ckpt_path CKPT; the prompts
-come from data.val_source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
+Held-out metrics (val/pass@k, val/reward_mean) of a checkpoint: --config CONFIG --ckpt_path CKPT, or --ckpt_path
+last for the newest checkpoint of the config's output_dir (the run's folder); the prompts come from
+data.val_source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
 
 NOT_OFFERED = {
     "test": "`lit-ess test` is not offered (the policy has no test step): held-out metrics come from "
@@ -222,10 +227,13 @@ def _parameters(cls) -> list[str]:
 
 
 # ------------------------------------------------------------------ end of fit
-def wrap_up(trainer, checkpoints: list[Path], exports: list[str]) -> str:
-    """The block printed when `fit` ends: where the newest checkpoint, the exported model and the logs are
-    (paths under the current folder relative to it, as configs give them)."""
-    rows = [("checkpoint", f"{_shown(checkpoints[0])}  (resume: --ckpt_path last)" if checkpoints else
+def wrap_up(trainer, checkpoints: list[Path], exports: list[str], output_dir: str | None = None) -> str:
+    """The block printed when `fit` ends: the run's folder (output_dir, when the config names one), where the
+    newest checkpoint, the exported model and the logs are (paths under the current folder relative to it,
+    as configs give them)."""
+    rows = [("run", f"{_shown(output_dir)}  (fit it again: --ckpt_path last resumes, --overwrite true starts over)")] \
+        if output_dir else []
+    rows += [("checkpoint", f"{_shown(checkpoints[0])}  (resume: --ckpt_path last)" if checkpoints else
              "none written (add a ModelCheckpoint to trainer.callbacks)")]
     rows += [("model", f"{_shown(d)}  (Hugging Face folder: model_path of a later run, or vLLM)") for d in exports] or \
         [("model", "not exported (lit_ess.callbacks.ExportHF, or lit-ess-export CKPT DIR)")]

@@ -13,7 +13,7 @@ pieces (tests/test_reference.py runs both on the same seed and compares their lo
 around it: micro-batches and data-parallel ranks (PolicyModule.accumulate_gradients), asynchronous
 rollouts and the staleness bound (RolloutDataModule), checkpoints, validation, logging.
 
-    python -m lit_ess.reference --model_path runs/demo/sft --steps 20 --lr 2e-4 --max_new_tokens 8
+    python -m lit_ess.reference --model_path runs/demo/sft/model --steps 20 --lr 2e-4 --max_new_tokens 8
 
 prints one JSON line per step: loss, reward_mean, ess, grad_norm.
 """

@@ -1,6 +1,6 @@
 """Read a run's TensorBoard event files and summarise it.
 
-    python -m lit_ess.report runs/demo/tb/rl
+    python -m lit_ess.report runs/demo/rl/logs      (or the run's folder, runs/demo/rl)
 prints, for the scalars that matter, the mean over the first and the last 10% of steps.
 """
 from __future__ import annotations

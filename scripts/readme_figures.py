@@ -3,7 +3,10 @@
     docs/img/demo_reward.png     reward, held-out reward and ESS against step (matplotlib)
     docs/img/tensorboard.png     TensorBoard's Custom Scalars dashboard (headless chromium screenshot)
 
-    .venv/bin/python scripts/readme_figures.py [--logdir runs/demo/tb] [--out docs/img]
+    .venv/bin/python scripts/readme_figures.py [--runs runs/demo] [--out docs/img]
+
+--runs: the folder of the demo's run folders (each config's output_dir: rl/, rl_async/, sft/, ...); TensorBoard
+shows each run under its folder's name.
 
 Needs matplotlib (`pip install -e ".[docs]"`) and Debian's chromium (`apt-get install chromium`);
 scripts/readme_figures.sh installs both.
@@ -22,13 +25,13 @@ from pathlib import Path
 from lit_ess.report import first_last, read_scalars
 
 
-def reward_plot(logdir: Path, out: Path) -> None:
+def reward_plot(runs: Path, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s = read_scalars(logdir / "rl")
+    s = read_scalars(runs / "rl" / "logs")
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1.2))
     steps, reward = zip(*s["rollout/reward_mean"])
     ax.plot(steps, reward, color="#1f77b4", alpha=0.35, lw=1, label="rollout/reward_mean (per step)")
@@ -62,12 +65,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def tensorboard_screenshot(logdir: Path, out: Path, tab: str = "custom_scalars") -> None:
+def tensorboard_screenshot(runs: Path, out: Path, tab: str = "custom_scalars") -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         sys.exit("readme_figures: no chromium on PATH (apt-get install chromium)")
     port = _free_port()
-    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", str(port),
+    spec = ",".join(f"{d.name}:{d / 'logs'}" for d in sorted(runs.iterdir()) if (d / "logs").is_dir())   # run = folder name
+    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec, "--port", str(port),
                            "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}/"
@@ -89,15 +93,15 @@ def tensorboard_screenshot(logdir: Path, out: Path, tab: str = "custom_scalars")
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--logdir", default="runs/demo/tb")
+    p.add_argument("--runs", default="runs/demo")
     p.add_argument("--out", default="docs/img")
     a = p.parse_args(argv)
-    logdir, out = Path(a.logdir), Path(a.out)
-    if not (logdir / "rl").is_dir():
-        sys.exit(f"readme_figures: {logdir / 'rl'} not found: run `bash scripts/demo.sh` first")
+    runs, out = Path(a.runs), Path(a.out)
+    if not (runs / "rl" / "logs").is_dir():
+        sys.exit(f"readme_figures: {runs / 'rl' / 'logs'} not found: run `bash scripts/demo.sh` first")
     out.mkdir(parents=True, exist_ok=True)
-    reward_plot(logdir, out / "demo_reward.png")
-    tensorboard_screenshot(logdir, out / "tensorboard.png")
+    reward_plot(runs, out / "demo_reward.png")
+    tensorboard_screenshot(runs, out / "tensorboard.png")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,13 @@ def test_print_config_lists_every_objective_hyper_parameter(read_in_one_process,
     assert objective["init_args"] == defaults             # every field, with its default
 
 
+def test_print_config_lists_the_run_folder(read_in_one_process):
+    """output_dir (the demo's run folder, named once) and fit's --overwrite, with their defaults."""
+    cfg = print_config(read_in_one_process)
+    assert cfg["output_dir"] == "runs/demo/rl" and cfg["overwrite"] is False
+    assert cfg["trainer"]["logger"] is None and cfg["trainer"]["default_root_dir"] is None   # they follow it
+
+
 def test_print_config_lists_the_token_knobs(read_in_one_process):
     """micro_batch_tokens and packing are in the printed config, with their defaults, and take a value."""
     model = print_config(read_in_one_process)["model"]["init_args"]
@@ -185,7 +192,7 @@ def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, 
     assert "steps: 100%" in quiet.stderr and "ess=" in quiet.stderr        # the progress bar, with ESS
     for step in (1, 2):                  # held-out numbers under the bar, also after the last step closed it
         assert re.search(rf"^  step {step}: val/pass@1 [\d.]+, val/pass@2 ", quiet.stderr, re.M), quiet.stderr[-3000:]
-    table = read_texts(tmp_path / "quiet" / "runs/demo/tb/rl")["completions/text_summary"]
+    table = read_texts(tmp_path / "quiet" / "runs/demo/rl/logs")["completions/text_summary"]
     assert table[0][0] == 0 and "| prompt | completion | reward | advantage | log pi_b |" in table[0][1]
 
     loud = _run_demo_rl(tiny_model_dir, tmp_path / "loud", verbose=True)

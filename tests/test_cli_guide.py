@@ -66,6 +66,9 @@ def test_fit_help_starts_with_the_lit_ess_knobs(read):
     assert any("--model.help PolicyModule" in ln for ln in head) and any("--data.help RolloutDataModule" in ln
                                                                          for ln in head), "\n".join(head)
     assert "--trainer.max_steps" in res.stdout                 # Lightning's flags are still listed, below
+    assert any("--output_dir DIR" in ln for ln in head), "\n".join(head)
+    assert re.search(r"--output_dir OUTPUT_DIR\s+The run's folder \(null = none", res.stdout), res.stdout[:3000]
+    assert re.search(r"--overwrite \{true,false\}\s+Start over in an output_dir", res.stdout), res.stdout[:3000]
 
 
 def test_print_config_still_prints_the_config(read):

@@ -9,7 +9,8 @@ Everything else is the config's own, so a typo'd key, a value out of range or a 
 cannot read fails here. The hardware settings themselves are checked for consistency (W = devices x
 nodes everywhere it must appear). vLLM is not started: its GPU settings (fp8, external_launcher,
 gpu_memory_utilization) are checked on paper only. The CPU configs (the demos) are built the same way,
-as written, with only the tiny model and the output folders swapped in.
+as written, with only the tiny model and the run's folder (output_dir) swapped in. Every config names its
+run's folder once (output_dir): checkpoints, logs and the export follow it.
 """
 import json
 import sys
@@ -65,7 +66,7 @@ def test_hardware_settings_agree(path):
     assert engine["max_model_len"] >= data["max_prompt_tokens"] + data["sampling"]["max_new_tokens"]
     assert 0 < engine["gpu_memory_utilization"] < 0.5                      # colocated with the trainer
     assert _callback(cfg, "lit_ess.callbacks.FSDP2")["param_dtype"] == "bfloat16"
-    assert _callback(cfg, "lightning.pytorch.callbacks.ModelCheckpoint")["dirpath"]   # fixed: resume finds it
+    assert cfg["output_dir"] and "dirpath" not in _callback(cfg, "lightning.pytorch.callbacks.ModelCheckpoint")
     header = path.read_text().split("\nseed_everything")[0]
     assert f"--config configs/{path.name}" in header and "Hardware assumed" in header
     if t.get("num_nodes", 1) > 1:
@@ -92,10 +93,7 @@ def _dry_config(path: Path, model_dir: str, tmp_path: Path) -> dict:
     t = cfg["trainer"]
     t.update(accelerator="cpu", devices=1, num_nodes=1)
     t["strategy"]["init_args"]["data_parallel_size"] = 1
-    t["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
-    for c in t["callbacks"]:
-        if "dirpath" in c.get("init_args", {}):
-            c["init_args"]["dirpath"] = str(tmp_path / Path(c["init_args"]["dirpath"]).name)
+    cfg["output_dir"] = str(tmp_path / "run")
     return cfg
 
 
@@ -138,14 +136,39 @@ def test_config_builds_with_the_tiny_model(path, tiny_model_dir, tmp_path):
 
     assert isinstance(trainer.strategy, ModelParallelStrategy)
     assert trainer.max_steps == written["trainer"]["max_steps"]
-    assert isinstance(trainer.logger, TensorBoardLogger)
+    _follows_the_output_dir(trainer, tmp_path / "run")
     kinds = {type(c) for c in trainer.callbacks}
     assert {lit_ess.callbacks.FSDP2, lit_ess.callbacks.WeightSync, lit_ess.callbacks.RatioDashboard, lit_ess.callbacks.LogCompletions,
             lit_ess.callbacks.ExportHF, ModelCheckpoint} <= kinds
     fsdp = next(c for c in trainer.callbacks if isinstance(c, lit_ess.callbacks.FSDP2))
     assert (fsdp.param_dtype, fsdp.reduce_dtype, fsdp.activation_checkpointing) == ("bfloat16", "float32", True)
-    ckpt = next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint))
-    assert ckpt.dirpath == str(tmp_path / "ckpt")
+
+
+def _follows_the_output_dir(trainer, out: Path) -> None:
+    """Checkpoints, TensorBoard and the export of the built trainer lie in the run's folder `out`."""
+    assert isinstance(trainer.logger, TensorBoardLogger) and Path(trainer.logger.log_dir) == out / "logs"
+    assert Path(trainer.default_root_dir) == out
+    for c in trainer.callbacks:
+        if isinstance(c, ModelCheckpoint):
+            assert c.dirpath == str(out.resolve() / "checkpoints")
+        if isinstance(c, lit_ess.callbacks.ExportHF):
+            assert Path(c.dirpath) == out / "model"
+
+
+def test_every_config_names_its_run_folder_once():
+    """One output_dir per config, each its own; no checkpoint, log or export path of their own (they follow it);
+    a model_path under runs/ (the demos' warm starts) is the model/ folder of a config that exports one."""
+    cfgs = {p.name: (p.read_text(), yaml.safe_load(p.read_text())) for p in sorted(CONFIGS.glob("*.yaml"))}
+    exported = {f"{cfg['output_dir']}/model" for _, cfg in cfgs.values()
+                if any(c["class_path"].endswith("ExportHF") for c in cfg["trainer"].get("callbacks", []))}
+    for name, (text, cfg) in cfgs.items():
+        assert cfg.get("output_dir"), name
+        for key in ("dirpath", "save_dir", "default_root_dir", "logger:"):
+            assert key not in text.replace("# logger:", ""), f"{name}: {key} (let it follow output_dir)"
+        model_path = cfg["model"]["init_args"]["model_path"]
+        assert not model_path.startswith("runs/") or model_path == "runs/demo/init" or model_path in exported, name
+    folders = [cfg["output_dir"] for _, cfg in cfgs.values()]
+    assert len(set(folders)) == len(folders), folders
 
 
 def _set(cfg: dict, dotted: str, value) -> None:
@@ -200,13 +223,9 @@ def test_cpu_config_builds_with_the_tiny_model(path, tiny_model_dir, tmp_path, m
         monkeypatch.syspath_prepend(str(CONFIGS))
     cfg = yaml.safe_load(path.read_text())
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
-    t = cfg["trainer"]
-    if t.get("logger"):
-        t["logger"]["init_args"]["save_dir"] = str(tmp_path / "runs")
-    for c in t.get("callbacks", []):
-        if "dirpath" in c.get("init_args", {}):
-            c["init_args"]["dirpath"] = str(tmp_path / Path(c["init_args"]["dirpath"]).name)
+    cfg["output_dir"] = str(tmp_path / "run")
     cli = _build(cfg, tmp_path)
     assert type(cli.model).__name__ == cfg["model"]["class_path"].split(".")[-1]
     assert type(cli.datamodule).__name__ == cfg["data"]["class_path"].split(".")[-1]
-    assert cli.trainer.max_steps == t["max_steps"]
+    assert cli.trainer.max_steps == cfg["trainer"]["max_steps"]
+    _follows_the_output_dir(cli.trainer, tmp_path / "run")

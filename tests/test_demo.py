@@ -33,15 +33,15 @@ def test_demo_learns(tmp_path):
                   timeout=1800)
         assert res.returncode == 0, res.stderr[-4000:]
         console += res.stdout + res.stderr
-    console += python_m("lit_ess.report", "runs/demo/tb/rl", cwd=tmp_path)
+    console += python_m("lit_ess.report", "runs/demo/rl/logs", cwd=tmp_path)
     assert noisy_lines(console) == []                       # a newcomer's first run prints no warning
     minutes = (time.time() - t0) / 60
-    s = read_scalars(tmp_path / "runs/demo/tb/rl")
+    s = read_scalars(tmp_path / "runs/demo/rl/logs")
     reward = [v for _, v in s["rollout/reward_mean"]]
     first, last = first_last(reward)
     print(f"demo: reward first 10% {first:.3f} -> last 10% {last:.3f} in {minutes:.1f} min")
     assert len(reward) == 100
     assert last - first >= 0.15, (first, last)      # measured: 0.50 -> 0.82 (the time is printed, not asserted)
     assert min(v for _, v in s["train/ess"]) >= 0.9999          # synchronous demo stays on-policy
-    assert {"ratio/log_ratio", "ratio/capped_weight"} <= read_histogram_tags(tmp_path / "runs/demo/tb/rl")
-    assert (tmp_path / "runs/demo/ckpt/last.ckpt").exists() and (tmp_path / "runs/demo/rl/config.json").exists()
+    assert {"ratio/log_ratio", "ratio/capped_weight"} <= read_histogram_tags(tmp_path / "runs/demo/rl/logs")
+    assert (tmp_path / "runs/demo/rl/checkpoints/last.ckpt").exists() and (tmp_path / "runs/demo/rl/model/config.json").exists()

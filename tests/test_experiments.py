@@ -73,7 +73,7 @@ def test_multiturn_cells_are_the_demos_task_at_three_staleness_levels(tmp_path):
     demo = yaml.safe_load((ROOT / "configs" / "demo_multiturn.yaml").read_text())
     assert MULTITURN_ENV == demo["data"]["init_args"]["env"]
     sft = yaml.safe_load((ROOT / "configs" / "demo_sft.yaml").read_text())      # what prepare_base runs
-    assert demo["model"]["init_args"]["model_path"] == sft["trainer"]["callbacks"][0]["init_args"]["dirpath"]
+    assert demo["model"]["init_args"]["model_path"] == f"{sft['output_dir']}/model"          # ExportHF's folder
     assert FULL.sft_steps == sft["trainer"]["max_steps"]
     for c in exp.cells:
         cfg = cell_config("multiturn", c, 2, tmp_path / "sft", tmp_path / c.label, FULL)

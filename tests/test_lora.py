@@ -310,10 +310,7 @@ def test_demo_lora_config_builds_as_written(tiny_model_dir, tmp_path):
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo_lora.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
-    cfg["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path)
-    for c in cfg["trainer"]["callbacks"]:
-        if "dirpath" in c.get("init_args", {}):
-            c["init_args"]["dirpath"] = str(tmp_path / Path(c["init_args"]["dirpath"]).name)
+    cfg["output_dir"] = str(tmp_path / "run")
     path = write_config(cfg, tmp_path / "demo_lora.yaml")
     with mock.patch.object(sys, "argv", ["lit-ess"]):
         cli_ = LitESSCLI(None, None, subclass_mode_model=True, subclass_mode_data=True, parser_class=_Parser,

@@ -155,7 +155,7 @@ def warm_start(tmp_path_factory):
     cfg["trainer"].update(max_steps=300, enable_progress_bar=False, logger=False)
     res = cli(["fit", "--config", str(write_config(cfg, root / "sft.yaml"))], cwd=root)
     assert res.returncode == 0, res.stderr[-4000:]
-    return root / "runs/demo/sft"
+    return root / "runs/demo/sft/model"
 
 
 def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None = None, devices: int = 1,
@@ -174,7 +174,9 @@ def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None 
     if devices > 1:
         t.update(devices=devices, strategy="ddp")
     t.pop("check_val_every_n_epoch", None)
-    t["logger"]["init_args"] = {"save_dir": str(out), "name": "tb", "version": "run"}
+    cfg["output_dir"] = None            # the paths below are the test's own
+    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "init_args": {"save_dir": str(out), "name": "tb", "version": "run"}}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "LogCompletions")]
     if ckpt_every is not None:
         t["callbacks"].append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
@@ -215,7 +217,7 @@ def test_demo_calculator_calls_the_tool_on_policy(tmp_path):
     cfg["trainer"].update(max_steps=50, enable_progress_bar=False, logger=False)
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "sft.yaml"))], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
-    s = fit(multiturn_config(tmp_path / "runs/demo/calculator_sft", tmp_path / "rl", steps=6,
+    s = fit(multiturn_config(tmp_path / "runs/demo/calculator_sft/model", tmp_path / "rl", steps=6,
                              config="demo_calculator.yaml"))
     ess, calls = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/tool_calls"]]
     assert len(ess) == 6 and min(ess) >= 0.9999, ess

@@ -1309,7 +1309,9 @@ def test_demo_agent_through_the_server(mode, server, tiny_model_dir, tmp_path):
     steps = 2 if mode == "sync" else 3
     t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=False)
     t.pop("check_val_every_n_epoch")
-    t["logger"]["init_args"] = {"save_dir": str(tmp_path), "name": "tb", "version": "run"}
+    cfg["output_dir"] = None            # the paths below are the test's own
+    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": "run"}}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].split(".")[-1] in ("WeightSync", "RatioDashboard")]
     t0 = time.perf_counter()
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])

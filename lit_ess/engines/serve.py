@@ -3,8 +3,8 @@ with exactly the flags of the server lit-ess launches itself (`server_launch.ser
 its URL when it answers /health and runs until Ctrl-C or SIGTERM, which stop it. A port another
 process holds is refused, naming it; a host other machines reach needs the fleet's shared token:
 
-    python -m lit_ess.engines.serve --model runs/demo/sft --port 8000 [extra vLLM flags]
-    LIT_ESS_SERVER_TOKEN=<secret> python -m lit_ess.engines.serve --model runs/demo/sft --port 8000 --host 10.0.0.5
+    python -m lit_ess.engines.serve --model runs/demo/sft/model --port 8000 [extra vLLM flags]
+    LIT_ESS_SERVER_TOKEN=<secret> python -m lit_ess.engines.serve --model runs/demo/sft/model --port 8000 --host 10.0.0.5
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-file", default=None, help="server output (default: a file in the temp folder)")
     args, extra = p.parse_known_args(argv)
     if not (Path(args.model) / "config.json").is_file():
-        p.error(f"--model {args.model}: no config.json there (a Hugging Face model folder, e.g. runs/demo/sft)")
+        p.error(f"--model {args.model}: no config.json there (a Hugging Face model folder, e.g. runs/demo/sft/model)")
     try:
         c = VLLMServerConfig(dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_gib=args.kv_cache_gib,
                              gpu_memory_utilization=args.gpu_memory_utilization, port=args.port, server_args=extra,
