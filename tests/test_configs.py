@@ -157,7 +157,8 @@ def _follows_the_output_dir(trainer, out: Path) -> None:
 
 def test_every_config_names_its_run_folder_once():
     """One output_dir per config, each its own; no checkpoint, log or export path of their own (they follow it);
-    a model_path under runs/ (the demos' warm starts) is the model/ folder of a config that exports one."""
+    a model_path under runs/ (the demos' warm starts) is the model/ folder of a config that exports one, or a
+    model `python -m lit_ess.tiny` builds (runs/demo/init; runs/demo/chat_init with a chat template)."""
     cfgs = {p.name: (p.read_text(), yaml.safe_load(p.read_text())) for p in sorted(CONFIGS.glob("*.yaml"))}
     exported = {f"{cfg['output_dir']}/model" for _, cfg in cfgs.values()
                 if any(c["class_path"].endswith("ExportHF") for c in cfg["trainer"].get("callbacks", []))}
@@ -166,7 +167,7 @@ def test_every_config_names_its_run_folder_once():
         for key in ("dirpath", "save_dir", "default_root_dir", "logger:"):
             assert key not in text.replace("# logger:", ""), f"{name}: {key} (let it follow output_dir)"
         model_path = cfg["model"]["init_args"]["model_path"]
-        assert not model_path.startswith("runs/") or model_path == "runs/demo/init" or model_path in exported, name
+        assert not model_path.startswith("runs/") or model_path in ("runs/demo/init", "runs/demo/chat_init") or model_path in exported, name
     folders = [cfg["output_dir"] for _, cfg in cfgs.values()]
     assert len(set(folders)) == len(folders), folders
 

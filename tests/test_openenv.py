@@ -127,7 +127,9 @@ def test_demo_openenv_trains_against_the_server(server, tiny_model_dir, tmp_path
     d["env"]["kwargs"]["base_url"] = server
     t = cfg["trainer"]
     t.update(max_steps=3, enable_progress_bar=False, enable_checkpointing=False)
-    t["logger"]["init_args"] = {"save_dir": str(tmp_path), "name": "tb", "version": "run"}
+    cfg["output_dir"] = None            # the paths below are the test's own
+    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": "run"}}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].endswith("WeightSync")]
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -90,7 +90,9 @@ def test_demo_reasoning_gym_trains_on_the_tasks_verdicts(tiny_model_dir, tmp_pat
     t = cfg["trainer"]
     t.update(max_steps=3, enable_progress_bar=False, enable_checkpointing=False)
     t.pop("check_val_every_n_epoch")
-    t["logger"]["init_args"] = {"save_dir": str(tmp_path), "name": "tb", "version": "run"}
+    cfg["output_dir"] = None            # the paths below are the test's own
+    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": "run"}}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].endswith(("WeightSync", "RatioDashboard"))]
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -98,7 +98,9 @@ def test_demo_verifiers_runs_the_envs_turns_on_policy(tmp_path):
     d["source"]["init_args"]["env"]["taskset"]["size"] = 50
     t = cfg["trainer"]
     t.update(max_steps=2, enable_progress_bar=False, enable_checkpointing=False)
-    t["logger"]["init_args"] = {"save_dir": str(tmp_path), "name": "tb", "version": "run"}
+    cfg["output_dir"] = None            # the paths below are the test's own
+    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": "run"}}
     t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].endswith("WeightSync")]
     shutil.copy(CONFIGS / "vf_retry_arithmetic.py", tmp_path)          # beside the config, as a user keeps it
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=1200)
