@@ -311,6 +311,9 @@ _T = (0.6, 1.2, 1.5)
 # experiment not named here tests every pair of its cells, a stress experiment P3O against every other
 # method at the same learning rate and level.
 PAIRS = {
+    **{name: [(c.label, ref) for c in EXPERIMENTS[name].cells if c.same_as is None
+              for ref in (c.label.replace(c.method, "p3o", 1), c.label.replace(c.method, "grpo_eps0.2", 1))]
+       for name in ("remedies_s", "remedies_multiturn", "remedies_k")},
     "clip": [("p3o", b) for b in ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "dapo")],
     "ablations": [("p3o", b) for b in ("p3o_no_kl", "p3o_no_cap", "p3o_ess_micro")],
     "precision": [("p3o_bfloat16", "grpo_bfloat16"), ("p3o_float32", "grpo_float32"),
