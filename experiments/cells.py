@@ -13,6 +13,7 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     stress_k     steps per rollout k up to where methods break: 7 methods x 2 learning rates
     stress_s     staleness S up to where methods break (sync, generated ahead: exactly reproducible)
     multiturn    retry-with-feedback episodes (configs/demo_multiturn.yaml): P3O, GRPO, GRPO + token TIS at S 0/4/8
+    remedies_*   issue 39's remedies where P3O breaks (stress_s, multiturn, stress_k k = 48), against P3O and GRPO
     inflight     async on vLLM's server, S = 2: weights pushed in flight against drained, P3O and GRPO (eps 0.2)
 
 Held-out evaluation samples at T = 1.0 in every run (`val_sampling`), one ruler for every cell; the
@@ -93,6 +94,11 @@ MULTITURN_ENV = {"env": "retry_arithmetic", "kwargs": {"max_tries": 3, "feedback
                  "max_episode_tokens": 96}
 MULTITURN_METHODS = ("p3o", "grpo_eps0.2", "grpo_tis")
 MULTITURN_S = (0, 4, 8)
+
+# issue 39's remedies (no new hyper-parameter), and what each is tested against
+REMEDIES = {"p3o_k3_sampled": objective("P3O", kl_estimator="k3_sampled")}
+REMEDIES_K = {"p4o": objective("P4O"), **REMEDIES}
+REMEDY_REFERENCES = {m: METHODS[m] for m in ("p3o", "grpo_eps0.2")}
 
 # vLLM's own server (launched by each run), async at S = 2: the two ways a push reaches the server
 INFLIGHT_S = 2
@@ -227,6 +233,32 @@ EXPERIMENTS = {e.name: e for e in [
         [Cell(f"{m}_S{s}", {**METHODS[m], S: s}, m, s) for s in (4, 8) for m in ("p3o", "grpo_eps0.2")],
         common={"data.init_args.env": MULTITURN_ENV}, traces=TRACES,
         size={"steps": 32, "prompts": 8, "val_every": 8}),
+    # Remedies without a new knob (issue 39), in the cells where P3O breaks, against P3O and GRPO (eps 0.2)
+    # as stored there (`same_as`): P3O with its KL estimated on the sampler's tokens (k3 weighted by rho,
+    # whose pull on tokens the policy has left vanishes instead of growing as 1/rho: the mechanism traces),
+    # and the authors' P4O where a rollout trains several steps (at one step per rollout it is P3O).
+    Experiment(
+        "remedies_s", "Remedies where P3O breaks: staleness S",
+        "stress_s's cells at the high learning rate (S = 4, 8, 24): does P3O with its KL term estimated on "
+        "the sampler's tokens (`kl_estimator: k3_sampled`) hold where P3O falls below GRPO (eps 0.2)?",
+        [Cell(f"{m}_{lr_tag(HIGH_LR)}_S{s}", {**over, "model.init_args.lr": HIGH_LR, S: s}, m, s,
+              same_as=None if m in REMEDIES else f"stress_s/{m}_{lr_tag(HIGH_LR)}_S{s}")
+         for s in S_LEVELS for m, over in {**REMEDIES, **REMEDY_REFERENCES}.items()]),
+    Experiment(
+        "remedies_multiturn", "Remedies where P3O breaks: multi-turn",
+        "The multi-turn cells where P3O falls below GRPO (eps 0.2), S = 4 and 8: the same remedy.",
+        [Cell(f"{m}_S{s}", {**over, S: s}, m, s, same_as=None if m in REMEDIES else f"multiturn/{m}_S{s}")
+         for s in (4, 8) for m, over in {**REMEDIES, **REMEDY_REFERENCES}.items()],
+        common={"data.init_args.env": MULTITURN_ENV}, size={"steps": 32, "prompts": 8, "val_every": 8}),
+    Experiment(
+        "remedies_k", "Remedies where a rollout trains many steps: P4O and the remedy at k = 48",
+        "stress_k's k = 48 cells (the whole run trains on the warm start's samples): the authors' P4O (a second "
+        "ESS against the phase's proximal policy, the KL toward the mixture of both anchors) and P3O with the "
+        "KL estimated on the sampler's tokens, against P3O and GRPO (eps 0.2).",
+        [Cell(f"{m}_{lr_tag(lr)}_k48", {**over, "model.init_args.lr": lr, K: 48}, m, 48,
+              same_as=None if m in REMEDIES_K else f"stress_k/{m}_{lr_tag(lr)}_k48")
+         for lr in (LR, HIGH_LR) for m, over in {**REMEDIES_K, **REMEDY_REFERENCES}.items()],
+        batch_per_step=True),
     Experiment(
         "inflight", "In-flight weight updates on vLLM's server, staleness S = 2",
         "Async rollouts on a vLLM server that each run launches, the trainer pushing after every step: pushes "

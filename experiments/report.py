@@ -311,6 +311,9 @@ _T = (0.6, 1.2, 1.5)
 # experiment not named here tests every pair of its cells, a stress experiment P3O against every other
 # method at the same learning rate and level.
 PAIRS = {
+    **{name: [(c.label, ref) for c in EXPERIMENTS[name].cells if c.same_as is None
+              for ref in (c.label.replace(c.method, "p3o", 1), c.label.replace(c.method, "grpo_eps0.2", 1))]
+       for name in ("remedies_s", "remedies_multiturn", "remedies_k")},
     "clip": [("p3o", b) for b in ("grpo_eps0.2", "grpo_eps0.4", "grpo_eps0.6", "dapo")],
     "ablations": [("p3o", b) for b in ("p3o_no_kl", "p3o_no_cap", "p3o_ess_micro")],
     "precision": [("p3o_bfloat16", "grpo_bfloat16"), ("p3o_float32", "grpo_float32"),
@@ -408,7 +411,7 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
     head += "training reward, last 10% (+- std) | mean ESS (+- std) | collapsed [95% CI] |"
     lines = [f"![{name}]({png.relative_to(results)})", "", head, "|---" * head.count(" | ") + "|---|", *rows, ""]
     if exp.traces:
-        lines += trace_table(exp, runs_by_cell)
+        lines += trace_table(exp, runs_by_cell) + trace_reading(exp, runs_by_cell)
     if (sentence := differences(name, exp, stats)):
         lines += [sentence, ""]
     if notes:
@@ -416,24 +419,60 @@ def _section(name: str, exp, summaries: Path, results: Path, scale: Scale, base:
     return lines
 
 
+def trace_means(runs: list[dict], tag: str) -> tuple[float | None, float | None]:
+    """A trace's mean over the seeds of its mean over the first steps off-policy (steps 2-6: the lag grows
+    to its bound) and over the last quarter of the steps; None where no run logged it there."""
+    last = max((t for r in runs for t, _ in r.get("train/ess", [])), default=0)
+    out = []
+    for lo, hi in ((2, 6), (last - last // 4 + 1, last)):
+        per_run = [statistics.mean(v for t, v in r[tag] if lo <= t <= hi) for r in runs
+                   if any(lo <= t <= hi for t, _ in r.get(tag, []))]
+        out.append(statistics.mean(per_run) if per_run else None)
+    return out[0], out[1]
+
+
 def trace_table(exp, runs_by_cell: dict[str, list[dict]]) -> list[str]:
-    """A trace experiment's numbers behind its figure: each trace's mean over the seeds of its mean over the
-    first steps off-policy (steps 2-6: the lag grows to its bound) and over the last quarter of the steps."""
+    """A trace experiment's numbers behind its figure (`trace_means` of each trace)."""
     head = "| cell | " + " | ".join(label for _, label in exp.traces) + " |"
     rows = []
     for cell, runs in runs_by_cell.items():
-        last = max((t for r in runs for t, _ in r.get("train/ess", [])), default=0)
-        parts = []
-        for tag, _ in exp.traces:
-            cols = []
-            for lo, hi in ((2, 6), (last - last // 4 + 1, last)):
-                per_run = [statistics.mean(v for t, v in r[tag] if lo <= t <= hi) for r in runs
-                           if any(lo <= t <= hi for t, _ in r.get(tag, []))]
-                cols.append(f"{statistics.mean(per_run):.3g}" if per_run else "n/a")
-            parts.append(" / ".join(cols))
+        parts = [" / ".join("n/a" if v is None else f"{v:.3g}" for v in trace_means(runs, tag)) for tag, _ in exp.traces]
         rows.append(f"| {cell} ({len(runs)} seeds) | " + " | ".join(parts) + " |")
     return ["Each trace: mean over seeds of its mean over steps 2-6 / over the last quarter of the steps.", "",
             head, "|---" * (len(exp.traces) + 1) + "|", *rows, ""]
+
+
+def trace_reading(exp, runs_by_cell: dict[str, list[dict]]) -> list[str]:
+    """What the traces say, P3O against GRPO (eps 0.2) at each staleness S, in sentences whose every number is
+    read from the table above (so a reader can check them), then what they point at."""
+    def pct(v): return "n/a" if v is None else f"{v:.0%}"
+    def num(v): return "n/a" if v is None else f"{v:.3g}"
+    def times(a, b): return "n/a" if a is None or not b else f"{a / b:.1f}x"
+    said = []
+    for lv in sorted({c.level for c in exp.cells}):
+        p3o = next((runs_by_cell.get(c.label) for c in exp.cells if c.level == lv and c.method == "p3o"), None)
+        grpo = next((runs_by_cell.get(c.label) for c in exp.cells if c.level == lv and c.method == "grpo_eps0.2"), None)
+        if not p3o or not grpo:
+            continue
+        (gp0, gp1), (gg0, gg1) = trace_means(p3o, "train/grad_norm"), trace_means(grpo, "train/grad_norm")
+        lo_p, lo_g = trace_means(p3o, "train/grad_share_rho_lo"), trace_means(grpo, "train/grad_share_rho_lo")
+        kl, capped = trace_means(p3o, "train/kl_grad_share"), trace_means(p3o, "train/capped_frac")
+        said.append(
+            f"- S = {lv} ({len(p3o)} and {len(grpo)} seeds): P3O's gradient norm is {times(gp0, gg0)} "
+            f"GRPO's in steps 2-6 ({num(gp0)} vs {num(gg0)}) and {times(gp1, gg1)} in the last quarter "
+            f"({num(gp1)} vs {num(gg1)}); the share of its |dL/dlp| on tokens with rho < 1/2 goes from "
+            f"{pct(lo_p[0])} to {pct(lo_p[1])} (GRPO: {pct(lo_g[0])} to {pct(lo_g[1])}), the (1 - e_B) KL term's "
+            f"share from {pct(kl[0])} to {pct(kl[1])}; {pct(capped[1])} of P3O's tokens are capped at e_B late.")
+    if not said:
+        return []
+    return ["**Reading the traces.** " + "What the table says, P3O against GRPO (eps 0.2):", "", *said, "",
+            "What these numbers point at: k3's gradient in the log-ratio, (1 - e_B)(1 - 1/rho), grows without bound "
+            "as rho -> 0, so the staler the rows, the harder the KL term pulls the policy back toward tokens it has "
+            "left (k3 is an estimate of KL(pi ‖ pi_b) for tokens drawn from pi, and the rows were drawn from pi_b); and the cap weighs every token "
+            "with rho > e_B by e_B whatever its ratio, where GRPO's clip stops pushing a token once rho leaves "
+            "[0.8, 1.2] in its advantage's direction. The first is tested by the remedy sections below (the KL term "
+            "estimated on the sampler's tokens, `kl_estimator: k3_sampled`, whose gradient rho log rho vanishes as "
+            "rho -> 0), the second by stress_s's `p3o_no_kl` cells (P3O without the KL term at all).", ""]
 
 
 def breaking(by_level: dict[int, CellStats], levels: list[int], letter: str, seeds: int) -> tuple[str, int | None]:

@@ -225,6 +225,29 @@ def k3(log_ratio: Tensor) -> Tensor:
     return torch.where(log_ratio >= L, torch.exp(-c) - 1 + c, tail)   # where: no cancellation in the grad
 
 
+def k3_sampled(log_ratio: Tensor) -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_b) on tokens sampled from pi_b (k3 importance-weighted):
+
+        KL(pi_theta || pi_b) = E_pi_b[ rho log rho ] = E_pi_b[ rho k3 ] = E_pi_b[ 1 - rho + rho lr ]   (>= 0)
+        d / d lr = rho lr                   (the exact gradient of the KL; k3's is 1 - 1/rho)
+
+    k3 alone estimates the KL on tokens drawn from pi_theta; on pi_b's tokens its expectation is
+    E_b[1/rho] - 1 - KL(pi_b || pi_theta), and its gradient 1 - 1/rho is unbounded as rho -> 0: the
+    staler the data, the harder tokens the policy has left are pulled back. Here a token with rho -> 0
+    contributes nothing (the gradient's minimum is -1/e at rho = 1/e). Continued by its tangent above
+    lr = -K3_LINEAR_BELOW (20), so it stays finite, and flat below K3_LINEAR_BELOW (its gradient there,
+    lr e^lr, is under 5e-8).
+    """
+    U = -K3_LINEAR_BELOW
+    c = log_ratio.clamp(K3_LINEAR_BELOW, U)
+    head = (c * torch.exp(c) - torch.expm1(c)).clamp(min=0)     # = 1 - rho + rho lr, rounding kept >= 0
+    tail = (1 - math.exp(U) + U * math.exp(U)) + U * math.exp(U) * (log_ratio - U)
+    return torch.where(log_ratio <= U, head, tail)
+
+
+KL_ESTIMATORS = {"k3": k3, "k3_sampled": k3_sampled}
+
+
 def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) -> dict[str, Tensor]:
     """Detached statistics of rho over the masked tokens: mean/min/max, quantiles, KL to pi_b."""
     with torch.no_grad():
@@ -515,11 +538,16 @@ class P3O(Objective):
         kl_anchor: the KL term's reference. "behavior": the sampler's pi_b (the paper's).
             "behavior_at_train_temperature": the behaviour weights scored by the trainer at its own
             temperature (see above; the trainer's proximal logprobs).
+        kl_estimator: the per-token KL estimate. "k3" (the paper's): exp(-lr) - 1 + lr, whose gradient
+            1 - 1/rho grows without bound on tokens the policy has left (rho -> 0). "k3_sampled": k3
+            weighted by rho, the estimate for tokens drawn from pi_b (`k3_sampled`), whose gradient is the
+            KL's own, rho log rho, and vanishes as rho -> 0 (docs/results.md, "Where P3O breaks").
     """
 
     ess_cap: bool = True
     adaptive_kl: bool = True
     kl_anchor: Literal["behavior", "behavior_at_train_temperature"] = "behavior"
+    kl_estimator: Literal["k3", "k3_sampled"] = "k3"
     rebase_on_correction: ClassVar[bool] = False
     name: ClassVar[str] = "p3o"
     needs_ess: ClassVar[bool] = True
@@ -529,6 +557,8 @@ class P3O(Objective):
         if self.kl_anchor not in ("behavior", "behavior_at_train_temperature"):
             raise ValueError(f"p3o: kl_anchor={self.kl_anchor!r} is not one of ('behavior', "
                              f"'behavior_at_train_temperature')")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"p3o: kl_estimator={self.kl_estimator!r} is not one of {tuple(KL_ESTIMATORS)}")
 
     @property
     def needs_proximal(self) -> bool:
@@ -547,7 +577,8 @@ class P3O(Objective):
             weight = log_ratio.detach().clamp(-20.0, 20.0).exp()
         pg = agg(-weight * lp * adv)
         anchor = lb if self.kl_anchor == "behavior" else _old_logprobs("proximal", lp, lb, proximal_logprobs)
-        kl = agg(k3(lp - anchor))
+        kl_of = KL_ESTIMATORS[self.kl_estimator]
+        kl = agg(kl_of(lp - anchor))
         loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)
         if not self.ess_cap:
@@ -555,7 +586,7 @@ class P3O(Objective):
         metrics["train/kl_term"] = kl.detach()
         if self.adaptive_kl:
             metrics.update(term_shares(token_grad(lambda x: agg(-weight * x * adv), lp),
-                                       token_grad(lambda x: (1 - e) * agg(k3(x - anchor)), lp), mask, "kl"))
+                                       token_grad(lambda x: (1 - e) * agg(kl_of(x - anchor)), lp), mask, "kl"))
         return loss, metrics
 
 

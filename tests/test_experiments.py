@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from experiments.cells import (EXPERIMENTS, FULL, HIGH_LR, K, K_LEVELS, LR, METHODS, MULTITURN_ENV, QUICK, S, apply,
                                cell_lr)
+from experiments import report
 from experiments.report import COLLAPSE, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -530,3 +531,24 @@ def test_page_reads_every_seed_and_states_intervals_and_resolved_differences(tmp
     assert ("**Does a conclusion depend on the starting policy?** From 2 warm starts (held-out pass@1 0.500, "
             "0.600; section above), the same from every one: none; depends on the warm start: "
             "`p3o_T1.5_processed_k4_anchor` vs `p3o_T1.5_processed_k4` (above, not resolved).") in claim
+
+
+def test_trace_reading_says_the_tables_numbers_for_p3o_against_grpo():
+    """Steps 1-8: steps 2-6 early, the last quarter (7-8) late; every number in the sentence is read from the runs."""
+    exp = EXPERIMENTS["mechanism_stress"]
+    def run(grad, lo, kl=None, capped=None):
+        r = {"train/ess": [(t, 1.0) for t in range(1, 9)],
+             "train/grad_norm": [(t, grad[0] if t <= 6 else grad[1]) for t in range(1, 9)],
+             "train/grad_share_rho_lo": [(t, lo[0] if t <= 6 else lo[1]) for t in range(1, 9)]}
+        if kl:
+            r["train/kl_grad_share"] = [(t, kl[0] if t <= 6 else kl[1]) for t in range(1, 9)]
+            r["train/capped_frac"] = [(t, capped) for t in range(1, 9)]
+        return r
+    runs = {"p3o_S8": [run((8, 30), (0.2, 0.4), (0.1, 0.5), 0.8), run((12, 50), (0.2, 0.6), (0.3, 0.5), 0.8)],
+            "grpo_eps0.2_S8": [run((2, 5), (0.01, 0.02))]}
+    text = "\n".join(report.trace_reading(exp, runs))
+    assert ("S = 8 (2 and 1 seeds): P3O's gradient norm is 5.0x GRPO's in steps 2-6 (10 vs 2) and 8.0x in the "
+            "last quarter (40 vs 5); the share of its |dL/dlp| on tokens with rho < 1/2 goes from 20% to 50% "
+            "(GRPO: 1% to 2%), the (1 - e_B) KL term's share from 20% to 50%; 80% of P3O's tokens") in text
+    assert "S = 24" not in text                                 # no runs there: nothing said
+    assert report.trace_reading(exp, {}) == []

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, ISCorrection,
-                                aggregate, k3)
+                                aggregate, k3, k3_sampled)
 
 LN2, LN4 = math.log(2), math.log(4)
 
@@ -284,6 +284,34 @@ def test_objectives_say_whether_they_need_proximal_logprobs():
         DAPO(old="pi_b")
     with pytest.raises(ValueError, match="kl_anchor='proximal' is not one of"):
         P3O(kl_anchor="proximal")
+
+
+def test_p3o_kl_estimated_on_the_samplers_tokens_hand_computed():
+    # rho = [2, 1], e_B = 0.9, pg = -0.45 ln 2 (test_p3o_hand_computed)
+    # k3_sampled = 1 - rho + rho lr = [1 - 2 + 2 ln 2, 0]: kl = (2 ln 2 - 1) / 2; loss = pg + 0.1 kl
+    # d/dlp_t = (-w_t A_t + (1 - e) rho_t lr_t) / 2 = [(-0.9 + 0.2 ln 2) / 2, 0.9 / 2]
+    lp, lb, adv, mask = two_tokens()
+    out = P3O(kl_estimator="k3_sampled")(lp, lb, adv, mask)
+    assert out.loss.item() == pytest.approx(-0.45 * LN2 + 0.1 * (2 * LN2 - 1) / 2, abs=1e-12)
+    assert out.metrics["train/kl_term"].item() == pytest.approx((2 * LN2 - 1) / 2, abs=1e-12)
+    out.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([(-0.9 + 0.2 * LN2) / 2, 0.45], abs=1e-12)
+    with pytest.raises(ValueError, match="kl_estimator='k2' is not one of"):
+        P3O(kl_estimator="k2")
+
+
+@given(st.floats(-60.0, 60.0))
+def test_k3_sampled_is_k3_weighted_by_rho_nonnegative_and_its_gradient_bounded_where_rho_vanishes(lr):
+    x = torch.tensor(lr, dtype=torch.float64, requires_grad=True)
+    v = k3_sampled(x)
+    v.backward()
+    assert torch.isfinite(v) and torch.isfinite(x.grad) and v.item() >= 0
+    if -20 <= lr <= 20:                     # rho * k3(lr), and d/dlr = rho lr
+        assert v.item() == pytest.approx(math.exp(lr) * k3(torch.tensor(lr, dtype=torch.float64)).item(),
+                                         rel=1e-9, abs=1e-12)
+        assert x.grad.item() == pytest.approx(lr * math.exp(lr), rel=1e-9, abs=1e-12)
+    if lr < 0:                               # never below -1/e: no pull toward tokens the policy has left
+        assert -1 / math.e - 1e-12 <= x.grad.item() <= 0
 
 
 def test_p3o_kl_anchor_at_the_train_temperature_hand_computed():
