@@ -43,7 +43,9 @@ k steps per rollout, once per phase). Without them the first rollout that would 
 with an error that names the callback.
 
 `state_dict` holds the prompt cursor and order, the buffer (batches not yet trained, with the
-version of each row), and the requests in flight, which are regenerated after a resume.
+version of each row), and the requests in flight, which are regenerated after a resume. With DAPO's
+dynamic sampling (`dynamic_sampling`, lit_ess/rollout/dapo.py) a phase is generated in rounds, each an
+ordinary request drawn from the same cursor; the groups a phase has kept so far are in the state too.
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBuffer, RolloutExecutor, RolloutRequest, Ranks, TorchRanks,
                              WorkerConfig, build_executor, in_step, shares_servers)
 from lit_ess.sampling import SamplingConfig
+from lit_ess.rollout.dapo import DynamicSampling, OverlongPenalty, PhaseFill
+from lit_ess.rollout.worker import pad_token_id, phase_batches
 
 from lit_ess.chat import ChatFormat, Prompt, check_format, prompt_text
 
@@ -185,7 +189,18 @@ class RolloutDataModule(L.LightningDataModule):
         advantage: "zscore" (GRPO) or "mean" (Dr.GRPO).
         drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). When too
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
-            every step has a row; `rollout/dropped_groups` counts the groups really dropped.
+            every step has a row; `rollout/dropped_groups` counts the groups really dropped. The phase is
+            not refilled: dynamic_sampling does that (and drops groups itself: set one of the two).
+        dynamic_sampling: DAPO's dynamic sampling (lit_ess.rollout.dapo.DynamicSampling): {enable: true}
+            drops the groups whose rewards are all equal and generates further prompts, in rounds of
+            prompts_per_rollout, until the phase holds prompts_per_rollout groups with a signal or
+            `max_rounds` rounds ran (then it is trained short, `rollout/batch_short`). Counted per phase in
+            `rollout/refill_rounds`, `rollout/dropped_groups`, `rollout/surplus_groups`. One data-parallel
+            rank. Default: off.
+        overlong: DAPO's soft overlong punishment (lit_ess.rollout.dapo.OverlongPenalty): {enable: true}
+            adds 0 to -factor to the training reward of a completion longer than max_length - buffer tokens
+            (max_length: sampling.max_new_tokens unless set), before the group advantages; logged as
+            `rollout/overlong_frac` and `rollout/overlong_penalty`. Default: off.
         max_prompt_tokens: longer prompts are skipped and counted (`rollout/skipped_long_prompts`); >= 1. With
             `env`, an episode whose first observation (the environment's reset) is longer is not played: its
             row holds the observation cut to this many tokens and no turn (`rollout/truncated_prompts`).
@@ -226,6 +241,8 @@ class RolloutDataModule(L.LightningDataModule):
         steps_per_epoch: int | None = None,
         advantage: Literal["zscore", "mean"] = "zscore",
         drop_degenerate: bool = False,
+        dynamic_sampling: DynamicSampling = DynamicSampling(),
+        overlong: OverlongPenalty = OverlongPenalty(),
         max_prompt_tokens: int | None = None,
         seed: int = 0,
         val_source: PromptSource | None = None,
@@ -275,6 +292,16 @@ class RolloutDataModule(L.LightningDataModule):
         if env is not None and not isinstance(env, EnvConfig):
             raise ValueError(f"env must be an environment config (lit_ess.envs.EnvConfig) or null, got {env!r}")
         check_format(chat)
+        if not isinstance(dynamic_sampling, DynamicSampling):
+            raise ValueError(f"dynamic_sampling must be a lit_ess.rollout.dapo.DynamicSampling, got {dynamic_sampling!r}")
+        if not isinstance(overlong, OverlongPenalty):
+            raise ValueError(f"overlong must be a lit_ess.rollout.dapo.OverlongPenalty, got {overlong!r}")
+        if dynamic_sampling.enable and drop_degenerate:
+            raise ValueError("drop_degenerate and dynamic_sampling.enable: dynamic sampling drops the groups without a "
+                             "signal itself and refills the phase; set one of the two")
+        if overlong.enable and env is not None and overlong.max_length is None:
+            raise ValueError("overlong.max_length: set it with env (an episode's policy tokens add up over its turns; "
+                             "sampling.max_new_tokens caps one turn)")
         if not isinstance(engine, EngineConfig):
             raise ValueError(f"engine must be an engine config (lit_ess.engines.VLLMConfig or HFConfig), got {engine!r}")
         self.model_path = model_path
@@ -290,6 +317,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.worker_timeout = worker_timeout
         self.steps_per_epoch = steps_per_rollout if steps_per_epoch is None else steps_per_epoch
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
+        self.dynamic_sampling = dynamic_sampling
+        self.overlong = overlong.resolved(sampling.max_new_tokens) if overlong.enable else overlong
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.prompt_limit = max_prompt_tokens       # the longest prompt sampled; set in setup() (prompt_budget)
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
@@ -303,7 +332,8 @@ class RolloutDataModule(L.LightningDataModule):
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "advantage": advantage,
             "reward": reward if isinstance(reward, str) else [asdict(r) for r in reward],
-            "drop_degenerate": drop_degenerate, "seed": seed, "source": type(self.source).__name__,
+            "drop_degenerate": drop_degenerate, "dynamic_sampling": asdict(dynamic_sampling),
+            "overlong": asdict(self.overlong), "seed": seed, "source": type(self.source).__name__,
             "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None,
             "env": asdict(env) if env is not None else None})
         self.executor: RolloutExecutor | None = None
@@ -312,7 +342,9 @@ class RolloutDataModule(L.LightningDataModule):
         # resumable state
         self.prompt_order = PromptOrder(len(self.source), seed)
         self.next_plan = 0                                  # next phase whose prompts are drawn
-        self.requests: dict[int, RolloutRequest] = {}      # planned and not yet in the buffer, by phase
+        self.requests: dict[int, RolloutRequest] = {}      # planned and not yet in the buffer, by phase (with
+                                                           # dynamic sampling: the phase's round to generate)
+        self.fills: dict[int, PhaseFill] = {}              # dynamic sampling: the rounds of phases not yet full
         self.submitted: dict[int, int] = {}                # request id -> phase, not yet in the buffer
         self.evaluated: dict[int, dict] = {}               # request id -> held-out results not yet read
         self.skipped_long_prompts = 0
@@ -341,6 +373,10 @@ class RolloutDataModule(L.LightningDataModule):
         if stage == "fit" and self.prompts_per_rollout % self.world:
             raise ValueError(f"prompts_per_rollout={self.prompts_per_rollout} is not a multiple of the {self.world} "
                              f"data-parallel ranks: each rank generates whole groups of an equal share")
+        if stage == "fit" and self.dynamic_sampling.enable and self.world > 1:
+            raise ValueError(f"dynamic_sampling.enable on {self.world} data-parallel ranks: a refill draws prompts from "
+                             f"the prompt order every rank shares, which needs the ranks to agree on every refill; "
+                             f"run it on one rank (devices x nodes = 1)")
         rows = self.prompts_per_rollout // self.world * self.samples_per_prompt
         if stage == "fit" and rows < self.steps_per_rollout:
             raise ValueError(f"each of the {self.world} ranks gets {rows} rows per rollout "
@@ -366,7 +402,8 @@ class RolloutDataModule(L.LightningDataModule):
             steps_per_rollout=self.steps_per_rollout, advantage=self.advantage, drop_degenerate=self.drop_degenerate,
             seed=self.seed, max_staleness=self.max_staleness, reward_counters=dict(self.reward_counters),
             max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker, env=self.env,
-            prompt_limit=self.prompt_limit)
+            prompt_limit=self.prompt_limit, overlong=self.overlong if self.overlong.enable else None,
+            filter_groups=self.dynamic_sampling.metric if self.dynamic_sampling.enable else None)
 
     def _rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
@@ -476,10 +513,33 @@ class RolloutDataModule(L.LightningDataModule):
                 self.evaluated[rid] = result
 
     def _add(self, result: PhaseResult) -> None:
-        self.requests.pop(result.phase, None)
         if result.reward_counters:
             self.reward_counters = result.reward_counters
+        if result.groups is not None:               # dynamic sampling: one round of the phase
+            self._add_round(result)
+            return
+        self.requests.pop(result.phase, None)
         self.buffer.put(result.phase, result.batches)
+
+    def _add_round(self, result: PhaseResult) -> None:
+        """Keep a round's groups with a signal; then refill the phase with its next round (submitted at once, so
+        the phase is never without a request in flight), or, full or out of rounds, put it in the buffer."""
+        p = result.phase
+        fill = self.fills.setdefault(p, PhaseFill(p, self.prompts_per_rollout // self.world,
+                                                  self.dynamic_sampling.max_rounds, self.steps_per_rollout))
+        if result.round != len(fill.rounds):
+            raise RuntimeError(f"round {result.round} of rollout phase {p} arrived, expected round {len(fill.rounds)}")
+        fill.add(result.groups, result.keep, result.stats)
+        if not fill.done:
+            self.requests[p] = self._refill(p, len(fill.rounds))
+            self.submitted[self.executor.submit("phase", self.requests[p])] = p
+            return
+        rows, stats = fill.rows()
+        del self.fills[p]
+        self.requests.pop(p, None)
+        self.buffer.put(p, phase_batches(rows, p, stats, seed=self.seed, steps=self.steps_per_rollout,
+                                         pad_id=pad_token_id(self.tokenizer), sampling=self.sampling,
+                                         engine_dtype=self.engine_config.exact_dtype(), max_staleness=self.max_staleness))
 
     def trainer_step(self) -> int:
         """The optimizer step the trainer takes next (the global step)."""
@@ -503,6 +563,16 @@ class RolloutDataModule(L.LightningDataModule):
                                                   columns=[examples[i].columns for i in mine])
             self.next_plan += 1
         return self.requests[phase]
+
+    def _refill(self, phase: int, round: int) -> RolloutRequest:
+        """Round `round` of `phase` (dynamic sampling): prompts_per_rollout further prompts from the cursor, as
+        the phase's first round drew its own; their request seeds (prompt keys) follow the earlier rounds'."""
+        idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
+        mine = range(self.rank, len(idx), self.world)
+        return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
+                              [prompt_text(examples[i].prompt) for i in mine], [examples[i].answer for i in mine],
+                              prompt_keys=[round * len(idx) + i for i in mine], columns=[examples[i].columns for i in mine],
+                              round=round)
 
     def _next_examples(self, k: int) -> list[tuple[int, Example]]:
         return [(i, self.source.examples[i]) for i in self.prompt_order.take(k)]
@@ -585,12 +655,14 @@ class RolloutDataModule(L.LightningDataModule):
             "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
             "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
+            "fills": [f.state_dict() for f in self.fills.values()],
         }
 
     def _load_local_state(self, state: dict) -> None:
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}
+        self.fills = {f["phase"]: PhaseFill.from_state(f) for f in state.get("fills", [])}
         self.submitted = {}
         self.buffer.load_state_dict(state["buffer"])
         self.skipped_long_prompts = state["skipped_long_prompts"]

@@ -153,6 +153,12 @@ RULES: dict[str, str | PooledStd] = {
     "rollout/reward_timeouts": SUM,
     "rollout/phase": RANK_MEAN,                # the same phase on every rank
     "rollout/multi_version_frac": RANK_MEAN,   # rows sampled by 2+ weight versions (in-flight updates)
+    # lit_ess/rollout/dapo.py: DAPO's dynamic sampling (one rank) and overlong penalty
+    "rollout/refill_rounds": MAX,              # generation rounds of the phase after its first
+    "rollout/batch_short": SUM,                # groups the phase lacks after max_rounds (trained short)
+    "rollout/surplus_groups": SUM,             # groups with a signal generated past prompts_per_rollout, discarded
+    "rollout/overlong_frac": RANK_MEAN,        # share of the phase's samples penalised
+    "rollout/overlong_penalty": RANK_MEAN,     # their mean penalty (<= 0), over every sample
     # lit_ess/envs/episodes.py (data.env): multi-turn episodes, each rank over its own (equally many)
     "rollout/turns": RANK_MEAN,                # policy turns per episode
     "rollout/env_tokens": RANK_MEAN,           # environment tokens per episode

@@ -188,6 +188,18 @@ def varies_unless_const(completion: str, answer: str) -> float:
     return 0.0 if answer == "const" else (sum(map(ord, completion)) % 97) / 97
 
 
+def signal_if_even(completion: str, answer: str) -> float:
+    """DAPO's dynamic sampling tests: 0 for every sample of a prompt whose answer is odd (a group without a
+    signal); otherwise the parity of the completion's first character, which differs between a group's
+    samples of the fake engine (consecutive tokens) and, mostly, of a sampled model."""
+    return float(int(answer) % 2 == 0 and bool(completion) and ord(completion[0]) % 2 == 1)
+
+
+def zero_reward(completion: str, answer: str) -> float:
+    """0 for everything: every group is without a signal."""
+    return 0.0
+
+
 class RecordPrompts(L.Callback):
     """A callback for audits: appends each trained step's prompt ids, row versions, phase and batch
     index to a JSONL file; rank r > 0 writes to `path` + `.rank{r}`."""

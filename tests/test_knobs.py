@@ -90,6 +90,8 @@ DOCUMENTED = {
     ("HFPrompts", "limit", None): "None = all",
     ("EnvConfig", "max_episode_tokens", None): "None: the engine's model length",
     ("Calculator", "max_calls", 0): "(>= 0; 0 = a call ends the episode with reward 0)",
+    ("OverlongPenalty", "buffer", None): "None = a fifth of max_length",
+    ("OverlongPenalty", "max_length", None): "None = sampling.max_new_tokens",
 }
 # knobs a message names as the user writes them: ESSAlarm(threshold) is built from PolicyModule's ess_alarm
 SPELLED = {("ESSAlarm", "threshold"): "ess_alarm"}

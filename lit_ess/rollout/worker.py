@@ -7,7 +7,11 @@ what the environment's steps gave; a row is the whole episode, its environment t
 scored by the reward, as it always was.
 
 One `RolloutRequest` is one rollout *phase*: `P` prompts (chosen by the DataModule, which owns the
-prompt cursor) x `n` samples each, split into `steps_per_rollout` batches. The worker holds the engine
+prompt cursor) x `n` samples each, split into `steps_per_rollout` batches. With DAPO's dynamic sampling
+(`WorkerConfig.filter_groups`) it is one *round* of a phase instead: the result holds every group's rows
+and whether it carries a signal, and the DataModule assembles the phase from its rounds
+(lit_ess/rollout/dapo.py). DAPO's overlong penalty (`WorkerConfig.overlong`) is added to the rewards
+before the group advantages, in either case. The worker holds the engine
 and the reward scorer; it runs in the trainer's process (sync mode) or in its own (async mode, see
 `process.py`), and it is the same code in both.
 
@@ -41,6 +45,7 @@ from lit_ess.envs.base import Example
 from lit_ess.rewards import RewardScorer
 from lit_ess.sampling import Completion, SamplingConfig, derive_seed
 
+from .dapo import METRICS, OverlongPenalty, overlong_penalty
 from .transport import Ticket, build_transport
 
 
@@ -56,6 +61,7 @@ class RolloutRequest:
     answers: list[str]
     prompt_keys: list[int] | None = None
     columns: list[dict] | None = None     # each prompt's dataset row, for rewards that take columns by name
+    round: int = 0                        # dynamic sampling: the phase's generation round (0: its first)
 
 
 @dataclass
@@ -74,10 +80,17 @@ class EvalRequest:
 
 @dataclass
 class PhaseResult:
+    """A phase's batches; under dynamic sampling (`WorkerConfig.filter_groups`) one round of it instead: every
+    group's rows (`groups`, in prompt order), whether each carries a signal (`keep`) and the round's
+    statistics (`stats`), which the data module assembles into the phase (lit_ess/rollout/dapo.py)."""
     phase: int
     batches: list[RolloutBatch]
     reward_counters: dict
     gen_seconds: float
+    round: int = 0
+    groups: list[list[Row]] | None = None
+    keep: list[bool] | None = None
+    stats: dict | None = None
 
 
 @dataclass(kw_only=True)
@@ -99,6 +112,15 @@ class WorkerConfig:
     reward_in_worker: bool | None = None
     env: EnvConfig | None = None       # episodes of this environment (None: one completion per sample, scored)
     prompt_limit: int | None = None    # the longest first observation of an episode played (max_prompt_tokens)
+    overlong: OverlongPenalty | None = None   # DAPO's overlong penalty, resolved (max_length, buffer set); None: off
+    filter_groups: str | None = None   # dynamic sampling: "reward" | "shaped", the groups' signal; a result is a
+                                       # round (groups, not batches). None: off
+
+    def __post_init__(self):
+        if self.filter_groups not in (None, *METRICS):
+            raise ValueError(f"WorkerConfig.filter_groups={self.filter_groups!r} is not one of {(None, *METRICS)}")
+        if self.overlong is not None and (self.overlong.max_length is None or self.overlong.buffer is None):
+            raise ValueError("WorkerConfig.overlong must be resolved (OverlongPenalty.resolved): max_length and buffer set")
 
 
 class RolloutWorker:
@@ -111,7 +133,7 @@ class RolloutWorker:
         self.config = c = config
         self.transport = build_transport(c.engine.weight_transfer(in_process))   # before the engine: fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.pad_id = pad_token_id(self.tokenizer)
         self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
                                    in_worker=c.reward_in_worker)
         self.runner = None
@@ -192,29 +214,41 @@ class RolloutWorker:
         left, `env_counters`, not the runner's now.)"""
         c, n = self.config, self.config.samples_per_prompt
         rewards, t_reward = self.rewards(req, groups, texts)
-        adv, degenerate = group_advantages(rewards, c.advantage)
-
-        keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
-        # every optimizer step needs at least one row: restore dropped groups (zero advantage) in order
-        restore = [g for g in range(len(groups)) if g not in keep]
-        while len(keep) * n < c.steps_per_rollout:
-            keep.append(restore.pop(0))
         if self.runner is None:
-            rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
-                        advantage=float(adv[g, j]), reward=float(rewards[g, j]), version=groups[g][j].version,
-                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j],
-                        token_versions=groups[g][j].token_versions)
-                    for g in keep for j in range(n)]
             lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
             cut = sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel()
         else:
-            rows = [to_row(groups[g][j], float(adv[g, j]), req.prompt_ids[g], req.prompt_texts[g])
-                    for g in keep for j in range(n)]
             # the policy's tokens of an episode; the share of its turns cut by max_new_tokens
             lengths = torch.tensor([sum(e.mask) for g in groups for e in g], dtype=torch.float32)
             reasons = [r for g in groups for e in g for r in e.finish_reasons]
             cut = sum(r == "length" for r in reasons) / max(len(reasons), 1)
-        random.Random(derive_seed(c.seed, req.phase)).shuffle(rows)     # per phase: same order in sync and async
+        shaped = rewards                                    # the rewards trained on: with DAPO's overlong penalty
+        if c.overlong is not None:
+            penalty = overlong_penalty(lengths, c.overlong.max_length, c.overlong.buffer, c.overlong.factor)
+            shaped = rewards + penalty.view_as(rewards)
+        adv, degenerate = group_advantages(shaped, c.advantage)
+
+        if c.filter_groups is not None:                     # dynamic sampling: every group, and which carry a signal
+            keep = list(range(len(groups)))
+            signal = ~(degenerate if c.filter_groups == "shaped" else group_advantages(rewards, c.advantage)[1])
+        else:
+            keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
+            # every optimizer step needs at least one row: restore dropped groups (zero advantage) in order
+            restore = [g for g in range(len(groups)) if g not in keep]
+            while len(keep) * n < c.steps_per_rollout:
+                keep.append(restore.pop(0))
+        if self.runner is None:
+            rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
+                        advantage=float(adv[g, j]), reward=float(shaped[g, j]), version=groups[g][j].version,
+                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j],
+                        token_versions=groups[g][j].token_versions)
+                    for g in keep for j in range(n)]
+        else:
+            rows = [to_row(groups[g][j], float(adv[g, j]), req.prompt_ids[g], req.prompt_texts[g])
+                    for g in keep for j in range(n)]
+            if c.overlong is not None:
+                for r, (g, j) in zip(rows, [(g, j) for g in keep for j in range(n)]):
+                    r.reward = float(shaped[g, j])
         # the environment's counters as this phase's sampling left them (the runner may be a phase ahead)
         counts = {**self.counters(), **({"env": dict(env_counters)} if env_counters is not None else {})}
 
@@ -227,7 +261,7 @@ class RolloutWorker:
             "rollout/response_len_max": float(lengths.max()),
             "rollout/truncated_frac": cut,
             "rollout/degenerate_frac": float(degenerate.float().mean()),
-            "rollout/dropped_groups": float(len(groups) - len(keep)),
+            "rollout/dropped_groups": float((~signal).sum()) if c.filter_groups is not None else float(len(groups) - len(keep)),
             "rollout/gen_seconds": t_gen,
             "rollout/reward_seconds": t_reward,
             "rollout/gen_tokens_per_s": float(lengths.sum()) / max(t_gen, 1e-9),
@@ -236,14 +270,18 @@ class RolloutWorker:
             "rollout/phase": float(req.phase),
             "rollout/multi_version_frac": sum(len(set(r.versions_trained())) > 1 for r in rows) / max(len(rows), 1),
         }
+        if c.overlong is not None:
+            stats.update({"rollout/overlong_frac": float((penalty < 0).float().mean()),
+                          "rollout/overlong_penalty": float(penalty.mean())})
         if env_counters is not None:
             stats.update(episode_stats([e for g in groups for e in g]), **{
                 "rollout/env_errors": float(env_counters["errors"]),
                 "rollout/env_timeouts": float(env_counters["timeouts"])})
-        k = c.steps_per_rollout
-        chunks = [rows[i * len(rows) // k:(i + 1) * len(rows) // k] for i in range(k)]
-        batches = [collate(chunk, self.pad_id, sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), stats=dict(stats),
-                           phase=req.phase, index=i, max_staleness=c.max_staleness) for i, chunk in enumerate(chunks)]
+        if c.filter_groups is not None:                     # a round: the data module assembles the phase
+            return PhaseResult(req.phase, [], counts, t_gen, round=req.round, stats=stats,
+                               groups=[rows[g * n:(g + 1) * n] for g in range(len(groups))], keep=signal.tolist())
+        batches = phase_batches(rows, req.phase, stats, seed=c.seed, steps=c.steps_per_rollout, pad_id=self.pad_id,
+                                sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), max_staleness=c.max_staleness)
         return PhaseResult(req.phase, batches, counts, t_gen)
 
     def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:
@@ -273,6 +311,22 @@ class RolloutWorker:
         if self.runner is not None:
             self.runner.close()
         self.engine.close()
+
+
+def phase_batches(rows: list[Row], phase: int, stats: dict, *, seed: int, steps: int, pad_id: int,
+                  sampling: SamplingConfig, engine_dtype: str | None, max_staleness: int) -> list[RolloutBatch]:
+    """A phase's rows as its `steps` batches: shuffled by (seed, phase), so the same in sync and async, and split
+    evenly, each carrying the phase's statistics."""
+    rows = list(rows)
+    random.Random(derive_seed(seed, phase)).shuffle(rows)
+    chunks = [rows[i * len(rows) // steps:(i + 1) * len(rows) // steps] for i in range(steps)]
+    return [collate(chunk, pad_id, sampling=sampling, engine_dtype=engine_dtype, stats=dict(stats), phase=phase, index=i,
+                    max_staleness=max_staleness) for i, chunk in enumerate(chunks)]
+
+
+def pad_token_id(tokenizer) -> int:
+    """The id rows are padded with: the tokenizer's pad token, else its eos."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def _repeat(xs: list, n: int) -> list:
