@@ -15,8 +15,10 @@ import inspect
 import json
 import math
 import re
+import sys
 import types
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +89,8 @@ DOCUMENTED = {
     ("VLLMServerConfig", "worker_devices[]", 0): "the GPUs it runs on (indices as the trainer's process numbers them",
     ("LoRA", "dropout", 0): "dropout: dropout on the adapter's input, in [0, 1) (0 = none)",
     ("Arithmetic", "seed", 0): "seed: draws the example pool (an integer >= 0)",
+    ("ReasoningGym", "seed", 0): "seed: the task's generator seed (an integer >= 0)",
+    ("VerifiersTasks", "limit", None): "None = all (the taskset must be finite)",
     ("HFPrompts", "limit", None): "None = all",
     ("EnvConfig", "max_episode_tokens", None): "None: the engine's model length",
     ("Calculator", "max_calls", 0): "(>= 0; 0 = a call ends the episode with reward 0)",
@@ -203,7 +207,13 @@ def required(tiny_model_dir, tmp_path_factory):
     """Values for the constructor parameters without a default."""
     rows = tmp_path_factory.mktemp("knobs") / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    return {"model_path": tiny_model_dir, "path": str(rows), "fn": "exact_match"}     # fn: lit_ess.rewards.Reward
+    # fn: lit_ess.rewards.Reward; task: lit_ess.datamodules.ReasoningGym (a reasoning-gym task); env:
+    # lit_ess.datamodules.VerifiersTasks, the demo's taskset (configs/vf_retry_arithmetic.py, found beside it)
+    configs = str(Path(__file__).resolve().parents[1] / "configs")
+    sys.path.insert(0, configs)
+    yield {"model_path": tiny_model_dir, "path": str(rows), "fn": "exact_match", "task": "chain_sum",
+           "env": {"taskset": {"id": "vf_retry_arithmetic", "size": 8, "seed": 0}}}
+    sys.path.remove(configs)
 
 
 def build(cls: type, required: dict, **override):

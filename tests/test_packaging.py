@@ -28,7 +28,7 @@ LAYERS = {   # layer: (its packages and modules, the layers it stands on)
     "trainer": (["lit_ess.module", "lit_ess.sft"], ["ground"]),  # the LightningModules
     "datamodules": (["lit_ess.datamodules"], ["rollout", "trainer"]),
     "callbacks": (["lit_ess.callbacks"], ["rollout", "trainer"]),
-    "entry points": (["lit_ess.cli", "lit_ess.config_check", "lit_ess.reference"], ["datamodules", "callbacks"]),
+    "entry points": (["lit_ess.cli", "lit_ess.config_check", "lit_ess.output_dir", "lit_ess.reference"], ["datamodules", "callbacks"]),
 }
 SOURCES = {"lit_ess": ROOT / "lit_ess", "lit_ess.callbacks": ROOT / "callbacks", "lit_ess.datamodules": ROOT / "datamodules"}
 
