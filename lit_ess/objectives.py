@@ -559,6 +559,10 @@ class P3O(Objective):
                              f"'behavior_at_train_temperature')")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"p3o: kl_estimator={self.kl_estimator!r} is not one of {tuple(KL_ESTIMATORS)}")
+        if self.kl_estimator == "k3_sampled" and self.kl_anchor != "behavior":
+            # rho * k3 estimates KL(pi || anchor) only for tokens drawn from the anchor; these are drawn from pi_b
+            raise ValueError(f"p3o: kl_estimator='k3_sampled' estimates the KL on the sampler's own tokens and needs "
+                             f"kl_anchor='behavior' (got kl_anchor={self.kl_anchor!r})")
 
     @property
     def needs_proximal(self) -> bool:

@@ -98,8 +98,11 @@ class Run:
     files: list[Path] = field(default_factory=list)
 
     def held(self) -> list[Path]:
-        """Those already there: folders holding something, files that exist."""
-        return [d for d in self.folders if d.is_dir() and any(d.iterdir())] + [f for f in self.files if f.exists()]
+        """Those already there: folders holding something, files that exist. A folder holding only LightningCLI's
+        config.yaml is no run: a fit that stopped at start (a bad config, an engine that did not start) wrote it."""
+        def holds(d: Path) -> bool:
+            return d.is_dir() and any(p.name != "config.yaml" for p in d.iterdir())
+        return [d for d in self.folders if holds(d)] + [f for f in self.files if f.exists()]
 
     def clear(self) -> list[Path]:
         """Remove what `held` finds; return it."""

@@ -21,13 +21,21 @@ def _two_rank_async(model_dir, out, **kw):
     return cfg
 
 
+def _sigint_as_in_a_terminal():
+    """The run's SIGINT as a terminal's foreground job has it (the default: Python's KeyboardInterrupt). A suite
+    started in the background by a non-interactive shell (`cmd &`) runs with SIGINT ignored, every child inherits
+    that, and Python then installs no handler: the test's Ctrl-C did nothing and the run went on to max_steps."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _run(cfg, out, act=None):
     """Start `lit-ess fit` in its own session; `act(proc)` once it runs (None: wait for the end). Returns
     (exit code, stderr, the session's processes still alive 2 s after the launcher ended)."""
     env = dict(os.environ, PYTHONPATH=pythonpath())
     err = open(out / "stderr.txt", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "lit_ess.cli", "fit", "--config", str(write_config(cfg, out / "c.yaml"))],
-                            env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                            preexec_fn=_sigint_as_in_a_terminal)
     try:
         if act is not None:
             act(proc)

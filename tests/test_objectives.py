@@ -298,6 +298,8 @@ def test_p3o_kl_estimated_on_the_samplers_tokens_hand_computed():
     assert lp.grad.tolist()[0] == pytest.approx([(-0.9 + 0.2 * LN2) / 2, 0.45], abs=1e-12)
     with pytest.raises(ValueError, match="kl_estimator='k2' is not one of"):
         P3O(kl_estimator="k2")
+    with pytest.raises(ValueError, match="needs kl_anchor='behavior'"):       # its tokens are pi_b's, not the anchor's
+        P3O(kl_estimator="k3_sampled", kl_anchor="behavior_at_train_temperature")
 
 
 @given(st.floats(-60.0, 60.0))

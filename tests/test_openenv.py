@@ -90,6 +90,44 @@ def test_in_process_reset_and_step_are_the_turns(echo_env):
     assert whole.reset(Example("", "")) == '{"echoed_message":"Echo Env environment ready!","message_length":0}'
 
 
+class SeededEnv:
+    """An OpenEnv-shaped environment whose start state is its reset's seed (as random-start environments draw
+    theirs), and its Action."""
+    def __init__(self):
+        self.seed = None
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self.seed = seed
+        return _Observation(start=seed)
+
+    def step(self, action):
+        return _Observation(start=self.seed)
+
+
+class _Observation:
+    def __init__(self, start):
+        self.start, self.reward, self.done = start, 0.0, False
+
+    def model_dump(self):
+        return {"start": self.start}
+
+
+class SeededAction:
+    def __init__(self, message):
+        self.message = message
+
+
+def test_a_groups_episodes_start_from_the_same_state_and_prompts_from_their_own():
+    """Each episode is its own environment; a group's n episodes share their example, so their resets get the same
+    seed (their advantages compare one task), another prompt another (failed before: no seed, every episode drew
+    its own start). A seed in `reset` is kept; an environment whose reset takes none is given none (the echo)."""
+    def start(example, **kw):
+        return OpenEnv(environment="test_openenv:SeededEnv", action="test_openenv:SeededAction", **kw).reset(example)
+    a, b = Example("1+1=", "2"), Example("2+2=", "4")
+    assert start(a) == start(a) != start(b)
+    assert start(a, reset={"seed": 7}) == start(b, reset={"seed": 7}) == '{"start":7}'
+
+
 def test_server_sessions_are_the_turns(server):
     import threading
 

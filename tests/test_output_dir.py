@@ -201,3 +201,17 @@ def test_trackers_keep_their_local_files_in_the_run_folder(tiny_model_dir, tmp_p
     cfg["trainer"]["logger"][0]["init_args"]["save_dir"] = str(tmp_path / "elsewhere")
     wandb, _ = _build(cfg, tmp_path).loggers
     assert Path(wandb.save_dir) == tmp_path / "elsewhere"
+
+
+def test_a_folder_holding_only_the_config_of_a_fit_that_stopped_at_start_is_no_run(tmp_path):
+    """A fit that stopped at start (a bad config, an engine that did not start) left logs/config.yaml: the next
+    fit into that folder is not refused (it was: 'holds a run', and even --ckpt_path last pointed at --overwrite)."""
+    from lit_ess.output_dir import Run
+
+    logs, ckpts = tmp_path / "logs", tmp_path / "checkpoints"
+    logs.mkdir(), ckpts.mkdir()
+    (logs / "config.yaml").write_text("seed_everything: 0\n")
+    run = Run(tmp_path, [ckpts, logs])
+    assert run.held() == []
+    (logs / "events.out.tfevents.1.host").write_bytes(b"")
+    assert run.held() == [logs]

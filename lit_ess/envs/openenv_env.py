@@ -19,7 +19,9 @@ example, e.g. a task the episode should pursue).
 """
 from __future__ import annotations
 
+import inspect
 import json
+import zlib
 
 from lit_ess.rewards import import_named
 
@@ -42,7 +44,10 @@ class OpenEnv(Environment):
         action_field: the action's field that carries the policy's reply (its text, as decoded).
         observation_field: the observation's field shown to the policy as text; null: every field but
             done, reward and metadata, as compact JSON.
-        reset: keyword arguments of each episode's `reset` (e.g. {seed: 0}).
+        reset: keyword arguments of each episode's `reset` (e.g. {difficulty: 2}). Without a `seed` there, each
+            reset gets the example's own (a hash of its prompt and answer): the n episodes of a group start
+            from the same state, so their group-relative advantages compare one task, and prompts differ. An
+            environment whose reset takes no seed is not given one.
         template: the first observation, a format string of `{observation}` and `{prompt}` (the prompt
             source's example).
         timeout: seconds to connect to `base_url` and to wait for each of its answers (> 0).
@@ -76,8 +81,16 @@ class OpenEnv(Environment):
                 import_named(action, "OpenEnv.action")
 
     def reset(self, example: Example) -> str:
-        observation, _, _ = self._answer(self.client.reset(**self.reset_kwargs) if self.client is not None
-                                         else self.env.reset(**self.reset_kwargs))
+        kwargs = dict(self.reset_kwargs)
+        kwargs.setdefault("seed", zlib.crc32(json.dumps([example.prompt, example.answer]).encode()) & 0x7FFFFFFF)
+        if self.client is not None:                    # the server passes reset only the arguments it takes
+            result = self.client.reset(**kwargs)
+        else:
+            params = inspect.signature(self.env.reset).parameters
+            if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                kwargs = {k: v for k, v in kwargs.items() if k in params or k in self.reset_kwargs}
+            result = self.env.reset(**kwargs)
+        observation, _, _ = self._answer(result)
         return self.template.format(observation=observation, prompt=example.prompt)
 
     def step(self, action: Action) -> Step:
