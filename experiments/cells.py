@@ -96,7 +96,9 @@ MULTITURN_METHODS = ("p3o", "grpo_eps0.2", "grpo_tis")
 MULTITURN_S = (0, 4, 8)
 
 # issue 39's remedies (no new hyper-parameter), and what each is tested against
-REMEDIES = {"p3o_k3_sampled": objective("P3O", kl_estimator="k3_sampled")}
+REMEDIES = {"p3o_k3_sampled": objective("P3O", kl_estimator="k3_sampled"),
+            # the same with the KL's importance weight capped at e_B as the PG weight is (rho >> 1 stays linear)
+            "p3o_k3_sampled_capped": objective("P3O", kl_estimator="k3_sampled_capped")}
 REMEDIES_K = {"p4o": objective("P4O"), **REMEDIES}
 REMEDY_REFERENCES = {m: METHODS[m] for m in ("p3o", "grpo_eps0.2")}
 
@@ -240,7 +242,8 @@ EXPERIMENTS = {e.name: e for e in [
     Experiment(
         "remedies_s", "Remedies where P3O breaks: staleness S",
         "stress_s's cells at the high learning rate (S = 4, 8, 24): does P3O with its KL term estimated on "
-        "the sampler's tokens (`kl_estimator: k3_sampled`) hold where P3O falls below GRPO (eps 0.2)?",
+        "the sampler's tokens (`kl_estimator: k3_sampled`, and `k3_sampled_capped` with its weight capped at e_B) hold where "
+        "P3O falls below GRPO (eps 0.2)?",
         [Cell(f"{m}_{lr_tag(HIGH_LR)}_S{s}", {**over, "model.init_args.lr": HIGH_LR, S: s}, m, s,
               same_as=None if m in REMEDIES else f"stress_s/{m}_{lr_tag(HIGH_LR)}_S{s}")
          for s in S_LEVELS for m, over in {**REMEDIES, **REMEDY_REFERENCES}.items()]),

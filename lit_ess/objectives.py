@@ -245,7 +245,18 @@ def k3_sampled(log_ratio: Tensor) -> Tensor:
     return torch.where(log_ratio <= U, head, tail)
 
 
-KL_ESTIMATORS = {"k3": k3, "k3_sampled": k3_sampled}
+KL_ESTIMATORS = {"k3": k3, "k3_sampled": k3_sampled, "k3_sampled_capped": k3_sampled}
+
+
+def kl_weight_cap(kl_estimator: str, log_ratio: Tensor, e: Tensor) -> Tensor | float:
+    """The detached factor on each token's KL estimate [B, T]. "k3_sampled_capped": the KL's importance
+    weight rho capped as the policy-gradient weight is, min(rho, e_B), so the factor on rho k3 is
+    sg(min(1, e_B / rho)): value min(1, e_B / rho) (1 - rho + rho lr) >= 0, gradient min(rho, e_B) lr, linear
+    in lr where rho > e_B instead of rho lr's exponential growth (a token the policy raised far above pi_b).
+    Every other estimator: 1."""
+    if kl_estimator != "k3_sampled_capped":
+        return 1.0
+    return (e * torch.exp(-log_ratio.detach())).clamp(max=1.0)      # exp(800) = inf -> 1; exp(-800) = 0 -> 0
 
 
 def ratio_metrics(log_ratio: Tensor, mask: Tensor, ess: Tensor | None = None) -> dict[str, Tensor]:
@@ -542,12 +553,15 @@ class P3O(Objective):
             1 - 1/rho grows without bound on tokens the policy has left (rho -> 0). "k3_sampled": k3
             weighted by rho, the estimate for tokens drawn from pi_b (`k3_sampled`), whose gradient is the
             KL's own, rho log rho, and vanishes as rho -> 0 (docs/results.md, "Where P3O breaks").
+            "k3_sampled_capped": k3_sampled with its importance weight rho capped at e_B as the
+            policy-gradient weight is (`kl_weight_cap`): gradient min(rho, e_B) lr, bounded by e_B |lr| where
+            the policy raised a token far above pi_b (rho lr grows as e^lr there).
     """
 
     ess_cap: bool = True
     adaptive_kl: bool = True
     kl_anchor: Literal["behavior", "behavior_at_train_temperature"] = "behavior"
-    kl_estimator: Literal["k3", "k3_sampled"] = "k3"
+    kl_estimator: Literal["k3", "k3_sampled", "k3_sampled_capped"] = "k3"
     rebase_on_correction: ClassVar[bool] = False
     name: ClassVar[str] = "p3o"
     needs_ess: ClassVar[bool] = True
@@ -559,9 +573,9 @@ class P3O(Objective):
                              f"'behavior_at_train_temperature')")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"p3o: kl_estimator={self.kl_estimator!r} is not one of {tuple(KL_ESTIMATORS)}")
-        if self.kl_estimator == "k3_sampled" and self.kl_anchor != "behavior":
+        if self.kl_estimator.startswith("k3_sampled") and self.kl_anchor != "behavior":
             # rho * k3 estimates KL(pi || anchor) only for tokens drawn from the anchor; these are drawn from pi_b
-            raise ValueError(f"p3o: kl_estimator='k3_sampled' estimates the KL on the sampler's own tokens and needs "
+            raise ValueError(f"p3o: kl_estimator={self.kl_estimator!r} estimates the KL on the sampler's own tokens and needs "
                              f"kl_anchor='behavior' (got kl_anchor={self.kl_anchor!r})")
 
     @property
@@ -581,7 +595,8 @@ class P3O(Objective):
             weight = log_ratio.detach().clamp(-20.0, 20.0).exp()
         pg = agg(-weight * lp * adv)
         anchor = lb if self.kl_anchor == "behavior" else _old_logprobs("proximal", lp, lb, proximal_logprobs)
-        kl_of = KL_ESTIMATORS[self.kl_estimator]
+        cap = kl_weight_cap(self.kl_estimator, log_ratio, e)                # 1 but for k3_sampled_capped
+        kl_of = lambda x: cap * KL_ESTIMATORS[self.kl_estimator](x)
         kl = agg(kl_of(lp - anchor))
         loss = pg + (1 - e) * kl if self.adaptive_kl else pg
         metrics = ratio_metrics(log_ratio, mask, e)

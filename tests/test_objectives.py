@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from lit_ess.objectives import (CISPO, DAPO, GRPO, GSPO, OBJECTIVE_CLASSES, P3O, REINFORCE, DecoupledPPO, ISCorrection,
-                                aggregate, k3, k3_sampled)
+                                aggregate, k3, k3_sampled, kl_weight_cap)
 
 LN2, LN4 = math.log(2), math.log(4)
 
@@ -300,6 +300,32 @@ def test_p3o_kl_estimated_on_the_samplers_tokens_hand_computed():
         P3O(kl_estimator="k2")
     with pytest.raises(ValueError, match="needs kl_anchor='behavior'"):       # its tokens are pi_b's, not the anchor's
         P3O(kl_estimator="k3_sampled", kl_anchor="behavior_at_train_temperature")
+
+
+def test_p3o_kl_on_the_samplers_tokens_with_its_weight_capped_hand_computed():
+    # rho = [2, 1], e_B = 0.9, pg = -0.45 ln 2 (test_p3o_hand_computed); the KL's weight min(rho, e_B) = [0.9, 0.9],
+    # its factor on rho k3 min(1, e_B / rho) = [0.45, 0.9]: kl = 0.45 (1 - 2 + 2 ln 2) / 2; loss = pg + 0.1 kl
+    # d/dlp_t = (-w_t A_t + (1 - e) min(rho_t, e) lr_t) / 2 = [(-0.9 + 0.1 * 0.9 * ln 2) / 2, 0.9 / 2]
+    lp, lb, adv, mask = two_tokens()
+    out = P3O(kl_estimator="k3_sampled_capped")(lp, lb, adv, mask)
+    assert out.loss.item() == pytest.approx(-0.45 * LN2 + 0.1 * 0.45 * (2 * LN2 - 1) / 2, abs=1e-12)
+    assert out.metrics["train/kl_term"].item() == pytest.approx(0.45 * (2 * LN2 - 1) / 2, abs=1e-12)
+    out.loss.backward()
+    assert lp.grad.tolist()[0] == pytest.approx([(-0.9 + 0.09 * LN2) / 2, 0.45], abs=1e-12)
+    with pytest.raises(ValueError, match="needs kl_anchor='behavior'"):
+        P3O(kl_estimator="k3_sampled_capped", kl_anchor="behavior_at_train_temperature")
+
+
+@given(st.floats(-60.0, 60.0), st.floats(0.01, 1.0))
+def test_k3_sampled_capped_is_nonnegative_and_its_gradient_linear_in_the_log_ratio(lr, e):
+    x = torch.tensor([[lr]], dtype=torch.float64, requires_grad=True)
+    v = kl_weight_cap("k3_sampled_capped", x, torch.tensor(e, dtype=torch.float64)) * k3_sampled(x)
+    v.sum().backward()
+    g = x.grad.item()
+    assert torch.isfinite(v).all() and math.isfinite(g) and v.item() >= 0
+    if -20 <= lr <= 20:                     # d/dlr = min(rho, e_B) lr: never steeper than e_B |lr|
+        assert g == pytest.approx(min(math.exp(lr), e) * lr, rel=1e-9, abs=1e-12)
+    assert abs(g) <= e * abs(lr) + 1e-12
 
 
 @given(st.floats(-60.0, 60.0))
