@@ -319,6 +319,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.advantage, self.drop_degenerate = advantage, drop_degenerate
         self.dynamic_sampling = dynamic_sampling
         self.overlong = overlong.resolved(sampling.max_new_tokens) if overlong.enable else overlong
+        if overlong.enable and env is None and self.overlong.max_length - self.overlong.buffer >= sampling.max_new_tokens:
+            raise ValueError(f"overlong: the penalty starts past {self.overlong.max_length - self.overlong.buffer} tokens "
+                             f"(max_length {self.overlong.max_length} - buffer {self.overlong.buffer}), which no completion of "
+                             f"sampling.max_new_tokens={sampling.max_new_tokens} reaches: lower overlong.max_length")
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.prompt_limit = max_prompt_tokens       # the longest prompt sampled; set in setup() (prompt_budget)
         self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
@@ -659,6 +663,11 @@ class RolloutDataModule(L.LightningDataModule):
         }
 
     def _load_local_state(self, state: dict) -> None:
+        if state.get("fills") and not self.dynamic_sampling.enable:
+            f = state["fills"][0]
+            raise ValueError(f"this checkpoint holds a dynamic-sampling phase in the middle of its fill (phase "
+                             f"{f['phase']}: {len(f['rounds'])} round(s), {len(f['kept'])} group(s) kept): resume it with "
+                             f"data.dynamic_sampling.enable true, or from a checkpoint taken between phases")
         self.prompt_order.load_state_dict(state)
         self.next_plan = state["next_plan"]
         self.requests = {r["phase"]: RolloutRequest(**r) for r in state["requests"]}

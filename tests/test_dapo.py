@@ -48,6 +48,9 @@ def test_knobs_are_refused_on_one_line_naming_them(tiny_model_dir):
            (lambda: RolloutDataModule(model_path=tiny_model_dir, sampling=SamplingConfig(max_new_tokens=8),
                                       overlong=OverlongPenalty(enable=True, buffer=9)),
             r"^overlong.buffer=9 exceeds the max_length 8 \(overlong.max_length, else sampling.max_new_tokens\)"),
+           (lambda: RolloutDataModule(model_path=tiny_model_dir, sampling=SamplingConfig(max_new_tokens=8),
+                                      overlong=OverlongPenalty(enable=True, buffer=8, max_length=40)),
+            r"^overlong: the penalty starts past 32 tokens .* no completion of sampling.max_new_tokens=8 reaches"),
            (lambda: RolloutDataModule(model_path=tiny_model_dir, drop_degenerate=True,
                                       dynamic_sampling=DynamicSampling(enable=True)),
             r"^drop_degenerate and dynamic_sampling.enable: .*set one of the two$")]
@@ -232,6 +235,14 @@ def test_resume_in_the_middle_of_a_fill_continues_exactly(tiny_model_dir, tmp_pa
             assert torch.equal(getattr(a, f), getattr(b, f)), f
         assert a.stats["rollout/refill_rounds"] == b.stats["rollout/refill_rounds"]
     assert again.prompt_order.cursor == dm.prompt_order.cursor
+    off = make_dm(tiny_model_dir, max_rounds=0)              # resumed with dynamic sampling off: its kept groups
+    try:                                                      # would be dropped without a word
+        with pytest.raises(ValueError, match=r"^this checkpoint holds a dynamic-sampling phase in the middle of its "
+                                             r"fill \(phase 0: 1 round\(s\), \d+ group\(s\) kept\): resume it with "
+                                             r"data.dynamic_sampling.enable true"):
+            off.load_state_dict(state)
+    finally:
+        off.teardown("fit")
 
 
 def test_dynamic_sampling_refuses_several_ranks(tiny_model_dir):
