@@ -82,7 +82,7 @@ from lit_ess.engines import EngineConfig, EngineFault  # noqa: E402
 from lit_ess.engines.vllm_server import SHARED_ADAPTERS  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
-from lit_ess.output_dir import OUTPUT_DIR_HELP, OVERWRITE_HELP, follow, follow_callbacks, refusal, run_of  # noqa: E402
+from lit_ess.output_dir import MARKER, OUTPUT_DIR_HELP, OVERWRITE_HELP, follow, follow_callbacks, refusal, run_of  # noqa: E402
 from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, not_offered, parser_kwargs, wrap_up  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
@@ -336,19 +336,27 @@ class LitESSCLI(LightningCLI):
         if args.get("overwrite"):
             if args.get("ckpt_path"):
                 self._refuse("--overwrite true starts over, --ckpt_path resumes: give one of them")
-            model_path = getattr(self.model, "hparams", {}).get("model_path")
-            local = Path(model_path).resolve() if model_path and Path(model_path).exists() else None
-            if local is not None and any(local.is_relative_to(p) for p in held):
-                self._refuse(f"--overwrite true would remove model_path {model_path}, which lies in the old run of "
-                             f"output_dir {self.output_dir}: copy it elsewhere first, or give another output_dir")
+            hparams = getattr(self.model, "hparams", {})
+            for knob in ("model_path", "ref_model_path"):
+                path = hparams.get(knob)
+                local = Path(path).resolve() if path and Path(path).exists() else None
+                if local is not None and any(local.is_relative_to(p) for p in held):
+                    self._refuse(f"--overwrite true would remove {knob} {path}, which lies in the old run of "
+                                 f"output_dir {self.output_dir}: copy it elsewhere first, or give another output_dir")
+            if held and not run.marked():
+                shown = ", ".join(sorted(str(p.relative_to(run.output_dir)) for p in held))
+                self._refuse(f"--overwrite true: output_dir {self.output_dir} holds {shown}, which no lit-ess fit wrote "
+                             f"(no {MARKER} file there): remove them yourself, or give another output_dir")
             if held and self.trainer.is_global_zero:
                 run.clear()
                 shown = ", ".join(sorted(str(p.relative_to(run.output_dir)) for p in held))
                 print(f"lit-ess: --overwrite true: removed the previous run in {self.output_dir} ({shown})",
                       file=sys.stderr)
-            return False
+            held = []
         if held and args.get("ckpt_path") is None and not (SLURMEnvironment.detect() and run.files):
             self._refuse(refusal(self.output_dir))
+        if self.trainer.is_global_zero:
+            run.mark()
         return bool(held)
 
     def _refuse(self, message: str) -> None:

@@ -114,7 +114,7 @@ def refused(tiny_model_dir, tmp_path_factory):
     """Commands refused before the run starts, each in a folder of its own, read in one process
     (e2e_utils.cli_each): {case: CompletedProcess}."""
     root = tmp_path_factory.mktemp("refused")
-    folders = {case: root / case for case in ("validate", "both", "no checkpoint", "model inside")}
+    folders = {case: root / case for case in ("validate", "both", "no checkpoint", "model inside", "not a run")}
     configs = {case: _demo(tiny_model_dir, folder) for case, folder in folders.items()}
     (folders["no checkpoint"] / "runs/demo/rl/logs").mkdir(parents=True)      # a run stopped before its first checkpoint
     (folders["no checkpoint"] / "runs/demo/rl/logs/events.out.tfevents.1.host").write_bytes(b"")
@@ -123,8 +123,11 @@ def refused(tiny_model_dir, tmp_path_factory):
     cfg = yaml.safe_load(configs["model inside"].read_text())
     cfg["model"]["init_args"]["model_path"] = "runs/demo/rl/model"
     write_config(cfg, configs["model inside"])
+    (folders["not a run"] / "runs/demo/rl/logs").mkdir(parents=True)           # the user's own, no lit-ess fit's marker
+    (folders["not a run"] / "runs/demo/rl/logs/notes.txt").write_text("mine")
     cases = {"validate": ["validate", "--ckpt_path", "last"], "both": ["fit", "--overwrite", "true", "--ckpt_path", "last"],
-             "no checkpoint": ["fit", "--ckpt_path", "last"], "model inside": ["fit", "--overwrite", "true"]}
+             "no checkpoint": ["fit", "--ckpt_path", "last"], "model inside": ["fit", "--overwrite", "true"],
+             "not a run": ["fit", "--overwrite", "true"]}
     return cli_each({case: ([args[0], "--config", str(configs[case]), *args[1:]], folders[case])
                      for case, args in cases.items()})
 
@@ -137,11 +140,14 @@ def refused(tiny_model_dir, tmp_path_factory):
                       "from: start over with --overwrite true"),
     ("model inside", "lit-ess: error: --overwrite true would remove model_path runs/demo/rl/model, which lies in the old "
                      "run of output_dir runs/demo/rl: copy it elsewhere first, or give another output_dir"),
+    ("not a run", "lit-ess: error: --overwrite true: output_dir runs/demo/rl holds logs, which no lit-ess fit wrote "
+                  "(no .lit-ess-run file there): remove them yourself, or give another output_dir"),
 ])
 def test_what_cannot_be_resumed_or_started_over_is_one_line(refused, case, line):
     """validate --ckpt_path last with no checkpoint (not a validation of the untrained model_path); resume and
     start over at once; a resume into a run that stopped before its first checkpoint (its logs would mix);
-    a start over that would remove the model the run starts from."""
+    a start over that would remove the model the run starts from; a start over in a folder no lit-ess fit marked
+    as its own (the user's ./model is not emptied)."""
     res = refused[case]
     assert res.returncode == 2 and _one_line(res) == line, res.stderr[-3000:]
 
