@@ -43,3 +43,13 @@ def test_mkdocs_build_strict(tmp_path):
     for page, obj in API.items():
         html = (site / "api" / page / "index.html").read_text()
         assert f'id="{obj}"' in html, f"api/{page}.md rendered no {obj}"
+    # the formulas are MathML made at build time (docs/math_hook.py): none left as LaTeX, no script or style
+    # sheet fetched from a network (the site reads offline)
+    pages = {p.relative_to(site).as_posix(): p.read_text() for p in site.rglob("*.html")}
+    assert pages["objectives/index.html"].count("<math") >= 6 and "<math" in pages["index.html"]
+    for name, html in pages.items():
+        text = re.sub(r"<(pre|code)\b.*?</\1>", "", html, flags=re.S)        # code may show a $ or \( as itself
+        for left in ("arithmatex", "$$", "\\(", "\\["):
+            assert left not in text, f"{name}: a formula left unrendered ({left!r})"
+        remote = re.findall(r'<(?:script|link)\b[^>]*(?:src|href)="(?:https?:)?//[^"]*"', html)
+        assert not [r for r in remote if "<script" in r or "stylesheet" in r], f"{name} loads from a network: {remote}"
