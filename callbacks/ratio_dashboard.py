@@ -4,7 +4,8 @@ Every `every_n_steps` it writes histograms of the step's token log-ratios log(pi
 the capped weights min(rho, e_B) (P3O), of the rows' policy lag and of the trained tokens' lag (steps;
 below the row's oldest-token lag when the weights changed in flight, lit_ess.engines VLLMServerConfig
 weight_update: in_flight), gathered from all ranks and written by rank 0 (the logger is a
-dummy elsewhere). At fit start it writes a custom-scalars layout that groups ESS, KL, reward, lengths.
+dummy elsewhere). At fit start it writes a custom-scalars layout: charts of one scale each
+(SCALE), ESS alone, grouped as off-policy, optimisation, rollouts and time.
 They go to every logger of the trainer through lit_ess.trackers: TensorBoard and W&B show histograms,
 MLflow and others get p05/p50/p95 scalars (said once at start); the layout is TensorBoard's.
 """
@@ -16,18 +17,60 @@ import torch
 from lit_ess import trackers
 from lit_ess.knobs import check
 
+# The scale of each charted key. A chart holds keys of one scale: TensorBoard autoscales each chart to its
+# data, so ESS alone shows a drop from 1.0 to 0.99, and the learning rate (1e-6) is not a flat line under a
+# loss of 0.5 (tests/test_metrics.py checks every chart against the keys lit-ess logs, lit_ess.metrics.RULES).
+SCALE = {key: scale for scale, keys in {
+    "ess": ["train/ess", "train/ess_b", "train/ess_prox", "train/ess_mix"],
+    "ratio": ["train/ratio_p05", "train/ratio_p50", "train/ratio_p95"],
+    "ratio tail": ["train/ratio_max"],                       # one token's ratio: can be 100x the quantiles
+    "fraction": ["train/capped_frac", "train/clip_ratio", "rollout/degenerate_frac", "rollout/truncated_frac",
+                 "rollout/multi_version_frac", "perf/trainer_wait_frac", "perf/worker_idle_frac"],
+    "kl": ["train/kl_behavior", "train/approx_kl"],
+    "loss": ["train/loss", "train/policy_loss", "train/kl_term"],
+    "grad norm": ["train/grad_norm"],
+    "lr": ["train/lr"],
+    "reward": ["rollout/reward_mean", "rollout/reward_std"],
+    "tokens": ["rollout/response_len", "rollout/response_len_max"],
+    "steps": ["train/policy_lag", "train/policy_lag_max", "train/token_lag"],
+    "rows": ["rollout/stale_dropped", "rollout/buffer_size"],
+    "seconds": ["rollout/gen_seconds", "rollout/reward_seconds", "perf/train_seconds", "perf/weight_sync_seconds"],
+}.items() for key in keys}
+
+
+def _chart(*keys: str) -> list:
+    """A Multiline chart of these keys. TensorBoard reads a tag as a regular expression that may match
+    anywhere: `train/ess` alone would also chart train/ess_alarms (a count), so each key is anchored."""
+    return ["Multiline", [f"^{k}$" for k in keys]]
+
+
 LAYOUT = {
-    "lit-ess": {
-        "ESS and ratios": ["Multiline", ["train/ess", "train/capped_frac", "train/ratio_max", "train/ratio_p95",
-                                         "train/ratio_p05"]],
-        "KL": ["Multiline", ["train/kl_behavior", "train/approx_kl", "train/kl_term"]],
-        "Reward": ["Multiline", ["rollout/reward_mean", "rollout/reward_std", "rollout/degenerate_frac"]],
-        "Lengths": ["Multiline", ["rollout/response_len", "rollout/response_len_max", "rollout/truncated_frac"]],
-        "Optimisation": ["Multiline", ["train/loss", "train/grad_norm", "train/lr"]],
-        "Staleness": ["Multiline", ["train/policy_lag", "train/policy_lag_max", "train/token_lag",
-                                    "rollout/multi_version_frac", "rollout/stale_dropped", "rollout/buffer_size"]],
-        "Throughput": ["Multiline", ["perf/trainer_wait_frac", "perf/worker_idle_frac", "perf/weight_sync_seconds"]],
-    }
+    "lit-ess: off-policy": {
+        "ESS e_B (1 = on-policy)": _chart("train/ess"),
+        "ESS per anchor (P4O)": _chart("train/ess_b", "train/ess_prox", "train/ess_mix"),
+        "Ratio quantiles p05 / p50 / p95": _chart("train/ratio_p05", "train/ratio_p50", "train/ratio_p95"),
+        "Ratio max": _chart("train/ratio_max"),
+        "Capped / clipped token fraction": _chart("train/capped_frac", "train/clip_ratio"),
+        "KL to pi_b (nats)": _chart("train/kl_behavior", "train/approx_kl"),
+    },
+    "lit-ess: optimisation": {
+        "Loss": _chart("train/loss", "train/policy_loss", "train/kl_term"),
+        "Grad norm": _chart("train/grad_norm"),
+        "Learning rate": _chart("train/lr"),
+    },
+    "lit-ess: rollouts": {
+        "Reward": _chart("rollout/reward_mean", "rollout/reward_std"),
+        "Response length (tokens)": _chart("rollout/response_len", "rollout/response_len_max"),
+        "Degenerate / truncated / multi-version fraction": _chart("rollout/degenerate_frac", "rollout/truncated_frac",
+                                                                   "rollout/multi_version_frac"),
+        "Policy lag (steps)": _chart("train/policy_lag", "train/policy_lag_max", "train/token_lag"),
+        "Stale dropped, buffer (rows)": _chart("rollout/stale_dropped", "rollout/buffer_size"),
+    },
+    "lit-ess: time": {
+        "Seconds per phase": _chart("rollout/gen_seconds", "rollout/reward_seconds", "perf/train_seconds",
+                                    "perf/weight_sync_seconds"),
+        "Trainer wait / worker idle fraction": _chart("perf/trainer_wait_frac", "perf/worker_idle_frac"),
+    },
 }
 
 

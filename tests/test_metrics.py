@@ -133,3 +133,26 @@ def test_every_metric_an_objective_makes_has_a_rule(cls):
         except KeyError:
             undeclared.append(k)
     assert not undeclared, undeclared
+
+
+def test_every_dashboard_chart_holds_keys_of_one_scale():
+    """TensorBoard's custom-scalars charts autoscale to their data and read their tags as regular
+    expressions: a chart readable at a glance shows keys of one scale (ESS alone shows a drop to 0.99;
+    the learning rate is not flattened under the loss). Each chart's tags are matched, as TensorBoard
+    matches them, against every key lit-ess logs (lit_ess.metrics.RULES)."""
+    import re
+
+    from lit_ess.callbacks.ratio_dashboard import LAYOUT, SCALE
+    from lit_ess.metrics import RULES
+
+    keys = [k for k in RULES if not k.endswith(("/NAME", "@k"))]
+    assert set(SCALE) <= set(keys), f"SCALE names keys lit-ess never logs: {set(SCALE) - set(keys)}"
+    for category, charts in LAYOUT.items():
+        for title, (kind, tags) in charts.items():
+            assert kind == "Multiline"
+            for tag in tags:
+                assert any(re.search(tag, k) for k in keys), f"{category}/{title}: {tag!r} matches no logged key"
+            shown = [k for k in keys if any(re.search(tag, k) for tag in tags)]
+            scales = {k: SCALE.get(k, "undeclared") for k in shown}
+            assert len(set(scales.values())) == 1, f"{category}/{title} mixes scales: {scales}"
+            assert "undeclared" not in scales.values(), f"{category}/{title}: {scales}"

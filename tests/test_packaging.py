@@ -162,3 +162,37 @@ def test_version_is_one_string():
     named = {(str(p.relative_to(ROOT)), v) for p in _modules().values()
              for v in re.findall(r"lit-ess (\d+\.\d+(?:\.\d+)?)", p.read_text()) if not version.startswith(v)}
     assert not named, f"versions named in the code that are not {version}: {sorted(named)}"
+
+
+def test_setup_says_each_stage_and_drops_the_known_noise(tmp_path):
+    """scripts/setup.sh as a user runs it, on a copy of the repo whose .venv/bin/python is a stand-in that
+    records its calls and prints pip's harmless pip.conf warning beside a real one: one numbered line per
+    stage with the seconds so far, the warning dropped, anything else kept, and a second run silent."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup.sh", tmp_path / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\necho "$*" >> "$(dirname "$0")/calls"\n[ "$1" = -c ] && exit 0\n'
+                      'echo "WARNING: Location \'file:///gone\' is ignored: it is neither a file nor a directory." >&2\n'
+                      'echo "ERROR: a real problem"\n')
+    python.chmod(0o755)
+    path = "/usr/bin:/bin"
+    out = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={"PATH": path, "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    stages = [ln for ln in lines if ln.startswith("setup: [")]
+    gpu = shutil.which("nvidia-smi", path=path) is not None
+    assert len(stages) == (4 if gpu else 7), lines
+    for i, ln in enumerate(stages, 1):
+        assert re.fullmatch(rf"setup: \[{i}/{len(stages)}\] \S.* \(\d+ s\)", ln), ln
+    if not gpu:
+        assert stages[1].startswith("setup: [2/7] torch 2.13.0+cpu (")
+    assert re.fullmatch(r"setup: done in \d+ s", lines[-1]), lines
+    assert "is ignored" not in out.stdout + out.stderr and "ERROR: a real problem" in out.stdout
+    calls = (python.parent / "calls").read_text().splitlines()
+    assert calls[0] == "-m pip -q install --upgrade pip" and calls[-1].startswith("-c import torch")
+    again = subprocess.run(["bash", "scripts/setup.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                           env={"PATH": path, "HOME": str(tmp_path)})
+    assert again.returncode == 0 and again.stdout == again.stderr == ""
