@@ -217,21 +217,11 @@ def test_the_docs_snippets_build_the_rewards_they_name(rm_dir):
 def test_async_mode_loads_the_reward_model_in_the_worker_process(tiny_model_dir, rm_dir):
     """mode: async: the config travels to the rollout worker process, which loads the model and scores; the
     trainer's process never loads it."""
-    from fake_engine import FakeConfig
     from lit_ess import reward_model
-    from lit_ess.datamodules import RolloutDataModule
-    from lit_ess.sampling import SamplingConfig
+    from test_rewards import async_phase_stats
 
     reward_model._LOADED.clear()
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
-                           prompts_per_rollout=2, samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=3, seed=0),
-                           reward=RewardModel(rm_dir, chat_template=False, batch_size=3))
-    dm.setup("fit")
-    try:
-        dm.push_weights({"w": torch.zeros(1)}.items(), 0)
-        stats = dm.next_batch(0).stats
-    finally:
-        dm.teardown("fit")
+    stats = async_phase_stats(tiny_model_dir, RewardModel(rm_dir, chat_template=False, batch_size=3))
     assert math.isfinite(stats["train/reward/reward_model"]) and stats["train/reward/reward_model"] != 0
     assert stats["rollout/reward_mean"] == pytest.approx(stats["train/reward/reward_model"])
     assert reward_model._LOADED == {}
