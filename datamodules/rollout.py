@@ -62,7 +62,7 @@ from lit_ess.batch import RolloutBatch
 from lit_ess.data import RolloutConsumer
 from lit_ess.engines import EngineConfig, VLLMConfig, VLLMServerConfig
 from lit_ess.envs import EnvConfig
-from lit_ess.rewards import Reward, RewardScorer, as_rewards
+from lit_ess.rewards import ModelReward, Reward, RewardScorer, as_rewards
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBuffer, RolloutExecutor, RolloutRequest, Ranks, TorchRanks,
@@ -142,7 +142,9 @@ class RolloutDataModule(L.LightningDataModule):
         reward: "exact_match", "gsm8k", "math_verify", "module:function" or "module.function" (a module
             beside the config or in the working directory), or a list of lit_ess.rewards.Reward
             ({fn, weight, name}): the total is their weighted sum, each one logged as train/reward/NAME.
-            A reward takes by parameter name `prompt`, `completion`, `answer` and any column of the
+            A model scores too, alone or as a Reward's fn, by class_path: lit_ess.reward_model.RewardModel
+            (a sequence-classification checkpoint) or lit_ess.engines.LLMJudge (an LLM judge through
+            vLLM's OpenAI API). A reward takes by parameter name `prompt`, `completion`, `answer` and any column of the
             dataset row (checked at start against the source's columns); one declared with
             @lit_ess.rewards.batched scores the phase at once (lists in, a list out); either may be
             `async def` (docs/rewards.md). With `env`, the environment gives the training rewards and
@@ -227,7 +229,7 @@ class RolloutDataModule(L.LightningDataModule):
         engine: EngineConfig = VLLMConfig(),
         sampling: SamplingConfig = SamplingConfig(seed=0),
         chat: ChatFormat = ChatFormat(),
-        reward: str | list[Reward] = "exact_match",
+        reward: str | ModelReward | list[Reward] = "exact_match",
         reward_timeout: float = 5.0,
         max_reward_error_rate: float = 0.5,
         reward_in_worker: bool | None = None,
@@ -267,7 +269,7 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"samples_per_prompt=1: the group advantage (advantage: {advantage}) of a group of one "
                              f"sample is always 0, so nothing would be learned; use samples_per_prompt >= 2")
         self.source = source if source is not None else Arithmetic()
-        reward = as_rewards(reward) if isinstance(reward, list) else reward
+        reward = as_rewards(reward) if isinstance(reward, (list, ModelReward)) else reward
         for src in (self.source, val_source):     # a typo, a non-function or an unknown column fails now
             if src is not None:
                 RewardScorer(reward, columns=common_columns(src.examples)).close()
@@ -335,7 +337,7 @@ class RolloutDataModule(L.LightningDataModule):
             "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
             "samples_per_prompt": samples_per_prompt, "advantage": advantage,
-            "reward": reward if isinstance(reward, str) else [asdict(r) for r in reward],
+            "reward": reward if isinstance(reward, str) else [reward_hparams(r) for r in reward],
             "drop_degenerate": drop_degenerate, "dynamic_sampling": asdict(dynamic_sampling),
             "overlong": asdict(self.overlong), "seed": seed, "source": type(self.source).__name__,
             "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None,
@@ -679,6 +681,12 @@ class RolloutDataModule(L.LightningDataModule):
         if self.executor is not None:
             self.executor.restore(self.reward_counters)
         self.resume_offset = state["epoch_offset"]
+
+
+def reward_hparams(r: Reward) -> dict:
+    """A Reward as plain values; a model's config with its class name."""
+    fn = r.fn if isinstance(r.fn, str) else {"class": type(r.fn).__name__, **asdict(r.fn)}
+    return {**asdict(r), "fn": fn}
 
 
 def common_columns(examples: list[Example]) -> list[str]:

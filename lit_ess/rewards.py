@@ -19,7 +19,10 @@ What a reward sees is decided by its parameter names, read once when the scorer 
 every column). A reward decorated with `@batched` scores a whole phase at once, TRL's convention:
 `prompts`, `completions`, `answers` and each column as a list, returning one number per sample. Either
 kind may be `async def`: per-sample coroutines of a call run concurrently. A list of `Reward`s is
-scored as their weighted sum; each one's mean is kept in `RewardScorer.parts` for logging.
+scored as their weighted sum; each one's mean is kept in `RewardScorer.parts` for logging. A reward
+that is a configured object rather than a function (a `ModelReward`: lit_ess.reward_model.RewardModel,
+lit_ess.engines.LLMJudge) is a @batched reward too; a batched reward may give an exception for a sample
+it failed on, which fails that sample alone.
 """
 from __future__ import annotations
 
@@ -129,19 +132,33 @@ def batched(fn: Callable) -> Callable:
     return fn
 
 
+class ModelReward:
+    """Base of the rewards that are typed configs rather than functions (lit_ess.reward_model.RewardModel,
+    lit_ess.engines.LLMJudge): named in YAML by `class_path`/`init_args` (shown by --print_config), called as a
+    @batched reward with lists, their model loaded (or their server launched) once per process that scores, on
+    the first call or `warm_up`. `label` is their train/reward/NAME unless the Reward names them."""
+
+    batched = True
+    label = "model"
+
+    def warm_up(self) -> None:
+        """Load what scoring needs (a reward worker process calls it before any completion is timed)."""
+
+
 @dataclass
 class Reward:
     """One reward of a weighted list (`data.reward`); the total is the weighted sum of the rewards.
 
     Args:
         fn: a built-in name (exact_match, gsm8k, math_verify, reasoning_gym), 'package.module:function' or
-            'module.function' (a module beside the config or in the working directory), or a URL that
-            scores a batch by POST (lit_ess.reward_url).
+            'module.function' (a module beside the config or in the working directory), a URL that
+            scores a batch by POST (lit_ess.reward_url), or a model: lit_ess.reward_model.RewardModel (a
+            sequence-classification checkpoint) or lit_ess.engines.LLMJudge (an LLM through vLLM's OpenAI API).
         weight: its weight in the total, any finite number (0 = logged, not trained on; a negative
             weight = a penalty).
         name: its scalar in TensorBoard, train/reward/NAME (default: the function's name).
     """
-    fn: str
+    fn: str | ModelReward
     weight: float = 1.0
     name: str | None = None
 
@@ -171,9 +188,11 @@ def import_named(name: str, what: str):
         raise ValueError(f"{what} {name!r} cannot be imported: {where_it_failed(e)}") from None
 
 
-def resolve_reward(name: str) -> Callable:
-    """A built-in name (exact_match, gsm8k, math_verify, reasoning_gym), 'package.module:function', 'module.function' or a
-    URL (lit_ess.reward_url.RemoteReward)."""
+def resolve_reward(name: str | ModelReward) -> Callable:
+    """A built-in name (exact_match, gsm8k, math_verify, reasoning_gym), 'package.module:function', 'module.function', a
+    URL (lit_ess.reward_url.RemoteReward), or a ModelReward (itself)."""
+    if isinstance(name, ModelReward):
+        return name
     if name in REWARDS:
         return REWARDS[name]
     if is_url(name):
@@ -226,12 +245,13 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
     not checked, e.g. in a worker process whose data module checked them)."""
     spec = spec if isinstance(spec, Reward) else Reward(spec)
     fn = resolve_reward(spec.fn)
+    where = spec.fn if isinstance(spec.fn, str) else type(spec.fn).__name__
     is_batched = bool(getattr(fn, "batched", False))
     known = ("prompts", "completions", "answers") if is_batched else ("prompt", "completion", "answer")
     try:
         sig = inspect.signature(fn)
     except ValueError:                        # no signature to inspect (a builtin): called as f(completion, answer)
-        return BoundReward(fn, spec.fn, _label(spec), spec.weight, ("completion", "answer"), False, is_batched, False,
+        return BoundReward(fn, where, _label(spec), spec.weight, ("completion", "answer"), False, is_batched, False,
                            positional=True)
     params, varkw = [], False
     for p in sig.parameters.values():
@@ -240,15 +260,15 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
         elif p.kind is p.VAR_POSITIONAL or p.default is not p.empty:
             continue
         elif p.kind is p.POSITIONAL_ONLY:
-            raise ValueError(f"reward {spec.fn!r}: parameter {p.name!r} is positional-only; rewards are called by "
+            raise ValueError(f"reward {where!r}: parameter {p.name!r} is positional-only; rewards are called by "
                              f"parameter name")
         else:
             params.append(p.name)
     if not params and not varkw:
-        raise ValueError(f"reward {spec.fn!r} takes no parameters: name the ones it scores, e.g. "
+        raise ValueError(f"reward {where!r} takes no parameters: name the ones it scores, e.g. "
                          f"({', '.join(known[1:])})")
     if not is_batched and len(params) == 2 and not varkw and not set(params) & {*known, *(columns or [])}:
-        return BoundReward(fn, spec.fn, _label(spec), spec.weight, ("completion", "answer"), False, False,
+        return BoundReward(fn, where, _label(spec), spec.weight, ("completion", "answer"), False, False,
                            inspect.iscoroutinefunction(fn), positional=True)    # f(completion, answer), any names
     if columns is not None:
         for name in params:
@@ -256,18 +276,20 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
                 hint = ("; a reward of lists is declared with @lit_ess.rewards.batched"
                         if name in ("prompts", "completions", "answers") else
                         "; it scores prompts of lit_ess.datamodules.ReasoningGym" if fn is reasoning_gym else "")
-                raise ValueError(f"reward {spec.fn!r}: parameter {name!r} is neither {', '.join(known)} nor a column "
+                raise ValueError(f"reward {where!r}: parameter {name!r} is neither {', '.join(known)} nor a column "
                                  f"of the dataset (columns: {', '.join(columns) or 'none'}){hint}")
-    return BoundReward(fn, spec.fn, _label(spec), spec.weight, tuple(params), varkw, is_batched,
+    return BoundReward(fn, where, _label(spec), spec.weight, tuple(params), varkw, is_batched,
                        inspect.iscoroutinefunction(fn))
 
 
 def _label(spec: Reward) -> str:
+    if isinstance(spec.fn, ModelReward):
+        return spec.name or spec.fn.label
     return spec.name or ("remote" if is_url(spec.fn) else re.split(r"[:.]", spec.fn)[-1])
 
 
-def as_rewards(reward: str | Reward | list) -> list[Reward]:
-    """`data.reward` as a list of Reward: a name, one Reward, or a list of either; names checked unique."""
+def as_rewards(reward: str | ModelReward | Reward | list) -> list[Reward]:
+    """`data.reward` as a list of Reward: a name, a ModelReward, one Reward, or a list of them; names checked unique."""
     items = reward if isinstance(reward, list) else [reward]
     out = [r if isinstance(r, Reward) else Reward(**r) if isinstance(r, dict) else Reward(r) for r in items]
     if not out:
@@ -315,7 +337,8 @@ async def _awaited(value):
 
 
 def _safe_batch(reward: BoundReward, kw: dict, n: int) -> list[tuple[float, str | None]]:
-    """A batched reward's n (score, error): one number per sample, else every sample fails with why."""
+    """A batched reward's n (score, error): one number per sample (an exception for a sample fails that one
+    alone), else every sample fails with why."""
     try:
         values = reward.call(kw)
         if inspect.isawaitable(values):
@@ -328,7 +351,7 @@ def _safe_batch(reward: BoundReward, kw: dict, n: int) -> list[tuple[float, str 
         return [(0.0, f"returned a {type(values).__name__}, not a list of {n} numbers")] * n
     if len(values) != n:
         return [(0.0, f"returned {len(values)} values for {n} completions")] * n
-    return [as_score(v) for v in values]
+    return [(0.0, f"{type(v).__name__}: {v}") if isinstance(v, Exception) else as_score(v) for v in values]
 
 
 async def _gather(reward: BoundReward, kws: list[dict]) -> list[tuple[float, str | None]]:

@@ -169,6 +169,21 @@ def build_tiny_model(
     return out
 
 
+def build_tiny_reward_model(out_dir: str | Path, *, hidden_size: int = 128, num_layers: int = 2, seed: int = 0) -> Path:
+    """Write a randomly initialised tiny reward model (Qwen2ForSequenceClassification, one label, the byte
+    tokenizer, pad_token_id set) to `out_dir`; return the path. lit_ess.reward_model.RewardModel loads it."""
+    from transformers import Qwen2ForSequenceClassification
+
+    tok = build_tokenizer()
+    config = family_config("qwen2", len(tok), hidden_size, num_layers, hidden_size // HEAD_DIM, 2 * hidden_size, 256,
+                           num_labels=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    Qwen2ForSequenceClassification(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import os
 

@@ -151,23 +151,27 @@ def test_a_weighted_list_is_the_weighted_sum_and_keeps_each_part():
     assert rule("train/reward/by_level") == rule("rollout/reward_mean")
 
 
-def test_async_worker_scores_columns_and_batches(tiny_model_dir, tmp_path):
-    """The worker process gets each prompt's row and the weighted list: the phase's parts and total by hand."""
+def async_phase_stats(model_dir: str, reward, **data) -> dict:
+    """The statistics of the first phase of an async data module (the fake engine, 2 prompts x 2 samples)."""
     from fake_engine import FakeConfig
     from lit_ess.sampling import SamplingConfig
 
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({**r, "level": "2"}) + "\n" for r in ROWS))
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
-                           prompts_per_rollout=2, samples_per_prompt=2, source=HFPrompts(str(data)),
-                           sampling=SamplingConfig(max_new_tokens=3, seed=0),
-                           reward=[Reward("test_rewards:takes_all", 0.5), Reward("test_rewards:batch_levels", 1.0)])
+    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=0.0), mode="async", prompts_per_rollout=2,
+                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=3, seed=0), reward=reward, **data)
     dm.setup("fit")
     try:
         dm.push_weights({"w": torch.zeros(1)}.items(), 0)
-        stats = dm.next_batch(0).stats
+        return dm.next_batch(0).stats
     finally:
         dm.teardown("fit")
+
+
+def test_async_worker_scores_columns_and_batches(tiny_model_dir, tmp_path):
+    """The worker process gets each prompt's row and the weighted list: the phase's parts and total by hand."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({**r, "level": "2"}) + "\n" for r in ROWS))
+    stats = async_phase_stats(tiny_model_dir, [Reward("test_rewards:takes_all", 0.5), Reward("test_rewards:batch_levels", 1.0)],
+                              source=HFPrompts(str(data)))
     # takes_all: 4 columns; batch_levels: level 2 + the first sample's position of its prompt (0 or 2) / 10
     assert stats["train/reward/takes_all"] == 4.0 and stats["train/reward/batch_levels"] == pytest.approx(2.1)
     assert stats["rollout/reward_mean"] == pytest.approx(0.5 * 4.0 + 2.1)
