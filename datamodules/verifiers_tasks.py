@@ -6,7 +6,7 @@ for episodes played by lit_ess.envs.verifiers_env.Verifiers (data.env).
 `env` is a verifiers EnvConfig as a dict (what `vf-eval`'s `[env]` block or `--env.*` flags give: the taskset
 id and its settings, the seats, the env's knobs), loaded by verifiers' own loader (`vf.load_environment`).
 Each task of its taskset is one example: its prompt text (or its name) labels the example, and the row
-carries the env's config and the task's position (columns `verifiers_env`, `verifiers_task`), from which
+carries the env's config and the task's key (columns `verifiers_env`, `verifiers_task`), from which
 the environment plays the episode: the first observation the policy sees is what the env's `run()` asks
 first, not the label.
 """
@@ -38,6 +38,6 @@ class VerifiersTasks(PromptSource):
         if not tasks:
             raise ValueError(f"VerifiersTasks: the taskset {env['taskset']['id']!r} holds no task")
         self.skipped, self.examples = 0, []
-        for i, task in enumerate(tasks[:limit]):
+        for i, task in enumerate(list(tasks.values())[:limit]):
             label = task.data.prompt_text or task.data.name or f"task {i}"
-            self.examples.append(Example(label, "", {"verifiers_env": env, "verifiers_task": i}))
+            self.examples.append(Example(label, "", {"verifiers_env": env, "verifiers_task": task.key}))

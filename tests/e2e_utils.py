@@ -88,6 +88,18 @@ def write_config(cfg: dict, path: Path) -> Path:
     return path
 
 
+def short_run(cfg: dict, out: Path, max_steps: int) -> dict:
+    """A shipped config `cfg` cut to a test's run, in place: `max_steps`, no progress bar, no checkpoint, no
+    output_dir, TensorBoard in `out` (tb/run), WeightSync its only callback."""
+    t = cfg["trainer"]
+    t.update(max_steps=max_steps, enable_progress_bar=False, enable_checkpointing=False)
+    cfg["output_dir"] = None            # the paths below are the test's own
+    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                   "init_args": {"save_dir": str(out), "name": "tb", "version": "run"}}
+    t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].endswith("WeightSync")]
+    return cfg
+
+
 def pythonpath() -> str:
     """PYTHONPATH for a subprocess: this checkout's code (not whichever checkout the venv was installed
     from) and the tests' helpers (rewards such as e2e_utils:digit_fraction)."""

@@ -18,7 +18,7 @@ import yaml
 
 pytest.importorskip("openenv.core", reason="openenv-core is not installed: pip install 'lit-ess[envs]'")
 
-from e2e_utils import cli, scalars, write_config  # noqa: E402
+from e2e_utils import cli, scalars, short_run, write_config  # noqa: E402
 
 from lit_ess.envs.base import Action, Example  # noqa: E402
 from lit_ess.envs.openenv_env import OpenEnv  # noqa: E402
@@ -163,12 +163,7 @@ def test_demo_openenv_trains_against_the_server(server, tiny_model_dir, tmp_path
     d = cfg["data"]["init_args"]
     d.update(prompts_per_rollout=4, samples_per_prompt=4)
     d["env"]["kwargs"]["base_url"] = server
-    t = cfg["trainer"]
-    t.update(max_steps=3, enable_progress_bar=False, enable_checkpointing=False)
-    cfg["output_dir"] = None            # the paths below are the test's own
-    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                   "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": "run"}}
-    t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].endswith("WeightSync")]
+    short_run(cfg, tmp_path, max_steps=3)
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     s = scalars(tmp_path)

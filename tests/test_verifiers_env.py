@@ -12,7 +12,7 @@ import yaml
 
 pytest.importorskip("verifiers.v1", reason="verifiers is not installed: pip install 'lit-ess[envs]'")
 
-from e2e_utils import cli, scalars, write_config  # noqa: E402
+from e2e_utils import cli, scalars, short_run, write_config  # noqa: E402
 
 from lit_ess.envs.base import Action  # noqa: E402
 
@@ -30,7 +30,7 @@ def tasks():
     from lit_ess.datamodules import VerifiersTasks
     from lit_ess.envs.verifiers_env import load
 
-    yield VerifiersTasks(ENV, limit=4), load(ENV)[1]
+    yield VerifiersTasks(ENV, limit=4), list(load(ENV)[1].values())
     sys.path.remove(str(CONFIGS))
 
 
@@ -51,7 +51,7 @@ def play(example, replies, max_turns=3):
 
 def test_the_envs_own_run_holds_the_turns_and_its_rubric_scores(tasks):
     src, vf_tasks = tasks
-    assert [e.columns["verifiers_task"] for e in src.examples] == [0, 1, 2, 3]
+    assert [e.columns["verifiers_task"] for e in src.examples] == [t.key for t in vf_tasks[:4]]     # by key, not position
     assert [e.prompt for e in src.examples] == [t.data.prompt for t in vf_tasks[:4]]
     ex, task = src.examples[1], vf_tasks[1]
     seen, steps = play(ex, ["7", task.data.answer, "never asked"])
@@ -96,12 +96,7 @@ def test_demo_verifiers_runs_the_envs_turns_on_policy(tmp_path):
     d = cfg["data"]["init_args"]
     d.update(prompts_per_rollout=4, samples_per_prompt=4)
     d["source"]["init_args"]["env"]["taskset"]["size"] = 50
-    t = cfg["trainer"]
-    t.update(max_steps=2, enable_progress_bar=False, enable_checkpointing=False)
-    cfg["output_dir"] = None            # the paths below are the test's own
-    t["logger"] = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                   "init_args": {"save_dir": str(tmp_path), "name": "tb", "version": "run"}}
-    t["callbacks"] = [c for c in t["callbacks"] if c["class_path"].endswith("WeightSync")]
+    short_run(cfg, tmp_path, max_steps=2)
     shutil.copy(CONFIGS / "vf_retry_arithmetic.py", tmp_path)          # beside the config, as a user keeps it
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -111,3 +106,27 @@ def test_demo_verifiers_runs_the_envs_turns_on_policy(tmp_path):
     assert all(2.5 < v <= 3.0 for v in turns), turns           # a random model is almost never right
     assert min(v for _, v in s["rollout/env_tokens"]) > 0
     assert max(v for _, v in s["rollout/env_errors"]) == 0 and max(v for _, v in s["rollout/truncated_turns"]) == 0
+
+
+def test_a_timeout_not_below_the_runners_step_timeout_is_refused_and_a_late_run_is_cancelled(tasks):
+    """Verifiers.timeout must act before the runner's step_timeout (which can only abandon a step's thread); when
+    it fires, the episode's run() (waiting for a reply that will not come) is cancelled, not left on the loop."""
+    from lit_ess.envs import EnvConfig
+    from lit_ess.envs.verifiers_env import Verifiers
+
+    with pytest.raises(ValueError, match=r"^env.kwargs.timeout=60.0 s \(Verifiers\) must be below env.step_timeout=10.0 s"):
+        EnvConfig(env="lit_ess.envs.verifiers_env:Verifiers")
+    EnvConfig(env="lit_ess.envs.verifiers_env:Verifiers", kwargs={"timeout": 5.0}, step_timeout=10.0)
+    src, _ = tasks
+    env = Verifiers(timeout=0.5)
+    env.reset(src.examples[0])
+    env.exchange.answer = lambda text: None          # the reply is lost: run() never asks again nor ends
+    with pytest.raises(TimeoutError, match="Verifiers.timeout=0.5 s"):
+        env.step(Action("7", [1], "stop"))
+    import time
+
+    for _ in range(50):                                # the cancellation runs on the env's loop
+        if env.future.done():
+            break
+        time.sleep(0.02)
+    assert env.future.cancelled()

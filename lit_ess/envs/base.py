@@ -79,5 +79,10 @@ class Environment(ABC):
     def step(self, action: Action) -> Step:
         """Answer the policy's turn."""
 
+    @classmethod
+    def check_limits(cls, kwargs: dict, step_timeout: float) -> None:
+        """Refuse, in one line, constructor `kwargs` that do not fit the runner's `step_timeout` (EnvConfig
+        calls it at start). Nothing to check by default."""
+
     def close(self) -> None:
         """Free what the episode holds (called once it ends, unless its last step timed out)."""

@@ -67,6 +67,7 @@ class EnvConfig:
         except TypeError as e:
             raise ValueError(f"env.kwargs {self.kwargs} do not fit environment {self.env!r} "
                              f"({cls.__name__}{inspect.signature(cls)}): {e}") from None
+        cls.check_limits(self.kwargs, self.step_timeout)
 
     def make(self) -> Environment:
         """A fresh environment for one episode."""

@@ -46,9 +46,11 @@ def _verifiers():
     return vf
 
 
-def load(env: dict) -> tuple[object, list]:
+def load(env: dict) -> tuple[object, dict]:
     """The verifiers Env of config `env` (a verifiers EnvConfig as a dict: taskset id and settings, seats, env
-    knobs) and its taskset's tasks, loaded once per process (the prompt source and every episode share them)."""
+    knobs) and its taskset's tasks by their own key, in the taskset's order, loaded once per process (the prompt
+    source and every episode share them; a task is found by its key, so a taskset loaded again in another
+    process, in another order, still gives each example its task)."""
     key = json.dumps(env, sort_keys=True)
     with _LOCK:
         if key not in _ENVS:
@@ -67,7 +69,13 @@ def load(env: dict) -> tuple[object, list]:
             if not loaded.taskset.bounded:
                 raise ValueError(f"verifiers taskset {loaded.config.taskset.id!r} is infinite: bound it in its config "
                                  f"(e.g. its size) so the prompt source can hold its tasks")
-            _ENVS[key] = (loaded, list(loaded.taskset))
+            tasks = {}
+            for task in loaded.taskset:
+                if task.key in tasks:
+                    raise ValueError(f"verifiers taskset {loaded.config.taskset.id!r} has two tasks with key "
+                                     f"{task.key!r}: lit-ess finds an episode's task by its key")
+                tasks[task.key] = task
+            _ENVS[key] = (loaded, tasks)
         return _ENVS[key]
 
 
@@ -230,15 +238,17 @@ async def _play(env, task, exchange: _Exchange, max_turns: int) -> None:
 
 class Verifiers(Environment):
     """One episode of the verifiers environment that the example's row names (lit_ess.datamodules.VerifiersTasks:
-    columns `verifiers_env`, the env's config, and `verifiers_task`, the task's position in its taskset).
+    columns `verifiers_env`, the env's config, and `verifiers_task`, the task's key in its taskset).
 
     Args:
         max_turns: the policy's replies per episode when the seat's own `max_turns` (verifiers' AgentConfig)
             is not smaller (>= 1); the turn after the last comes back terminated and `run()` goes on to
             score. Keep `env.max_turns` (the runner's limit) at least this large, or the runner ends the
             episode first, unscored (reward 0, counted in rollout/truncated_turns).
-        timeout: seconds `run()` may take to ask the next turn or end (> 0); longer is an error of the
-            episode (raised in reset or step, counted by the runner).
+        timeout: seconds `run()` may take to ask the next turn or end (> 0, below env.step_timeout); longer
+            is an error of the episode (raised in reset or step, counted by the runner, its `run()` cancelled).
+            Below env.step_timeout so this limit, which stops the episode, acts before the runner's, which can
+            only abandon the step's thread.
     """
 
     def __init__(self, max_turns: int = 4, timeout: float = 60.0):
@@ -251,11 +261,22 @@ class Verifiers(Environment):
         self.exchange: _Exchange | None = None
         self.future = None
 
+    @classmethod
+    def check_limits(cls, kwargs: dict, step_timeout: float) -> None:
+        timeout = kwargs.get("timeout", 60.0)
+        if isinstance(timeout, (int, float)) and timeout >= step_timeout:
+            raise ValueError(f"env.kwargs.timeout={timeout} s (Verifiers) must be below env.step_timeout={step_timeout} s, "
+                             f"or a slow turn is abandoned by the runner instead of stopped: raise env.step_timeout (a "
+                             f"fresh process imports verifiers in its first reset, 20-70 s here) or lower the timeout")
+
     def reset(self, example: Example) -> list[dict[str, str]]:
         columns = example.columns
         if "verifiers_env" not in columns or "verifiers_task" not in columns:
             raise ValueError("the example has no verifiers task: use lit_ess.datamodules.VerifiersTasks as data.source")
         env, tasks = load(columns["verifiers_env"])
+        if columns["verifiers_task"] not in tasks:
+            raise ValueError(f"verifiers task {columns['verifiers_task']!r} is not in the taskset this process loaded "
+                             f"({len(tasks)} tasks): the taskset changed since the prompt source read it")
         loop = _loop()
         self.exchange = _Exchange(loop)
         self.future = asyncio.run_coroutine_threadsafe(
@@ -277,6 +298,7 @@ class Verifiers(Environment):
         try:
             kind, value = self.exchange.events.get(timeout=self.timeout)
         except queue.Empty:
+            self.close()                        # run() waits for a reply that will not come: cancel it
             raise TimeoutError(f"verifiers environment neither asked a turn nor ended within Verifiers.timeout="
                                f"{self.timeout} s") from None
         if kind == "error":
