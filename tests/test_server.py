@@ -271,6 +271,34 @@ def test_a_server_back_at_its_url_is_taken_back_only_with_the_runs_model_weights
     stop_fake(httpd_a)
 
 
+def test_a_launched_server_whose_process_exited_is_never_taken_back(two_fakes, tiny_model_dir, capfd):
+    """The server this run launched exits and another process (another run's server, the same model) takes its port
+    and answers GET /health: it stays out, with one warning, and is never pushed this run's weights."""
+    (url_a, httpd_a, a), (url_b, _, _) = two_fakes
+    engine = VLLMServerConfig(urls=[url_a, url_b], startup_timeout=10, heartbeat_seconds=0.2,
+                              heartbeat_timeout=1).build(tiny_model_dir)
+    engine.server = LaunchedServer([sys.executable, "-c", "pass"], dict(os.environ), None, url_a)   # ours, exited
+    engine.server.proc.wait(30)
+    port = int(url_a.rsplit(":", 1)[1])
+    stop_fake(httpd_a)
+    engine.generate([[1, 2], [3]], 2, SamplingConfig(seed=0))
+    assert list(engine.pool.gone) == [url_a]
+    other = type("OtherRun", (FakeVLLM,), {"hits": []})          # the run's model, answering at the port
+    _, httpd_a = start_fake(other, port)
+    assert until(lambda: other.hits.count("/health") >= 3, 10)
+    engine.generate([[1, 2], [3]], 2, SamplingConfig(seed=0))
+    assert list(engine.pool.gone) == [url_a] and "/collective_rpc" not in other.hits and generates(other) == 0
+    err = capfd.readouterr().err
+    assert err.count(f"vLLM server {url_a} answers again but stays out of the run: ") == 1, err
+    assert "the server this run launched there exited (code 0)" in err, err
+    before = other.hits.count("/health")          # refused again and again: probed ever more rarely (0.2 s doubling),
+    time.sleep(3)                                 # not at every 0.2 s heartbeat (15 in 3 s) holding the fleet lock
+    assert other.hits.count("/health") - before <= 4, other.hits.count("/health") - before
+    engine.server = None                        # its process is gone: nothing for close() to stop
+    engine.close()
+    stop_fake(httpd_a)
+
+
 @pytest.mark.parametrize("fault", ["no answer", "HTTP 500"])
 def test_a_server_that_stops_answering_is_left_for_the_other(fault, two_fakes, tiny_model_dir, capfd):
     """A server that accepts requests but answers none within request_timeout (stopped, swapped out),

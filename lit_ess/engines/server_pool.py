@@ -87,6 +87,7 @@ class ServerPool:
         self.back: set[str] = set()        # servers out of the run that answer GET /health again (`_probe`)
         self.probes: dict[str, asyncio.Future] = {}               # the probes of servers out, running
         self.refusals: dict[str, str] = {}                        # why a server back was not taken back
+        self.retry_at: dict[str, tuple[float, float]] = {}        # a refused one: (next probe time, its wait)
 
     async def _make_client(self):
         import aiohttp
@@ -261,7 +262,7 @@ class ServerPool:
             await asyncio.sleep(c.heartbeat_seconds)
             for url in list(self.gone):        # out of the run: does it answer again? (a call then takes it back)
                 misses[url] = 0
-                if url not in self.probes and url not in self.back:
+                if url not in self.probes and url not in self.back and time.monotonic() >= self.retry_at.get(url, (0, 0))[0]:
                     self.probes[url] = asyncio.ensure_future(self._probe(url))
             busy = [u for u in self.live() if self.outstanding[u] > 0]
             t0 = time.monotonic()
@@ -318,10 +319,18 @@ class ServerPool:
                 if not isinstance(result, BaseException):
                     print(f"lit-ess: vLLM server {url} is back: it holds the weights of step {result} again "
                           f"and takes requests from now on", file=sys.stderr, flush=True)
-                elif self.refusals.get(url) != str(result):
+                    continue
+                self._back_off(url)
+                if self.refusals.get(url) != str(result):
                     self.refusals[url] = str(result)
                     print(f"lit-ess: warning: vLLM server {url} answers again but stays out of the run: {result}",
                           file=sys.stderr, flush=True)
+
+    def _back_off(self, url: str) -> None:
+        """A server refused: probe it again after twice the last wait (from heartbeat_seconds, at most 60 s), so a
+        server that keeps failing its take-back does not hold the fleet lock, which pushes wait for, at every beat."""
+        wait = min(60.0, 2 * self.retry_at.get(url, (0, (self.knobs.heartbeat_seconds or 5.0) / 2))[1])
+        self.retry_at[url] = (time.monotonic() + wait, wait)
 
     async def _rejoin(self, url: str) -> int:
         """The owner restores the server, then it is in the run again (on the client's loop, where generation reads
@@ -329,6 +338,7 @@ class ServerPool:
         step = await self.owner.restore(url)
         self.silence[url] = asyncio.Event()
         self.refusals.pop(url, None)
+        self.retry_at.pop(url, None)
         del self.gone[url]
         return step
 

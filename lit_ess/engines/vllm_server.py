@@ -372,7 +372,12 @@ class VLLMServerEngine(RolloutEngine, PoolOwner):
     async def restore(self, url: str) -> int:
         """A server out of the run that answers again (the pool takes it back): the start checks, then the run's
         base weights: the last push (`weights_path`; a follower's: rank 0 pushed them), else the model folder's,
-        whose label the start checks set; then the adapters a request may name. The step it now holds."""
+        whose label the start checks set; then the adapters a request may name. The step it now holds. A server
+        this engine launched whose process exited is never taken back: what answers at its port now is another
+        process (another run's server took the port), whose weights a push would overwrite."""
+        if self.server is not None and self.server.url == url and (rc := self.server.proc.poll()) is not None:
+            raise ServerError(f"{self.where(url)}: the server this run launched there exited (code {rc}), so what "
+                              f"answers at its port now is another process's: not taken back")
         await self._check_server(url)
         if self.role == "follows" or self.weights_path is None:
             want = str(self.version) if self.role == "follows" else "-1" if self.role == "leads" else "0"
