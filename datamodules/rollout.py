@@ -36,10 +36,10 @@ every rank in the same round, with its error. Whether new weights are needed is 
 (FSDP2) at the same steps, whatever the timing of each rank's worker.
 
 This module is the trainer's data side (lit_ess.data.RolloutData), handed to the module in `setup`
-(`attach_rollouts`): a phase's waiting batches for proximal scoring, and the weights. The module asks
-`wants_weights(version)` after each step (the same answer on every rank) and lit_ess.callbacks.WeightSync
-then calls `push_weights(tensors, version)` on every rank: only when the engine will generate next (with
-k steps per rollout, once per phase). Without them the first rollout that would need newer weights fails
+(`attach_rollouts`): a phase's waiting batches for proximal scoring, and the weights. After each step
+lit_ess.callbacks.WeightSync asks `wants_weights(version)` (the same answer on every rank) and then calls
+`push_weights(tensors, version)` on every rank: only when the engine will generate next (with k steps per
+rollout, once per phase); the executor hands them to the engine. Without them the first rollout that would need newer weights fails
 with an error that names the callback.
 
 `state_dict` holds the prompt cursor and order, the buffer (batches not yet trained, with the
@@ -432,7 +432,7 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
                           collate_fn=_identity)
 
-    # ------------------------------------------------------------------ weights (PolicyModule.push_due, lit_ess.callbacks.WeightSync)
+    # ------------------------------------------------------------------ weights (lit_ess.callbacks.WeightSync)
     def wants_weights(self, version: int) -> bool:
         """True when the engine will generate before the trainer's next step, so new weights are needed
         (an engine that takes them in flight: also while a phase is being generated). Called on every

@@ -2,9 +2,10 @@
 
     RolloutData        what the trainer asks of the data side during a run (implemented by
                        lit_ess.datamodules.RolloutDataModule):
-        waiting_batches(phase)            the phase's batches not yet trained (proximal scoring)
+        waiting_batches(phase)            the phase's batches not yet trained (the module: proximal scoring)
         wants_weights(version)            will the engine generate before the trainer's next step?
         push_weights(tensors, version)    the policy's weights of optimizer step `version`
+                                          (both asked by lit_ess.callbacks.WeightSync, the push's one owner)
     RolloutConsumer    a module that trains from one: `attach_rollouts(data)`, which the data module calls
                        once per stage, in its `setup` (lit_ess.module.PolicyModule implements it)
 

@@ -218,7 +218,6 @@ class PolicyModule(L.LightningModule):
         self.ref_policy = None
         self.skipped_steps = 0
         self.rollouts: RolloutData | None = None    # the data side (attach_rollouts), None without a data module
-        self.weights_due = False                    # this step's weight push decision (push_due), for WeightSync
         self.last_step: dict[str, Tensor] = {}      # detached tensors for the ratio dashboard
         self.val_reward, self.val_length = MeanMetric(), MeanMetric()   # reduced over ranks at epoch end
         self.val_pass = PassAtK()
@@ -295,8 +294,8 @@ class PolicyModule(L.LightningModule):
 
     def attach_rollouts(self, data: RolloutData) -> None:
         """The data side this module trains from (lit_ess.data.RolloutData): the waiting batches of a
-        phase for proximal scoring, and the weight-push decision. RolloutDataModule.setup hands itself
-        over, once per stage."""
+        phase for proximal scoring, and the receiver of the weights, which lit_ess.callbacks.WeightSync
+        reaches through `rollouts`. RolloutDataModule.setup hands itself over, once per stage."""
         self.rollouts = data
 
     # ------------------------------------------------------------------ step
@@ -606,7 +605,7 @@ class PolicyModule(L.LightningModule):
             batch        the step's rows, refused when older than max_staleness         (`check_batch`)
             proximal     log pi_prox of the batch's phase, when the objective uses it   (`score_phase`)
             update       gradients of every micro-batch, clip, one optimizer step       (`update`)
-            weight push  does the engine generate before the next step? (`push_due`; WeightSync pushes)
+            weight push  after the step, by lit_ess.callbacks.WeightSync when the engine generates next
 
         then the step's metrics, combined over ranks, are logged."""
         step = self.global_step
@@ -616,7 +615,6 @@ class PolicyModule(L.LightningModule):
         t0 = time.perf_counter()                     # perf/train_seconds: forward, backward, clip, optimizer
         metrics, grad_norm, lr = self.update(batch)
         train_seconds = time.perf_counter() - t0
-        self.weights_due = self.push_due()
 
         per_rank = {"train/grad_norm": float(grad_norm), "train/skipped_steps": float(self.skipped_steps),
                     "train/lr": lr, "train/batch_rows": float(batch.rows),
@@ -685,15 +683,6 @@ class PolicyModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         self._count_skipped(grad_norm, step)
         return metrics, grad_norm, lr
-
-    def push_due(self) -> bool:
-        """Whether the engine generates before the next step and so needs this step's weights (the data
-        side decides, the same on every rank: `wants_weights`); false when the run ends here.
-        lit_ess.callbacks.WeightSync pushes when it is true."""
-        step = self.global_step
-        if self.rollouts is None or 0 <= self.trainer.max_steps <= step:
-            return False
-        return self.rollouts.wants_weights(step)
 
     def step_facts(self, sampling: SamplingConfig, engine_dtype: str | None, lag_max: float) -> StepFacts:
         """What this step declares for the ESS alarm (lit_ess.health.exact_on_policy): the batch's sampling

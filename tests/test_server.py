@@ -404,15 +404,18 @@ def test_a_group_is_one_request_with_n_samples_and_its_group_seed(fake_server, t
 
 def test_a_follower_pushes_nothing_and_waits_for_the_step_rank_0_pushes(fake_server, tiny_model_dir):
     """A rank > 0 sharing the servers (FollowerConfig): loading step 3 writes nothing and calls no dev route;
-    it returns once the server's label is 3 or newer, and leaves the label alone at start."""
+    it returns once the server's label is 3 or newer, and leaves the label alone at start. It consumes the
+    tensors it is handed (sync mode hands it the policy's iterator: under FSDP2 every rank gathers)."""
     FakeVLLM.defaults["/weight_info"] = {"weight_version": "default"}
     engine = FollowerConfig(urls=[fake_server], startup_timeout=10).build(tiny_model_dir)
     assert "/update_weight_version" not in [h.split("?")[0] for h in FakeVLLM.hits]      # rank 0 labels it
     FakeVLLM.answers = {"/weight_info": (200, {"weight_version": "2"})}
     threading.Timer(0.5, lambda: FakeVLLM.answers.update({"/weight_info": (200, {"weight_version": "4"})})).start()
     t0, n = time.perf_counter(), len(FakeVLLM.hits)
-    engine.load_weights((), version=3)
+    tensors = iter({"w": torch.zeros(2), "v": torch.ones(1)}.items())
+    engine.load_weights(tensors, version=3)
     assert time.perf_counter() - t0 >= 0.5 and engine.version == 3
+    assert next(tensors, None) is None
     assert {h.split("?")[0] for h in FakeVLLM.hits[n:]} == {"/weight_info"}
     assert os.listdir(engine.weights_root) == []
     engine.close()

@@ -8,7 +8,7 @@ import torch
 from fake_engine import FakeConfig, FakeEngine
 from lit_ess.engines import HFConfig, VLLMConfig
 from lit_ess.engines.base import visible_devices
-from lit_ess.rollout.transport import (NCCL, InProcess, SharedMemory, Ticket, build_transport, drop_tied, packed_buckets,
+from lit_ess.rollout.transport import (NCCL, SharedMemory, Ticket, build_transport, drop_tied, packed_buckets,
                                        plan_buckets, update_info, update_kind)
 
 
@@ -121,17 +121,11 @@ def test_shared_memory_never_overwrites_a_slot_a_request_names():
         t.push({"v": torch.tensor([0.0])}.items(), 6, send)
 
 
-def test_in_process_loads_only_what_was_pushed():
-    t, engine = InProcess(), FakeEngine(FakeConfig())
-    t.load(engine, t.push({"w": torch.tensor([7.0])}.items(), 7, send=None))
-    assert (engine.version, engine.w) == (7, 7.0)
-    with pytest.raises(RuntimeError, match="version 8 were not pushed"):
-        t.load(engine, Ticket(8))
-
-
 def test_default_transports_and_placement():
     for c in (HFConfig(), FakeConfig(), VLLMConfig()):
-        assert type(build_transport(c.weight_transfer(in_process=True))) is InProcess
+        assert c.weight_transfer(in_process=True).kind == "in_process"      # sync: the executor hands them over
+        with pytest.raises(ValueError, match="needs no transport"):
+            build_transport(c.weight_transfer(in_process=True))
         assert type(build_transport(c.weight_transfer(in_process=False))) is SharedMemory
         assert c.worker_env() == {}                                       # colocated
 

@@ -22,7 +22,7 @@ class WeightTransfer:
     """How an engine built from a config receives weights, as plain values; the rollout layer builds
     the carrier (lit_ess/rollout/transport.py: `build_transport`).
 
-    kind: "in_process" (the engine reads the trainer's tensors), "shared_memory" (a slot of host shared
+    kind: "in_process" (sync mode: the engine reads the trainer's tensors, no transport), "shared_memory" (a slot of host shared
         memory, for an engine in the async worker process), "nccl" (vLLM's NCCL weight transfer) or
         "version_only" (another trainer rank pushes the weights; the engine is told the step only).
     bucket_mb, engine_ranks: nccl only, the bucket size and the engine's GPU workers.

@@ -531,8 +531,12 @@ class VLLMServerEngine(RolloutEngine, PoolOwner):
         """Write the weights as safetensors into a new folder of weights_dir (renamed into place when
         whole), make every server reload them, label them `version`, reset its prefix cache, check.
         The whole state dict is held in host memory while the file is written (one file).
-        A follower gets no tensors: it waits until the servers carry `version`. (Never while a server out of the
-        run is being taken back: the pool's `fleet` lock.)"""
+        A follower writes no tensors: it consumes the iterator (under FSDP2 every rank takes part in the
+        gathers rank 0's push makes) and waits until the servers carry `version`. (Never while a server out of
+        the run is being taken back: the pool's `fleet` lock.)"""
+        if self.role == "follows":
+            for _ in named_tensors:
+                pass
         with self.pool.fleet:
             self._push(named_tensors, version)
 

@@ -24,9 +24,9 @@
 Where the work runs is the executor's business (the placement, lit_ess/rollout/placement.py); the data
 module decides what to submit and when (the buffer's admission rule, lit_ess/rollout/buffer.py), the same
 way on every rank: each rank submits its own share and evaluates its own held-out prompts, with
-`InlineExecutor` (sync: the worker in the trainer's process, generation blocks training) or
-`lit_ess.rollout.process.WorkerProcess` (async: the worker in its own process, whose engine may be vLLM
-servers shared by every rank).
+`InlineExecutor` (sync: the worker in the trainer's process, generation blocks training; weights go
+straight to its engine) or `lit_ess.rollout.process.WorkerProcess` (async: the worker in its own process,
+whose engine may be vLLM servers shared by every rank; weights travel by a transport, transport.py).
 """
 from __future__ import annotations
 
@@ -65,10 +65,12 @@ class RolloutExecutor(Protocol):
 
 class InlineExecutor:
     """A RolloutWorker in the trainer's process: `submit` generates and scores at once (with the
-    weights the engine holds), `poll` returns what was done."""
+    weights the engine holds), `poll` returns what was done; `load_weights` hands the trainer's tensors
+    to the engine, unconsumed (FSDP2 gathers tensor by tensor as the engine loads; no copy, no transport)."""
     updates_in_flight = False
 
     def __init__(self, config: WorkerConfig):
+        config.engine.weight_transfer(in_process=True)       # refuses what needs the worker process: fails fast
         self.config = config
         self.worker: RolloutWorker | None = None
         self.done: list[tuple[int, object]] = []
@@ -86,7 +88,7 @@ class InlineExecutor:
         return self.worker.version
 
     def load_weights(self, named_tensors, version: int) -> None:
-        self.worker.load_weights(named_tensors, version)
+        self.worker.engine.load_weights(named_tensors, version)
 
     def restore(self, reward_counters: dict) -> None:
         self.worker.load_counters(reward_counters)

@@ -2,8 +2,8 @@
 
     trainer process                                   worker process (spawn)
     ---------------                                   ----------------------
-    load_weights(state, v) -> transport.push(...)     requests.get() -> ("transport", msg): worker.receive(msg)
-        messages it sends go on the request queue      -> a request naming newer weights: worker.load(ticket)
+    load_weights(state, v) -> transport.push(...)     requests.get() -> ("transport", msg): transport.receive
+        messages it sends go on the request queue      -> a request naming newer weights: transport.load
     submit(kind, payload) -> requests.put(..., ticket) -> worker.sample(request)     (engine)
     poll(timeout) -> [(id, result)]                   -> scoring thread: worker.score(...) (rewards)
                                                          -> results.put(pickled)
@@ -250,7 +250,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     die_with_parent()                    # a trainer killed or stopped takes its worker with it at once
     quiet_console()                      # the same console rules as the trainer (LIT_ESS_VERBOSE=1: all)
     try:
-        worker = RolloutWorker(config, in_process=False)
+        # the engine side of the weight transport, before the engine: fails fast
+        transport = build_transport(config.engine.weight_transfer(in_process=False))
+        worker = RolloutWorker(config)
     except EngineFault as e:             # e.g. a server refused at start: its one line
         results.put(("error", -1, e, None))
         return
@@ -293,7 +295,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             if ticket != have and not (in_flight and have is not None and ticket.version < have.version):
                 t0 = time.perf_counter()
                 report(f"{stage} {ticket.version}")
-                worker.load(ticket)
+                transport.load(worker.engine, ticket)
                 held["ticket"] = ticket
                 clock["weights"] += time.perf_counter() - t0
 
@@ -329,7 +331,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 continue
             if kind == "transport":
                 report("receiving weights")
-                worker.receive(payload)
+                transport.receive(worker.engine, payload)
                 clock["weights"] += time.perf_counter() - t1
                 continue
             if weights is not None:

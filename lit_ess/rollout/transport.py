@@ -1,4 +1,6 @@
-"""Weight transport: how the trainer's weights reach the rollout engine. One interface, four carriers.
+"""Weight transport: how the trainer's weights reach the engine of the async worker process
+(lit_ess/rollout/process.py). One interface, three carriers. (Sync mode needs none: InlineExecutor hands the
+trainer's tensors straight to its engine's `load_weights`.)
 
     trainer side                                      engine side (same process, or the worker process)
     ------------                                      -----------------------------------------------
@@ -6,15 +8,12 @@
                     send, in_use)                     t.load(engine, ticket)  before generating with it
 
 `send(msg)` hands a picklable message to the engine side, in order with the generation requests
-(trainer's process: a direct call; worker process: its request queue). A `Ticket` names one pushed
+(the worker process's request queue). A `Ticket` names one pushed
 version; requests carry the ticket of the weights they must be generated with. `in_use` lists the
 tickets that queued requests still name (a carrier with several buffers must not overwrite those).
 Each side builds its own transport object from what the engine config asks for
-(`EngineConfig.weight_transfer(in_process)`, plain values) with `build_transport`.
+(`EngineConfig.weight_transfer(in_process=False)`, plain values) with `build_transport`.
 
-* `InProcess` (sync mode): `load` calls `engine.load_weights` on the pushed iterator, unconsumed, so
-  an FSDP2 policy is gathered tensor by tensor as the engine loads (the worker pushes and loads in one
-  call, on every rank at the same point); no copy.
 * `SharedMemory` (async mode, default): 4 slots of shared memory (one flat tensor per dtype each,
   allocated at the first push and sent once); `push` copies into a slot no ticket in use names,
   `load` hands views of that slot to `engine.load_weights`. Works on CPU and on GPUs (via host memory).
@@ -59,14 +58,15 @@ Named = Iterable[tuple[str, Tensor]]
 def build_transport(spec: WeightTransfer) -> "WeightTransport":
     """The carrier an engine config asks for (`EngineConfig.weight_transfer`)."""
     if spec.kind == "in_process":
-        return InProcess()
+        raise ValueError("weight transfer 'in_process' needs no transport: the sync executor hands the weights "
+                         "to its engine")
     if spec.kind == "shared_memory":
         return SharedMemory()
     if spec.kind == "nccl":
         return NCCL(spec.bucket_mb, spec.engine_ranks)
     if spec.kind == "version_only":
         return VersionOnly()
-    raise ValueError(f"unknown weight transfer {spec.kind!r}; one of in_process, shared_memory, nccl, version_only")
+    raise ValueError(f"unknown weight transfer {spec.kind!r}; one of shared_memory, nccl, version_only")
 
 
 @dataclass(frozen=True)
@@ -88,23 +88,6 @@ class WeightTransport(ABC):
     @abstractmethod
     def load(self, engine: RolloutEngine, ticket: Ticket) -> None:
         """Engine side: make `engine` hold the weights of `ticket` (engine.version == ticket.version)."""
-
-
-class InProcess(WeightTransport):
-    """Trainer and engine in one process: the engine reads the trainer's tensors directly."""
-
-    def __init__(self):
-        self._pending: tuple[int, Named] | None = None
-
-    def push(self, named_tensors, version, send, in_use=()):
-        self._pending = (version, named_tensors)
-        return Ticket(version)
-
-    def load(self, engine, ticket):
-        if self._pending is None or self._pending[0] != ticket.version:
-            raise RuntimeError(f"InProcess transport: weights of version {ticket.version} were not pushed")
-        engine.load_weights(self._pending[1], ticket.version)
-        self._pending = None
 
 
 class VersionOnly(WeightTransport):

@@ -46,7 +46,6 @@ from lit_ess.rewards import RewardScorer
 from lit_ess.sampling import Completion, SamplingConfig, derive_seed
 
 from .dapo import METRICS, OverlongPenalty, overlong_penalty
-from .transport import Ticket, build_transport
 
 
 @dataclass
@@ -124,14 +123,13 @@ class WorkerConfig:
 
 
 class RolloutWorker:
-    """`in_process`: the worker lives in the trainer's process (sync) or in its own (async); it picks
-    the engine side of the weight transport (`EngineConfig.weight_transfer`)."""
+    """The engine, the reward scorer and the episode runner of one rank. Whoever holds it loads the
+    engine's weights: InlineExecutor (sync) directly, the worker process (async) through its transport."""
 
-    def __init__(self, config: WorkerConfig, in_process: bool = True):
+    def __init__(self, config: WorkerConfig):
         from transformers import AutoTokenizer
 
         self.config = c = config
-        self.transport = build_transport(c.engine.weight_transfer(in_process))   # before the engine: fails fast
         self.tokenizer = AutoTokenizer.from_pretrained(c.model_path)
         self.pad_id = pad_token_id(self.tokenizer)
         self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
@@ -149,18 +147,6 @@ class RolloutWorker:
     @property
     def version(self) -> int:
         return self.engine.version
-
-    def load_weights(self, named_tensors, version: int) -> None:
-        """Trainer's process: push through the transport, its messages delivered here directly."""
-        self.load(self.transport.push(named_tensors, version, self.receive))
-
-    def receive(self, msg) -> None:
-        """A message of the transport's trainer side (lit_ess/rollout/transport.py)."""
-        self.transport.receive(self.engine, msg)
-
-    def load(self, ticket: Ticket) -> None:
-        """Make the engine hold the weights `ticket` names."""
-        self.transport.load(self.engine, ticket)
 
     def counters(self) -> dict:
         """The cumulative failure counters, for checkpoints: the scorer's, and the environment's under "env"."""
