@@ -26,8 +26,8 @@ SCALE = {key: scale for scale, keys in {
     "ratio tail": ["train/ratio_max"],                       # one token's ratio: can be 100x the quantiles
     "fraction": ["train/capped_frac", "train/clip_ratio", "rollout/degenerate_frac", "rollout/truncated_frac",
                  "rollout/multi_version_frac", "perf/trainer_wait_frac", "perf/worker_idle_frac"],
-    "kl": ["train/kl_behavior", "train/approx_kl"],
-    "loss": ["train/loss", "train/policy_loss", "train/kl_term"],
+    "kl": ["train/kl_behavior", "train/approx_kl", "train/kl_term"],
+    "loss": ["train/loss", "train/policy_loss"],
     "grad norm": ["train/grad_norm"],
     "lr": ["train/lr"],
     "reward": ["rollout/reward_mean", "rollout/reward_std"],
@@ -51,10 +51,10 @@ LAYOUT = {
         "Ratio quantiles p05 / p50 / p95": _chart("train/ratio_p05", "train/ratio_p50", "train/ratio_p95"),
         "Ratio max": _chart("train/ratio_max"),
         "Capped / clipped token fraction": _chart("train/capped_frac", "train/clip_ratio"),
-        "KL to pi_b (nats)": _chart("train/kl_behavior", "train/approx_kl"),
+        "KL to pi_b (nats)": _chart("train/kl_behavior", "train/approx_kl", "train/kl_term"),
     },
     "lit-ess: optimisation": {
-        "Loss": _chart("train/loss", "train/policy_loss", "train/kl_term"),
+        "Loss": _chart("train/loss", "train/policy_loss"),
         "Grad norm": _chart("train/grad_norm"),
         "Learning rate": _chart("train/lr"),
     },

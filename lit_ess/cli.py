@@ -343,10 +343,11 @@ class LitESSCLI(LightningCLI):
                 if local is not None and any(local.is_relative_to(p) for p in held):
                     self._refuse(f"--overwrite true would remove {knob} {path}, which lies in the old run of "
                                  f"output_dir {self.output_dir}: copy it elsewhere first, or give another output_dir")
-            if held and not run.marked():
-                shown = ", ".join(sorted(str(p.relative_to(run.output_dir)) for p in held))
-                self._refuse(f"--overwrite true: output_dir {self.output_dir} holds {shown}, which no lit-ess fit wrote "
-                             f"(no {MARKER} file there): remove them yourself, or give another output_dir")
+            if unowned := run.unowned():
+                shown = ", ".join(sorted(str(p.relative_to(run.output_dir)) for p in unowned))
+                self._refuse(f"--overwrite true: output_dir {self.output_dir} holds {shown}, which its {MARKER} file does "
+                             f"not name as a lit-ess run's (a run of an earlier lit-ess, or not lit-ess's): remove them "
+                             f"yourself, or give another output_dir")
             if held and self.trainer.is_global_zero:
                 run.clear()
                 shown = ", ".join(sorted(str(p.relative_to(run.output_dir)) for p in held))

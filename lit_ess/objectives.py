@@ -573,6 +573,9 @@ class P3O(Objective):
                              f"'behavior_at_train_temperature')")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"p3o: kl_estimator={self.kl_estimator!r} is not one of {tuple(KL_ESTIMATORS)}")
+        if self.kl_estimator == "k3_sampled_capped" and not self.ess_cap:
+            raise ValueError("p3o: kl_estimator='k3_sampled_capped' caps the KL's weight at e_B as the policy gradient's "
+                             "is; with ess_cap=false nothing is capped: use kl_estimator='k3_sampled'")
         if self.kl_estimator.startswith("k3_sampled") and self.kl_anchor != "behavior":
             # rho * k3 estimates KL(pi || anchor) only for tokens drawn from the anchor; these are drawn from pi_b
             raise ValueError(f"p3o: kl_estimator={self.kl_estimator!r} estimates the KL on the sampler's own tokens and needs "

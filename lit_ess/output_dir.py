@@ -17,21 +17,22 @@ A folder holds one run. `fit` into an output_dir that already holds a run (any o
 inside it, holding something, or an hpc checkpoint) refuses to start in one line, unless told what to do:
 `--ckpt_path last` resumes from its newest readable checkpoint (logs continue where they stopped), `--overwrite
 true` removes the old run's folders above (only those inside output_dir; a config file or anything else kept
-there stays) and starts clean, but only in a folder a lit-ess fit marked as its own (`.lit-ess-run`, written at
-every fit's start): `--output_dir .` over a user's own ./model is refused, not emptied. A Slurm job requeued without --ckpt_path resumes from its hpc checkpoint, as
+there stays) and starts clean, but only folders a lit-ess fit named as its own (`.lit-ess-run`, written at every
+fit's start): `--output_dir .` over a user's own ./model is refused, not emptied. A Slurm job requeued without --ckpt_path resumes from its hpc checkpoint, as
 Lightning does. Before this, a second run went on silently: it wrote `last-v1.ckpt` beside the first run's
 `last.ckpt`, its curves into the first run's TensorBoard run, and a later `--ckpt_path last` loaded whichever
 file was newest.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 CHECKPOINTS, LOGS, MODEL = "checkpoints", "logs", "model"
-MARKER = ".lit-ess-run"       # written into output_dir by every fit: --overwrite clears only a folder that has it
+MARKER = ".lit-ess-run"       # written into output_dir by every fit, naming its folders: --overwrite clears only those
 TENSORBOARD = "lightning.pytorch.loggers.TensorBoardLogger"
 
 OUTPUT_DIR_HELP = (
@@ -106,15 +107,27 @@ class Run:
             return d.is_dir() and any(p.name != "config.yaml" for p in d.iterdir())
         return [d for d in self.folders if holds(d)] + [f for f in self.files if f.exists()]
 
-    def marked(self) -> bool:
-        """Whether a lit-ess fit ran here (its MARKER file): only then may --overwrite remove what `held` finds."""
-        return (self.output_dir / MARKER).is_file()
+    def unowned(self) -> list[Path]:
+        """What `held` finds that no lit-ess fit wrote: a folder the MARKER file (written by every fit into
+        output_dir, naming the folders it writes) does not list. --overwrite removes nothing when there is one."""
+        marker = self.output_dir / MARKER
+        try:
+            owned = set(json.loads(marker.read_text())["folders"]) if marker.is_file() else set()
+        except (ValueError, KeyError, TypeError):
+            owned = set()
+        return [p for p in self.held() if p.is_dir() and str(p.relative_to(self.output_dir)) not in owned]
 
     def mark(self) -> None:
-        """Say that this folder is a lit-ess run's (rank 0, once the run is allowed to start)."""
+        """Say which folders of output_dir are this lit-ess run's (rank 0, once the run is allowed to start): those
+        a later `fit --overwrite true` may remove. A folder named by an earlier fit stays named."""
+        marker = self.output_dir / MARKER
+        try:
+            before = json.loads(marker.read_text())["folders"] if marker.is_file() else []
+        except (ValueError, KeyError, TypeError):
+            before = []
+        folders = sorted(set(before) | {str(p.relative_to(self.output_dir)) for p in self.folders})
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / MARKER).write_text("A lit-ess run's folder: `lit-ess fit --overwrite true` may remove its "
-                                              "checkpoints/, logs/ and model/.\n")
+        marker.write_text(json.dumps({"written_by": "lit-ess fit", "folders": folders}) + "\n")
 
     def clear(self) -> list[Path]:
         """Remove what `held` finds; return it."""

@@ -314,6 +314,8 @@ def test_p3o_kl_on_the_samplers_tokens_with_its_weight_capped_hand_computed():
     assert lp.grad.tolist()[0] == pytest.approx([(-0.9 + 0.09 * LN2) / 2, 0.45], abs=1e-12)
     with pytest.raises(ValueError, match="needs kl_anchor='behavior'"):
         P3O(kl_estimator="k3_sampled_capped", kl_anchor="behavior_at_train_temperature")
+    with pytest.raises(ValueError, match="with ess_cap=false nothing is capped"):
+        P3O(kl_estimator="k3_sampled_capped", ess_cap=False)
 
 
 @given(st.floats(-60.0, 60.0), st.floats(0.01, 1.0))

@@ -140,8 +140,9 @@ def refused(tiny_model_dir, tmp_path_factory):
                       "from: start over with --overwrite true"),
     ("model inside", "lit-ess: error: --overwrite true would remove model_path runs/demo/rl/model, which lies in the old "
                      "run of output_dir runs/demo/rl: copy it elsewhere first, or give another output_dir"),
-    ("not a run", "lit-ess: error: --overwrite true: output_dir runs/demo/rl holds logs, which no lit-ess fit wrote "
-                  "(no .lit-ess-run file there): remove them yourself, or give another output_dir"),
+    ("not a run", "lit-ess: error: --overwrite true: output_dir runs/demo/rl holds logs, which its .lit-ess-run file "
+                  "does not name as a lit-ess run's (a run of an earlier lit-ess, or not lit-ess's): remove them yourself, "
+                  "or give another output_dir"),
 ])
 def test_what_cannot_be_resumed_or_started_over_is_one_line(refused, case, line):
     """validate --ckpt_path last with no checkpoint (not a validation of the untrained model_path); resume and
@@ -221,3 +222,20 @@ def test_a_folder_holding_only_the_config_of_a_fit_that_stopped_at_start_is_no_r
     assert run.held() == []
     (logs / "events.out.tfevents.1.host").write_bytes(b"")
     assert run.held() == [logs]
+
+
+def test_overwrite_may_remove_only_the_folders_a_lit_ess_fit_named(tmp_path):
+    """Every fit names its folders in output_dir's .lit-ess-run; --overwrite removes only those. A folder the user
+    made there later (a model/ a second config's ExportHF would write to) is not the run's, nor are folders of a
+    folder no fit marked."""
+    from lit_ess.output_dir import Run
+
+    ckpts, logs, model = tmp_path / "checkpoints", tmp_path / "logs", tmp_path / "model"
+    for d in (ckpts, logs, model):
+        d.mkdir()
+        (d / "x").write_text("x")
+    assert Run(tmp_path, [ckpts, logs, model]).unowned() == [ckpts, logs, model]      # no marker: nothing is ours
+    Run(tmp_path, [ckpts, logs]).mark()                                               # the first fit: no export
+    assert Run(tmp_path, [ckpts, logs, model]).unowned() == [model]                   # the user's model/ stays theirs
+    Run(tmp_path, [ckpts, logs, model]).mark()                                        # a fit that exports there
+    assert Run(tmp_path, [ckpts, logs]).unowned() == [] and Run(tmp_path, [model]).unowned() == []

@@ -25,6 +25,7 @@ own limit does: the turn after the last one comes back `terminated`, and `run()`
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import queue
 import threading
@@ -263,7 +264,7 @@ class Verifiers(Environment):
 
     @classmethod
     def check_limits(cls, kwargs: dict, step_timeout: float) -> None:
-        timeout = kwargs.get("timeout", 60.0)
+        timeout = kwargs.get("timeout", inspect.signature(cls).parameters["timeout"].default)
         if isinstance(timeout, (int, float)) and timeout >= step_timeout:
             raise ValueError(f"env.kwargs.timeout={timeout} s (Verifiers) must be below env.step_timeout={step_timeout} s, "
                              f"or a slow turn is abandoned by the runner instead of stopped: raise env.step_timeout (a "
