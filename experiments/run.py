@@ -160,15 +160,31 @@ def base_validation(out: Path, sft: Path, scale: Scale, summaries: Path, threads
         except RuntimeError as e:
             raise SystemExit(f"the warm start's {e}")
     dest = base_dir(summaries, temp)
-    here = read_csv(d / "metrics.csv")["val/pass@1"][-1][1]
-    if (dest / "summary.json").exists() and \
-            abs((stored := json.loads((dest / "summary.json").read_text())["final"]["val/pass@1"]) - here) > 1e-4:
-        raise SystemExit(f"the warm start in {out / '_base'} (held-out pass@1 {here:.5f} at T = {temp}) is not the one "
-                         f"the summaries in {summaries} were made from ({stored:.5f}): its runs would mix two starting "
-                         f"policies. Bring that warm start's {out / '_base'} here, or start the page over (another "
-                         f"--summaries folder, or remove {summaries})")
-    summarize(d, dest, {})
+    here, weights = read_csv(d / "metrics.csv")["val/pass@1"][-1][1], weights_sha256(sft)
+    stored = json.loads((dest / "summary.json").read_text()) if (dest / "summary.json").exists() else None
+    # the same warm start: the same weights (its SFT is deterministic here: a rebuilt one equals the stored one
+    # bit for bit), recorded in the summary; a summary without them: the same held-out pass@1 (a number that
+    # also depends on how the evaluation's samples are seeded, lit_ess.sampling.SEED_SCHEME)
+    same = stored is None or (stored["weights_sha256"] == weights if "weights_sha256" in stored
+                              else abs(stored["final"]["val/pass@1"] - here) <= 1e-4)
+    if not same:
+        was = stored.get("weights_sha256", f"held-out pass@1 {stored['final']['val/pass@1']:.5f}")
+        raise SystemExit(f"the warm start in {out / '_base'} (weights {weights[:12]}, held-out pass@1 {here:.5f} at T = "
+                         f"{temp}) is not the one the summaries in {summaries} were made from ({was[:24]}): its runs "
+                         f"would mix two starting policies. Bring that warm start's {out / '_base'} here, or start the "
+                         f"page over (another --summaries folder, or remove {summaries})")
+    if stored is None:                 # the stored one stays the page's step-0 point (as evaluated when it was made)
+        summarize(d, dest, {"weights_sha256": weights, "seed_scheme": SEED_SCHEME})
     return d
+
+
+def weights_sha256(model: Path) -> str:
+    """sha256 of a model folder's weight files (*.safetensors, by name): which warm start it is."""
+    h = hashlib.sha256()
+    for f in sorted(model.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def summarize(d: Path, dest: Path, summary: dict) -> None:

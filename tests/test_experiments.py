@@ -424,6 +424,20 @@ def test_runs_are_not_added_to_summaries_of_another_warm_start(tmp_path):
     (tmp_path / "summaries" / "_base" / "val" / "summary.json").write_text(json.dumps({"final": {"val/pass@1": 0.635}}))
     base_validation(tmp_path / "runs", tmp_path / "sft", FULL, tmp_path / "summaries")       # the same one: fine
 
+    # a summary that names its warm start's weights is judged by them, not by a pass@1 that another seeding of the
+    # evaluation's samples moves (the rebuilt warm start is the stored one bit for bit): kept as it was stored
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "model.safetensors").write_bytes(b"weights")
+    from experiments.run import weights_sha256
+
+    stored = {"weights_sha256": weights_sha256(tmp_path / "sft"), "final": {"val/pass@1": 0.574}}
+    (tmp_path / "summaries" / "_base" / "val" / "summary.json").write_text(json.dumps(stored))
+    base_validation(tmp_path / "runs", tmp_path / "sft", FULL, tmp_path / "summaries")       # 0.635 here: fine
+    assert json.loads((tmp_path / "summaries" / "_base" / "val" / "summary.json").read_text()) == stored
+    (tmp_path / "sft" / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(SystemExit, match="not the one"):
+        base_validation(tmp_path / "runs", tmp_path / "sft", FULL, tmp_path / "summaries")
+
 
 def test_selections_name_existing_cells_and_decisive_follows_the_breaks(tmp_path):
     """decisive: on each stress line's learning rate, every method at each level where one breaks and the
