@@ -158,9 +158,10 @@ class RolloutDataModule(L.LightningDataModule):
         reward_timeout: seconds per completion for rewards run in a worker process (> 0); a completion that
             takes longer scores 0 and is counted in `rollout/reward_timeouts`.
         reward_in_worker: run the reward in a worker process with `reward_timeout`, so a verifier that
-            hangs costs one completion, not the run. None (default): only math_verify; true: any reward
-            (e.g. a `module:function` that may hang; the worker process must import its module);
-            false: in this process, no timeout.
+            hangs costs one completion, not the run. None (default): only math_verify; true: every function
+            reward (e.g. a `module:function` that may hang; the worker process must import its module; a
+            RewardModel or LLMJudge, always scored in the scoring process, is refused with it); false: in
+            this process, no timeout.
         max_reward_error_rate: a reward that raises or returns something other than a finite number
             scores 0 and is counted (`rollout/reward_errors`, the first error shown as a warning); a
             rollout phase or validation batch in which more than this share of the completions fail
@@ -272,7 +273,7 @@ class RolloutDataModule(L.LightningDataModule):
         reward = as_rewards(reward) if isinstance(reward, (list, ModelReward)) else reward
         for src in (self.source, val_source):     # a typo, a non-function or an unknown column fails now
             if src is not None:
-                RewardScorer(reward, columns=common_columns(src.examples)).close()
+                RewardScorer(reward, columns=common_columns(src.examples), in_worker=reward_in_worker).close()
         if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
             raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
                              f"{samples_per_prompt} rows of a rollout")
@@ -566,7 +567,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                                                   [prompt_text(examples[i].prompt) for i in mine],
                                                   [examples[i].answer for i in mine], prompt_keys=list(mine),
-                                                  columns=[examples[i].columns for i in mine])
+                                                  columns=[examples[i].columns for i in mine],
+                                                  conversations=[conversation(examples[i].prompt) for i in mine])
             self.next_plan += 1
         return self.requests[phase]
 
@@ -578,7 +580,7 @@ class RolloutDataModule(L.LightningDataModule):
         return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                               [prompt_text(examples[i].prompt) for i in mine], [examples[i].answer for i in mine],
                               prompt_keys=[round * len(idx) + i for i in mine], columns=[examples[i].columns for i in mine],
-                              round=round)
+                              conversations=[conversation(examples[i].prompt) for i in mine], round=round)
 
     def _next_examples(self, k: int) -> list[tuple[int, Example]]:
         return [(i, self.source.examples[i]) for i in self.prompt_order.take(k)]
@@ -625,7 +627,8 @@ class RolloutDataModule(L.LightningDataModule):
         req = EvalRequest([self.encode_prompt(e[1]) for e in examples], [e[2] for e in examples],
                           [e[0] for e in examples], self.val_samples, self.val_sampling,
                           prompt_texts=[prompt_text(e[1]) for e in examples],
-                          columns=[e[3] if len(e) > 3 else {} for e in examples])
+                          columns=[e[3] if len(e) > 3 else {} for e in examples],
+                          conversations=[conversation(e[1]) for e in examples])
         rid = self.executor.submit("evaluate", req)
 
         def attempt():
@@ -687,6 +690,11 @@ def reward_hparams(r: Reward) -> dict:
     """A Reward as plain values; a model's config with its class name."""
     fn = r.fn if isinstance(r.fn, str) else {"class": type(r.fn).__name__, **asdict(r.fn)}
     return {**asdict(r), "fn": fn}
+
+
+def conversation(prompt: Prompt) -> list[dict] | None:
+    """A chat prompt's messages, as a reward model renders them with its own template; None for a text prompt."""
+    return None if isinstance(prompt, str) else list(prompt)
 
 
 def common_columns(examples: list[Example]) -> list[str]:

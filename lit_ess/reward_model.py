@@ -5,8 +5,12 @@ TRL's `reward_funcs=<model id>` and OpenRLHF's `--reward_pretrain`: the texts of
 logit of each text's last non-pad token (transformers finds it from `config.pad_token_id`, which is set
 from the tokenizer when the checkpoint lacks it), and that logit is the reward:
 
-    text_i  = chat_template([user: prompt_i, assistant: completion_i])   (or prompt_i + completion_i)
-    r_i     = model(tokens(text_i)).logits[0]                             logits: [B, 1]
+    text_i  = chat_template([*messages_i, assistant: completion_i])   (or prompt_i + completion_i)
+    r_i     = model(tokens(text_i)[-L:]).logits[0]                     logits: [B, 1], L = max positions
+
+messages_i is a chat prompt's own conversation (system message and turns as the dataset row has them), or
+[user: prompt_i] for a text prompt. A text longer than the model's positions L keeps its last L tokens (the
+completion, whose last token is pooled), and the run warns once, counting them in `truncated`.
 
 The model is loaded once per process that scores (the trainer's in sync mode, the rollout worker's in
 async mode), on the first call, and kept for the run.
@@ -14,6 +18,7 @@ async mode), on the first call, and kept for the run.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,6 +55,7 @@ class RewardModel(ModelReward):
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
 
     label = "reward_model"
+    truncated = 0                        # texts of this process cut to the model's positions so far
 
     def __post_init__(self):
         check_model_path(self.path, "RewardModel.path")
@@ -68,26 +74,45 @@ class RewardModel(ModelReward):
 
     warm_up = load
 
-    def texts(self, prompts: list[str], completions: list[str], tokenizer) -> list[str]:
+    def texts(self, prompts: list[str], completions: list[str], tokenizer,
+              conversations: list | None = None) -> list[str]:
+        """Each sample as the model reads it: its conversation (a chat prompt's messages, else the prompt as
+        a user message) and the completion as the assistant's, in the model's template; or plain text."""
         if not self.chat_template:
             return [p + c for p, c in zip(prompts, completions)]
         if not tokenizer.chat_template:
             raise ValueError(f"reward model {self.path!r} has no chat template: set RewardModel.chat_template: false "
                              f"(prompt + completion as plain text)")
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
-                                              tokenize=False) for p, c in zip(prompts, completions)]
+        conversations = conversations or [None] * len(prompts)
+        return [tokenizer.apply_chat_template([*(m or [{"role": "user", "content": p}]),
+                                               {"role": "assistant", "content": c}], tokenize=False)
+                for p, c, m in zip(prompts, completions, conversations)]
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], completions: list[str]) -> list[float]:
+    def __call__(self, prompts: list[str], completions: list[str], conversations: list | None = None) -> list[float]:
         model, tok = self.load()
-        texts = self.texts(prompts, completions, tok)
-        scores = []
+        texts = self.texts(prompts, completions, tok, conversations)
+        limit = positions(model.config, tok)
+        scores, cut = [], 0
         for i in range(0, len(texts), self.batch_size):
-            enc = tok(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+            batch = texts[i:i + self.batch_size]
+            cut += sum(len(ids) > limit for ids in tok(batch, add_special_tokens=not self.chat_template)["input_ids"])
+            enc = tok(batch, return_tensors="pt", padding=True, truncation=True, max_length=limit,
                       add_special_tokens=not self.chat_template).to(model.device)
             logits = model(**enc).logits                          # [B, 1]
             scores += logits[:, 0].float().tolist()
+        if cut:
+            if not self.truncated:
+                warnings.warn(f"reward model {self.path!r}: {cut} of {len(texts)} texts are longer than its "
+                              f"{limit} positions and keep their last {limit} tokens (warned once)", stacklevel=2)
+            self.truncated += cut
         return scores
+
+
+def positions(config, tokenizer) -> int:
+    """The longest text the model reads, in tokens: its position table's size."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or \
+        tokenizer.model_max_length
 
 
 def _load(path: str, device: str, dtype: str):
@@ -99,6 +124,7 @@ def _load(path: str, device: str, dtype: str):
                          f"sequence-classification checkpoint with num_labels: 1)")
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "right"
+    tok.truncation_side = "left"                     # a text past the positions keeps its end: the pooled token
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token                # as TRL: the last non-pad token is the text's own last
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)

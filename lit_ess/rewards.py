@@ -4,9 +4,10 @@ They only parse model text, they never execute or eval it. `RewardScorer` runs t
 a value that is not a finite number (None, a string, NaN, inf), scores 0 and is counted in `errors`;
 the first one is shown as a warning, and a batch in which more than `max_error_rate` of the completions
 fail stops the run with a `RewardError` naming the reward and its error (a reward that fails on every
-input would otherwise train on zeros to the end). `math_verify` (sympy), and any reward given
+input would otherwise train on zeros to the end). `math_verify` (sympy), and every function reward given
 `in_worker=True`, runs in a worker process with a timeout per completion, and a timeout scores 0 and is
-counted in `timeouts`. The worker imports a `module:function` reward by its module name (spawn passes it
+counted in `timeouts`; the others of a weighted list, a `ModelReward` always, run in the scoring process
+(a model or a judge's server is never in a process that a timeout kills). The worker imports a `module:function` reward by its module name (spawn passes it
 the parent's sys.path).
 
 The worker is started, and warmed up (its imports done), before any completion is timed, so its start
@@ -16,9 +17,10 @@ dies (segfault, out of memory) scores that completion 0, counts an error, and is
 
 What a reward sees is decided by its parameter names, read once when the scorer is built (`bind`):
 `prompt`, `completion`, `answer`, and any column of the dataset's row by its own name (`**kwargs` gets
-every column). A reward decorated with `@batched` scores a whole phase at once, TRL's convention:
-`prompts`, `completions`, `answers` and each column as a list, returning one number per sample. Either
-kind may be `async def`: per-sample coroutines of a call run concurrently. A list of `Reward`s is
+every column; an optional parameter only when it is one of the three). A reward decorated with
+`@batched` scores a whole phase at once, TRL's convention: `prompts`, `completions`, `answers` and each
+column as a list (and `conversations`: a chat prompt's messages, None for a text prompt), returning one
+number per sample. Either kind may be `async def`: per-sample coroutines of a call run concurrently. A list of `Reward`s is
 scored as their weighted sum; each one's mean is kept in `RewardScorer.parts` for logging. A reward
 that is a configured object rather than a function (a `ModelReward`: lit_ess.reward_model.RewardModel,
 lit_ess.engines.LLMJudge) is a @batched reward too; a batched reward may give an exception for a sample
@@ -142,7 +144,10 @@ class ModelReward:
     label = "model"
 
     def warm_up(self) -> None:
-        """Load what scoring needs (a reward worker process calls it before any completion is timed)."""
+        """Load what scoring needs (the data module calls it before the first phase is timed)."""
+
+    def check_columns(self, columns: list[str]) -> None:
+        """Refuse, in one line, what the dataset's `columns` cannot give (called by `bind` at start)."""
 
 
 @dataclass
@@ -224,10 +229,12 @@ class BoundReward:
         """The function on one call's arguments (`kwargs`); a coroutine for an async reward."""
         return self.fn(kw["completion"], kw["answer"]) if self.positional else self.fn(**kw)
 
-    def kwargs(self, prompts: list[str], completions: list[str], answers: list[str], rows: list[dict]) -> list[dict]:
+    def kwargs(self, prompts: list[str], completions: list[str], answers: list[str], rows: list[dict],
+               conversations: list | None = None) -> list[dict]:
         """One call's arguments: per sample, or (batched) one dict of lists."""
         if self.batched:
-            known = {"prompts": prompts, "completions": completions, "answers": answers}
+            known = {"prompts": prompts, "completions": completions, "answers": answers,
+                     "conversations": conversations or [None] * len(completions)}
             cols = (set(rows[0]) if rows else set()) if self.varkw else set(self.params) - set(known)
             return [{**{c: [r.get(c) for r in rows] for c in cols},
                      **{k: v for k, v in known.items() if k in self.params}}]
@@ -247,7 +254,9 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
     fn = resolve_reward(spec.fn)
     where = spec.fn if isinstance(spec.fn, str) else type(spec.fn).__name__
     is_batched = bool(getattr(fn, "batched", False))
-    known = ("prompts", "completions", "answers") if is_batched else ("prompt", "completion", "answer")
+    known = ("prompts", "completions", "answers", "conversations") if is_batched else ("prompt", "completion", "answer")
+    if isinstance(fn, ModelReward) and columns is not None:
+        fn.check_columns(columns)
     try:
         sig = inspect.signature(fn)
     except ValueError:                        # no signature to inspect (a builtin): called as f(completion, answer)
@@ -257,8 +266,8 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
     for p in sig.parameters.values():
         if p.kind is p.VAR_KEYWORD:
             varkw = True
-        elif p.kind is p.VAR_POSITIONAL or p.default is not p.empty:
-            continue
+        elif p.kind is p.VAR_POSITIONAL or (p.default is not p.empty and p.name not in known):
+            continue                          # optional: given only when it is one of what a call gives
         elif p.kind is p.POSITIONAL_ONLY:
             raise ValueError(f"reward {where!r}: parameter {p.name!r} is positional-only; rewards are called by "
                              f"parameter name")
@@ -386,7 +395,8 @@ class RewardScorer:
         timeout: seconds per completion for rewards run in a worker (math_verify), the worker's start
             not included, and for a URL's request; a batched reward gets this much per completion of its
             batch.
-        in_worker: run in a worker process (default: only for math_verify).
+        in_worker: run the function rewards in a worker process (default: only math_verify); a ModelReward
+            always runs in this process (true with one is refused).
         startup_timeout: seconds a new worker may take to start and import the reward.
         max_error_rate: a call in which more than this share of the completions fail raises
             RewardError (1.0: never).
@@ -407,7 +417,11 @@ class RewardScorer:
         self.name = name if isinstance(name, str) else ", ".join(r.name for r in self.rewards)
         self.fn = self.rewards[0].fn
         self.timeout, self.startup_timeout = timeout, startup_timeout
-        self.in_worker = ({r.name for r in self.rewards} & IN_WORKER != set()) if in_worker is None else in_worker
+        if in_worker and (model := next((r for r in self.rewards if isinstance(r.fn, ModelReward)), None)):
+            raise ValueError(f"reward_in_worker: true with {model.name} (a model reward, its model or server loaded by "
+                             f"the process that scores): leave reward_in_worker null")
+        # the rewards run in the worker process, by position; a model reward never (a timeout would kill its model)
+        self.in_worker = [r.name in IN_WORKER if in_worker is None else in_worker for r in self.rewards]
         self._pool: ProcessPoolExecutor | None = None
         self.errors = 0
         self.timeouts = 0
@@ -424,8 +438,9 @@ class RewardScorer:
             self._pool = ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
                                              initializer=die_with_parent)        # never outlives the run
             try:
-                for r in self.rewards:
-                    self._pool.submit(_warm_up, r.fn).result(timeout=self.startup_timeout)
+                for r, there in zip(self.rewards, self.in_worker):
+                    if there:
+                        self._pool.submit(_warm_up, r.fn).result(timeout=self.startup_timeout)
             except (FutureTimeout, BrokenProcessPool) as e:
                 self._kill_worker()
                 raise RuntimeError(f"reward {self.name!r}: its worker process did not start within "
@@ -445,26 +460,27 @@ class RewardScorer:
             self._kill_worker()
             return [(0.0, "reward worker process died")] * n
 
-    def _score(self, reward: BoundReward, kws: list[dict], n: int) -> list[tuple[float, str | None]]:
+    def _score(self, reward: BoundReward, kws: list[dict], n: int, in_worker: bool) -> list[tuple[float, str | None]]:
         if reward.batched:
-            if self.in_worker:
+            if in_worker:
                 return self._in_worker(_safe_batch, reward, kws[0], n, timeout=self.timeout * n, n=n)
             return _safe_batch(reward, kws[0], n)
-        if self.in_worker:               # one completion at a time: a timeout costs that one
+        if in_worker:               # one completion at a time: a timeout costs that one
             return [out for kw in kws for out in self._in_worker(_safe_scores, reward, [kw], timeout=self.timeout, n=1)]
         if reward.is_async:
             return asyncio.run(_gather(reward, kws))
         return _safe_scores(reward, kws)
 
     def __call__(self, completions: list[str], answers: list[str], prompts: list[str] | None = None,
-                 rows: list[dict] | None = None) -> list[float]:
-        """The total reward of each completion; `prompts` and the dataset `rows` (columns) per completion."""
+                 rows: list[dict] | None = None, conversations: list | None = None) -> list[float]:
+        """The total reward of each completion; `prompts` (text), the dataset `rows` (columns) and `conversations`
+        (a chat prompt's messages, None for a text prompt) per completion."""
         n = len(completions)
         prompts = prompts if prompts is not None else [""] * n
         rows = rows if rows is not None else [{}] * n
         totals = [0.0] * n
-        for reward in self.rewards:
-            results = self._score(reward, reward.kwargs(prompts, completions, answers, rows), n)
+        for reward, in_worker in zip(self.rewards, self.in_worker):
+            results = self._score(reward, reward.kwargs(prompts, completions, answers, rows, conversations), n, in_worker)
             errors = [err for _, err in results if err is not None]
             for err in errors:
                 if self.errors == 0:

@@ -55,6 +55,67 @@ def test_reward_model_refusals_are_one_line(rm_dir, tiny_model_dir, tmp_path):
         RewardModel(tiny_model_dir, chat_template=False)(["p"], ["c"])           # a causal LM, not a reward model
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_prompt_reaches_the_reward_model_as_its_own_conversation(rm_dir, tmp_path):
+    """A conversation (system + user) is rendered message by message with the RM's template, the completion as
+    the assistant's turn, not flattened to one '[system] ...\n[user] ...' user message; a text prompt is one
+    user message."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    chat_dir = tmp_path / "rm_chat"
+    shutil.copytree(rm_dir, chat_dir)
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    tok.chat_template = CHATML
+    tok.save_pretrained(chat_dir)
+    rm = RewardModel(str(chat_dir), batch_size=2)
+    model, tok = rm.load()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
+    own = [model(**tok(tok.apply_chat_template(m + [{"role": "assistant", "content": "2"}], tokenize=False),
+                       add_special_tokens=False, return_tensors="pt")).logits[0, 0].item()
+           for m in (chat, [{"role": "user", "content": "3+3="}])]
+    scorer = RewardScorer(rm)
+    got = scorer(["2", "2"], ["", ""], ["[system] Be brief.\n[user] 1+1=", "3+3="], [{}, {}], [chat, None])
+    assert got == pytest.approx(own, abs=1e-5)
+
+
+def test_a_text_longer_than_the_reward_models_positions_keeps_its_end(rm_dir):
+    """The tiny RM has 256 positions: a 400-byte text is scored on its last 256 tokens (the pooled last token
+    kept), warned once and counted; shorter texts of the same batch are unchanged."""
+    rm = RewardModel(rm_dir, chat_template=False, batch_size=2)
+    model, tok = rm.load()
+    long = "".join(chr(97 + i % 26) for i in range(400))
+    with torch.no_grad():
+        tail = model(input_ids=tok(long, return_tensors="pt")["input_ids"][:, -256:]).logits     # no special tokens
+        short = model(**tok("ab", return_tensors="pt")).logits[0, 0].item()
+    with pytest.warns(UserWarning, match=r"1 of 2 texts are longer than its 256 positions and keep their last 256"):
+        assert rm(["", "a"], [long, "b"]) == pytest.approx([tail[0, 0].item(), short], abs=1e-5)
+    assert rm.truncated == 1
+
+
+def test_model_rewards_are_scored_in_this_process_beside_math_verify(rm_dir):
+    """math_verify runs in the killable reward worker; the reward model of the same list is loaded and scored
+    here (a timeout would otherwise kill and reload it); reward_in_worker: true with a model reward is refused."""
+    from lit_ess import reward_model
+
+    reward_model._LOADED.clear()
+    rm = RewardModel(rm_dir, chat_template=False)
+    scorer = RewardScorer([Reward("math_verify"), Reward(rm, name="rm")])
+    try:
+        got = scorer(["$2$", "3"], ["2", "2"], ["1+1=", "1+1="])
+        assert scorer._pool is not None and reward_model._LOADED            # the worker for math_verify; the RM here
+        assert got == pytest.approx([1 + s for s in rm(["1+1="] * 2, ["$2$", "3"])][:1] + rm(["1+1="], ["3"]),
+                                    abs=1e-5)
+    finally:
+        scorer.close()
+    with pytest.raises(ValueError, match=r"^reward_in_worker: true with RewardModel \(a model reward"):
+        RewardScorer([Reward("gsm8k"), Reward(rm, name="rm")], in_worker=True)
+
+
 def test_judge_parse_rule():
     j = LLMJudge(model="m", url="http://127.0.0.1:1")
     assert j.parse("I give it 7/10. Score: 8") == pytest.approx(0.8)          # the last number, / max_score 10
@@ -74,10 +135,80 @@ def test_judge_parse_rule():
     ({"template": "{prompt} {0}"}, r"LLMJudge\.template: \{0\} is not a name"),
     ({"template": "{prompt"}, r"LLMJudge\.template is not a format string"),
     ({"url": "localhost:8000"}, r"LLMJudge\.url='localhost:8000' is not an http\(s\):// URL"),
+    ({"url": None, "model": "Qwen/Qwen2.5-7B-Instruct"}, r"LLMJudge\.model='Qwen/Qwen2\.5-7B-Instruct' is not a "
+                                                         r"folder: a launched judge \(url: null\) serves a model folder"),
+    ({"api_key_env": "LIT_ESS_TEST_NO_SUCH_KEY"}, r"LLMJudge\.api_key_env='LIT_ESS_TEST_NO_SUCH_KEY': that "
+                                                   r"environment variable is unset or empty"),
 ])
 def test_judge_knobs_are_one_line(kwargs, says):
     with pytest.raises(ValueError, match="^" + says):
         LLMJudge(**{"model": "m", "url": "http://127.0.0.1:1", **kwargs})
+
+
+def test_lit_ess_token_goes_to_a_launched_or_loopback_judge_only(monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("LIT_ESS_SERVER_TOKEN", "secret")
+    monkeypatch.setenv("JUDGE_KEY", "theirs")
+    mine = {"Content-Type": "application/json", "Authorization": "Bearer secret"}
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000/v1", "http://[::1]:8000"):
+        assert LLMJudge(model="m", url=url).headers() == mine
+    assert LLMJudge(model=tiny_model_dir).headers() == mine                     # launched by this process
+    assert LLMJudge(model="m", url="https://api.example.com").headers() == {"Content-Type": "application/json"}
+    assert LLMJudge(model="m", url="https://api.example.com", api_key_env="JUDGE_KEY").headers()["Authorization"] \
+        == "Bearer theirs"
+
+
+def test_a_judge_url_given_as_an_openai_base_url_is_its_server():
+    assert LLMJudge(model="m", url="http://host:8000/v1/").server() == ("http://host:8000", "m")
+    assert LLMJudge(model="m", url="http://host:8000/").server() == ("http://host:8000", "m")
+
+
+def test_a_launched_judge_runs_on_this_ranks_gpu(monkeypatch, tiny_model_dir):
+    """The trainer's rank on cuda:1 under CUDA_VISIBLE_DEVICES=4,5 launches its judge on GPU 5 alone; a rollout
+    worker process launches it on the device placement names for its rank."""
+    from lit_ess.engines import judge as module
+    from lit_ess.engines import server_launch
+
+    launched = []
+
+    class Launched:
+        url = "http://127.0.0.1:1"
+
+        def wait_ready(self, timeout):
+            return 0.0
+
+    def launch(model, settings, host, port, log_file, serve=False, env=None):
+        launched.append(env)
+        return Launched()
+
+    monkeypatch.setattr(server_launch, "launch", launch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setattr(module, "_SERVERS", {})
+    LLMJudge(model=tiny_model_dir).warm_up()
+    monkeypatch.setattr(module, "_SERVERS", {})
+    monkeypatch.setenv(module.RANK_DEVICE_ENV, "7")
+    LLMJudge(model=tiny_model_dir).warm_up()
+    assert launched == [{"CUDA_VISIBLE_DEVICES": "5"}, {"CUDA_VISIBLE_DEVICES": "7"}]
+
+
+def test_a_template_field_that_is_no_column_fails_at_start():
+    with pytest.raises(ValueError, match=r"^LLMJudge\.template names \{levle\}, which is neither prompt, completion, "
+                                         r"answer nor a column of the dataset \(columns: level, id\)$"):
+        RewardScorer(LLMJudge(model="m", url="http://127.0.0.1:1", template="{prompt} {levle}"), columns=["level", "id"])
+    RewardScorer(LLMJudge(model="m", url="http://127.0.0.1:1", template="{prompt} {level}"), columns=["level"])
+
+
+def test_a_judge_that_refuses_the_connection_is_said_so_and_a_null_reply_has_no_score():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                     # bound, not listening: the connection is refused
+        scorer = RewardScorer(LLMJudge(model="m", url=f"http://127.0.0.1:{port}"), max_error_rate=1.0)
+        with pytest.warns(UserWarning, match=r"RuntimeError: the judge at http://127\.0\.0\.1:\d+ refused the "
+                                             r"connection: no server listens there"):
+            assert scorer(["a"], ["1"]) == [0.0]
+    with pytest.raises(ValueError, match=r"no score in the judge's reply ''"):
+        LLMJudge(model="m", url="http://127.0.0.1:1").parse(None)
 
 
 def test_a_judge_that_never_answers_is_a_counted_timeout_error():
@@ -142,6 +273,10 @@ def test_a_judge_reply_that_parses_is_its_score_and_one_that_does_not_is_a_count
     assert scorer.errors == 3
     with pytest.warns(UserWarning), pytest.raises(RewardError, match=r"reward 'LLMJudge' failed on 3 of 3 completions"):
         RewardScorer(never, columns=["level"])(completions, answers, prompts, rows)
+    # the OpenAI client's base_url form, .../v1, is the same server
+    by_base = LLMJudge(model=name, url=url + "/v1", chat=False, template=TEMPLATE, max_tokens=4, max_score=1.0,
+                       extra_body=NUMBER)
+    assert RewardScorer(by_base, columns=["level"])(completions, answers, prompts, rows) == [float(r) for r in replies]
     # HTTP errors: the tiny model has no chat template (chat: true), and a model the server does not serve
     for bad in (LLMJudge(model=name, url=url, template=TEMPLATE), LLMJudge(model="nope", url=url, chat=False)):
         scorer = RewardScorer(bad, columns=["level"], max_error_rate=1.0)

@@ -134,11 +134,11 @@ STARTUP_PROGRESS_S = 15.0      # a console line every this many seconds while a 
 
 
 def launch(model_path: str, c: ServerSettings, host: str, port: int, log_file: str | None,
-           serve: bool = False) -> LaunchedServer:
+           serve: bool = False, env: dict[str, str] | None = None) -> LaunchedServer:
     """Launch a server for `model_path` on `host`:`port` (vLLM's last --host in `c.server_args` wins) once it
     is known to be lit-ess's alone: the port is free, and a host other machines reach has the shared token (one
     line naming the knob otherwise: `serve`'s flags, or the engine's); it is given a new id, which its
-    readiness check reads back (lit_ess/engines/guard.py)."""
+    readiness check reads back (lit_ess/engines/guard.py). `env`: more of its environment (its devices)."""
     cmd = server_command(model_path, c, host, port)
     host = _last_host(cmd)
     where = f"--host {host}" if serve or host == "127.0.0.1" else f"engine.server_args --host {host}"
@@ -150,7 +150,7 @@ def launch(model_path: str, c: ServerSettings, host: str, port: int, log_file: s
         raise ValueError(f"{'--port' if serve else 'engine.port'} {port}: {held}: {fix}")
     local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
     server_id = uuid.uuid4().hex
-    return LaunchedServer(cmd, dict(server_env(c), **{ID_ENV: server_id}), log_file, f"http://{local}:{port}",
+    return LaunchedServer(cmd, dict(server_env(c), **(env or {}), **{ID_ENV: server_id}), log_file, f"http://{local}:{port}",
                           server_id, fix)
 
 

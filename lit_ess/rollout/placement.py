@@ -22,6 +22,7 @@ import torch
 
 from lit_ess.engines import EngineConfig, VLLMServerConfig
 from lit_ess.engines.base import visible_devices
+from lit_ess.engines.judge import RANK_DEVICE_ENV
 from lit_ess.engines.server_launch import free_port
 from lit_ess.engines.vllm_server import FollowerConfig, LeaderConfig
 
@@ -84,9 +85,9 @@ def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks
                          "rank's engine on the same devices: use placement: dedicated with engine: "
                          "lit_ess.engines.VLLMServerConfig (one server on those devices, shared by every rank)")
     env = None
-    if torch.cuda.is_available() and not own_devices:    # the rank's own GPU, not every worker on cuda:0
-        env = {"CUDA_VISIBLE_DEVICES": visible_devices([torch.cuda.current_device()],
-                                                       os.environ.get("CUDA_VISIBLE_DEVICES"))}
+    if torch.cuda.is_available():      # the rank's own GPU, not every worker on cuda:0; a launched judge's too
+        mine = visible_devices([torch.cuda.current_device()], os.environ.get("CUDA_VISIBLE_DEVICES"))
+        env = {RANK_DEVICE_ENV: mine, **({} if own_devices else {"CUDA_VISIBLE_DEVICES": mine})}
     if dedicated and not config.engine.urls:             # rank 0's server generates for every rank: their threads
         env = {**(env or {}), **dedicated_threads(ranks.world, config.engine.worker_env())}
     return WorkerProcess(config, progress_timeout=worker_timeout, env=env)

@@ -60,6 +60,7 @@ class RolloutRequest:
     answers: list[str]
     prompt_keys: list[int] | None = None
     columns: list[dict] | None = None     # each prompt's dataset row, for rewards that take columns by name
+    conversations: list | None = None     # each prompt's chat messages (None for a text prompt), for a reward model
     round: int = 0                        # dynamic sampling: the phase's generation round (0: its first)
 
 
@@ -75,6 +76,7 @@ class EvalRequest:
     sampling: SamplingConfig | None = None
     prompt_texts: list[str] | None = None
     columns: list[dict] | None = None
+    conversations: list | None = None
 
 
 @dataclass
@@ -187,7 +189,8 @@ class RolloutWorker:
         t0 = time.perf_counter()
         if self.runner is None:
             rewards = self.scorer(texts, _repeat(req.answers, n), _repeat(req.prompt_texts, n),
-                                  _repeat(_rows(req.columns, len(groups)), n))
+                                  _repeat(_rows(req.columns, len(groups)), n),
+                                  _repeat(req.conversations or [None] * len(groups), n))
             rewards = torch.tensor(rewards, dtype=torch.float32).view(len(groups), n)
         else:
             rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
@@ -286,7 +289,8 @@ class RolloutWorker:
 
     def score_eval(self, req: "EvalRequest", texts: list[str], lengths: list[int]) -> dict[str, torch.Tensor]:
         rewards = self.scorer(texts, _repeat(req.answers, req.n), _repeat(req.prompt_texts or [""] * len(req.answers), req.n),
-                              _repeat(_rows(req.columns, len(req.answers)), req.n))
+                              _repeat(_rows(req.columns, len(req.answers)), req.n),
+                              _repeat(req.conversations or [None] * len(req.answers), req.n))
         return {"reward": torch.tensor(rewards, dtype=torch.float32).view(-1, req.n),
                 "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
 
