@@ -16,7 +16,7 @@ from test_envs import byte_tok, chat_tok, ids  # noqa: F401  (fixtures)
 from lit_ess.datamodules.prompts import Example, encode_prompt
 from lit_ess.engines import RolloutEngine
 from lit_ess.sampling import Completion, SamplingConfig, derive_seed
-from lit_ess.envs import Agent, AgentRunner, EnvConfig, EnvError, EpisodeRunner, make_runner
+from lit_ess.envs import Agent, AgentRunner, EnvConfig, EnvError, EpisodeRunner, RetryArithmetic, make_runner
 from lit_ess.envs.agent import Call, assemble
 from lit_ess.envs.proxy import RequestError
 from lit_ess.envs.episodes import Episode
