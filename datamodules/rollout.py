@@ -58,6 +58,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lit_ess.advantages import Advantage, resolve_advantage
 from lit_ess.batch import RolloutBatch
 from lit_ess.data import RolloutConsumer
 from lit_ess.engines import EngineConfig, VLLMConfig, VLLMServerConfig
@@ -150,7 +151,7 @@ class RolloutDataModule(L.LightningDataModule):
             `async def` (docs/rewards.md). With `env`, the environment gives the training rewards and
             `reward` scores the held-out prompts (one turn each).
         env: multi-turn rollouts (lit_ess.envs.EnvConfig): each sample is an episode of this environment
-            (e.g. {env: retry_arithmetic, kwargs: {max_tries: 3}, max_turns: 3}) in which the policy and
+            (e.g. {env: {class_path: lit_ess.envs.RetryArithmetic, init_args: {max_tries: 3}}, max_turns: 3}) in which the policy and
             the environment take turns, token in, token out; the environment's tokens are context with
             completion mask 0 and no behaviour logprob, a row's version is its episode's oldest turn's.
             Environment failures count as failing rewards (max_reward_error_rate). None (default): one
@@ -189,7 +190,10 @@ class RolloutDataModule(L.LightningDataModule):
             by default: one phase's sampling, or its scoring, may take this long.
         steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout, one phase per epoch),
             the unit of check_val_every_n_epoch.
-        advantage: "zscore" (GRPO) or "mean" (Dr.GRPO).
+        advantage: the advantage estimator, rewards [G, n] -> advantages [G, n] (lit_ess.advantages): by class
+            (class_path lit_ess.advantages.GroupMean with normalize_std and eps, RLOO, or a subclass of
+            lit_ess.advantages.Advantage of your own) or by name: "zscore" (GroupMean(): GRPO), "mean"
+            (GroupMean(normalize_std=False): Dr.GRPO), "rloo" (RLOO(): leave-one-out).
         drop_degenerate: drop groups whose rewards are all equal (they carry zero advantage). When too
             few rows remain for `steps_per_rollout` steps, dropped groups are restored (in order) until
             every step has a row; `rollout/dropped_groups` counts the groups really dropped. The phase is
@@ -242,7 +246,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_staleness: int | None = None,
         worker_timeout: float = 1800.0,
         steps_per_epoch: int | None = None,
-        advantage: Literal["zscore", "mean"] = "zscore",
+        advantage: Literal["zscore", "mean", "rloo"] | Advantage = "zscore",
         drop_degenerate: bool = False,
         dynamic_sampling: DynamicSampling = DynamicSampling(),
         overlong: OverlongPenalty = OverlongPenalty(),
@@ -267,7 +271,7 @@ class RolloutDataModule(L.LightningDataModule):
         check("data.worker_timeout", worker_timeout, gt=0)
         check("data.max_reward_error_rate", max_reward_error_rate, ge=0, le=1)
         if samples_per_prompt == 1:
-            raise ValueError(f"samples_per_prompt=1: the group advantage (advantage: {advantage}) of a group of one "
+            raise ValueError(f"samples_per_prompt=1: the group advantage (data.advantage) of a group of one "
                              f"sample is always 0, so nothing would be learned; use samples_per_prompt >= 2")
         self.source = source if source is not None else Arithmetic()
         reward = as_rewards(reward) if isinstance(reward, (list, ModelReward)) else reward
@@ -319,7 +323,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
         self.worker_timeout = worker_timeout
         self.steps_per_epoch = steps_per_rollout if steps_per_epoch is None else steps_per_epoch
-        self.advantage, self.drop_degenerate = advantage, drop_degenerate
+        self.advantage, self.drop_degenerate = resolve_advantage(advantage), drop_degenerate
         self.dynamic_sampling = dynamic_sampling
         self.overlong = overlong.resolved(sampling.max_new_tokens) if overlong.enable else overlong
         if overlong.enable and env is None and self.overlong.max_length - self.overlong.buffer >= sampling.max_new_tokens:
@@ -337,12 +341,12 @@ class RolloutDataModule(L.LightningDataModule):
             "engine": engine.hparams(), "sampling": asdict(sampling), "chat": asdict(chat), "mode": mode, "placement": placement,
             "max_staleness": self.max_staleness,
             "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
-            "samples_per_prompt": samples_per_prompt, "advantage": advantage,
+            "samples_per_prompt": samples_per_prompt, "advantage": self.advantage.hparams(),
             "reward": reward if isinstance(reward, str) else [reward_hparams(r) for r in reward],
             "drop_degenerate": drop_degenerate, "dynamic_sampling": asdict(dynamic_sampling),
             "overlong": asdict(self.overlong), "seed": seed, "source": type(self.source).__name__,
             "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None,
-            "env": asdict(env) if env is not None else None})
+            "env": env.hparams() if env is not None else None})
         self.executor: RolloutExecutor | None = None
         self.ranks: Ranks | None = None                    # set in setup() from the trainer (a test may set it)
         self.tokenizer = None

@@ -90,8 +90,8 @@ S_LEVELS = (4, 8, 24)      # staleness with k = 1; S = 0 is stress_k's k = 1 run
 # and the question asked again, up to 3 answers, reward 1 / tries (tests/test_experiments.py checks the
 # two stay the same). Its warm start is the demo's (configs/demo_sft.yaml), which is the experiments'
 # `_base/sft`. Held-out evaluation stays single-turn (first try, exact match): the one ruler of the page.
-MULTITURN_ENV = {"env": "retry_arithmetic", "kwargs": {"max_tries": 3, "feedback": "wrong"}, "max_turns": 3,
-                 "max_episode_tokens": 96}
+MULTITURN_ENV = {"env": {"class_path": "lit_ess.envs.RetryArithmetic", "init_args": {"max_tries": 3, "feedback": "wrong"}},
+                 "max_turns": 3, "max_episode_tokens": 96}
 MULTITURN_METHODS = ("p3o", "grpo_eps0.2", "grpo_tis")
 MULTITURN_S = (0, 4, 8)
 

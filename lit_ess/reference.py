@@ -28,7 +28,7 @@ quiet_console()            # before transformers and vLLM are imported
 
 import torch  # noqa: E402
 
-from lit_ess.advantages import group_advantages  # noqa: E402
+from lit_ess.advantages import GroupMean  # noqa: E402
 from lit_ess.batch import Row, collate  # noqa: E402
 from lit_ess.datamodules.prompts import Arithmetic, PromptOrder, encode_prompt  # noqa: E402
 from lit_ess.engines import HFConfig, VLLMConfig  # noqa: E402
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         groups = engine.generate(prompts, n, sampling, call_seed=step)
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
         rewards = torch.tensor(scorer(texts, [ex.answer for ex in examples for _ in range(n)])).view(P, n)
-        adv, _ = group_advantages(rewards)                                       # [P, n]
+        adv = GroupMean()(rewards)                                               # [P, n]
         rows = [Row(prompt=prompts[i], completion=c.token_ids, logprobs=c.logprobs, advantage=float(adv[i, j]),
                     reward=float(rewards[i, j]), version=step, prompt_id=i, prompt_text=examples[i].prompt,
                     completion_text=texts[i * n + j]) for i, g in enumerate(groups) for j, c in enumerate(g)]

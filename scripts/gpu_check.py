@@ -185,7 +185,7 @@ def one_rank_group(device):
 
 def ess_steps(model_dir: str, device, dtype: str, steps: int, prompts: int, samples: int, new_tokens: int) -> dict:
     """Synchronous on-policy RL steps: hf engine (same dtype) samples, trainer trains one step, weights pushed."""
-    from lit_ess.advantages import group_advantages
+    from lit_ess.advantages import GroupMean
     from lit_ess.engines import HFConfig
     from lit_ess.sampling import SamplingConfig
     from lit_ess.module import PolicyModule
@@ -204,7 +204,7 @@ def ess_steps(model_dir: str, device, dtype: str, steps: int, prompts: int, samp
         prompt_ids = [torch.randint(10, 1000, (8,), generator=g).tolist() for _ in range(prompts)]
         groups = engine.generate(prompt_ids, samples, s, call_seed=step)
         rewards = torch.tensor([[len(c.token_ids) % 3 / 2.0 for c in grp] for grp in groups])
-        adv, _ = group_advantages(rewards)
+        adv = GroupMean()(rewards)
         rows = [Row(prompt=p, completion=c.token_ids, logprobs=c.logprobs, advantage=float(adv[i, j]), reward=0.0,
                     version=step, prompt_id=i, prompt_text="", completion_text="")
                 for i, (p, grp) in enumerate(zip(prompt_ids, groups)) for j, c in enumerate(grp)]

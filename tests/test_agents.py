@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 import urllib.request
 
 import pytest
@@ -15,7 +16,7 @@ from test_envs import byte_tok, chat_tok, ids  # noqa: F401  (fixtures)
 from lit_ess.datamodules.prompts import Example, encode_prompt
 from lit_ess.engines import RolloutEngine
 from lit_ess.sampling import Completion, SamplingConfig, derive_seed
-from lit_ess.envs import AgentRunner, EnvConfig, EnvError, EpisodeRunner, make_runner
+from lit_ess.envs import Agent, AgentRunner, EnvConfig, EnvError, EpisodeRunner, RetryArithmetic, make_runner
 from lit_ess.envs.agent import Call, assemble
 from lit_ess.envs.proxy import RequestError
 from lit_ess.envs.episodes import Episode
@@ -43,7 +44,7 @@ class PerEpisodeEngine(RolloutEngine):
 
 
 def run(fn: str, tok, engine, examples, n=1, **env) -> tuple[list[Episode], AgentRunner]:
-    runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": fn}, **{"max_turns": 4, **env}),
+    runner = make_runner(EnvConfig(env=partial(Agent, function=fn), **{"max_turns": 4, **env}),
                          tok, max_error_rate=1.0)
     try:
         return runner.run(engine, examples, n, S), runner
@@ -214,7 +215,7 @@ def test_a_failing_agent_ends_its_episode_with_reward_0_and_is_counted(fn, says,
     assert [e.reward for e in eps] == [0.0, 0.0] and runner.errors == 2 and runner.timeouts == 0
     assert says in eps[0].error and "\n" not in eps[0].error
     with pytest.raises(EnvError, match=f"agent 'test_agents:{fn}' failed in 2 of 2 episodes"), pytest.warns(UserWarning):
-        make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": f"test_agents:{fn}"}), tok,
+        make_runner(EnvConfig(env=partial(Agent, function=f"test_agents:{fn}")), tok,
                     max_error_rate=0.5).run(PerEpisodeEngine(engine.script, eos), [Example("q=", "1"), Example("r=", "2")], 1, S)
 
 
@@ -223,7 +224,7 @@ def test_a_slow_agent_times_out_and_its_late_calls_are_refused(byte_tok):
     engine = PerEpisodeEngine({0: [ids(tok, "1") + [eos]] * 2}, eos)
     GOT.pop("late", None)
     OVER.clear()
-    runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "test_agents:sleeps"},
+    runner = make_runner(EnvConfig(env=partial(Agent, function="test_agents:sleeps"),
                                    step_timeout=1.0), tok, max_error_rate=1.0)
     try:
         with pytest.warns(UserWarning, match="timed out after 1.0 s"):
@@ -257,13 +258,13 @@ def test_an_agent_is_named_as_rewards_are(byte_tok):
                      ("agent_fns", "is not 'package.module:function'"),
                      ("agent_fns:__doc__", "not a function of \\(base_url, example\\)"),
                      ("json:dumps", "cannot be called as function\\(base_url, example\\)")]:
-        config = EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": fn})
+        config = EnvConfig(env=partial(Agent, function=fn))
         with pytest.raises(ValueError, match=says) as e:
             make_runner(config, byte_tok)
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="do not fit environment"):
-        EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"fn": "agent_fns:two_chats"})
-    assert type(make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:two_chats"}),
+        EnvConfig(env=partial(Agent, fn="agent_fns:two_chats"))
+    assert type(make_runner(EnvConfig(env=partial(Agent, function="agent_fns:two_chats")),
                             byte_tok)) is AgentRunner
     assert type(make_runner(EnvConfig(env="retry_arithmetic"), byte_tok)) is EpisodeRunner
 
@@ -303,7 +304,7 @@ def test_the_demo_agent_trains_what_retry_arithmetic_trains(byte_tok):
     engine = ByPrompt(tok, [ids(tok, "121") + [eos], ids(tok, "12") + [eos], ids(tok, "122") + [eos]])
     examples = [Example("37+85=", "122"), Example("1+1=", "121")]
     (a, b), _ = run("lit_ess.envs.retry_agent:retry_arithmetic", tok, engine, examples, max_turns=3)
-    env = EpisodeRunner(EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3), tok)
+    env = EpisodeRunner(EnvConfig(env=partial(RetryArithmetic, max_tries=3), max_turns=3), tok)
     want_a, want_b = env.run(engine, examples, 1, S)
     for got, want in ((a, want_a), (b, want_b)):
         assert (got.prompt_ids, got.completion_ids, got.mask, got.logprobs) == \
@@ -359,7 +360,7 @@ def test_the_data_modules_batches_from_an_agent_are_on_policy(tiny_model_dir):
     from lit_ess.engines import HFConfig
     from lit_ess.logprobs import sequence_logprobs
 
-    env = EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:two_completions"}, max_turns=2)
+    env = EnvConfig(env=partial(Agent, function="agent_fns:two_completions"), max_turns=2)
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50), prompts_per_rollout=4,
                            samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env)
     dm.setup("fit")
@@ -391,7 +392,7 @@ def test_episodes_whose_agent_failed_before_any_call_train_without_harm(tiny_mod
     from e2e_utils import cli, rl_config, scalars, write_config
 
     cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, extra_data={
-        "env": {"env": "lit_ess.envs.agent:Agent", "kwargs": {"function": "agent_fns:raises_before_calling_on_odd_sums"},
+        "env": {"env": {"class_path": "lit_ess.envs.agent.Agent", "init_args": {"function": "agent_fns:raises_before_calling_on_odd_sums"}},
                 "max_turns": 2}, "max_reward_error_rate": 1.0})
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
     assert res.returncode == 0, res.stderr[-4000:]
@@ -410,7 +411,7 @@ def test_an_engine_of_one_call_at_a_time_is_free_when_a_run_of_timed_out_agents_
     """Agents that time out while their call is in the engine: the run returns once the engine is free, so
     the next phase's calls (or a weight push) never overlap the old call."""
     engine = Slow(concurrent=False)
-    runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": "agent_fns:two_completions"},
+    runner = make_runner(EnvConfig(env=partial(Agent, function="agent_fns:two_completions"),
                                    max_turns=4, step_timeout=1.5), byte_tok, max_error_rate=1.0)
     try:
         for phase in range(2):                        # two phases, back to back, as the worker runs them

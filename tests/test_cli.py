@@ -37,7 +37,8 @@ def _demo_config(folder: Path, model_dir, **edits) -> str:
 
 
 PRINTED = [(), ("--model.init_args.packing", "true", "--model.init_args.micro_batch_tokens", "512"),
-           ("--data.init_args.engine", "HFConfig")] + [("--model.init_args.objective", c.__name__) for c in OBJECTIVE_CLASSES]
+           ("--data.init_args.engine", "HFConfig"), ("--data.init_args.advantage", "RLOO"),
+           ("--data.init_args.env", '{"env": {"class_path": "RetryArithmetic", "init_args": {"max_tries": 2}}}')] + [("--model.init_args.objective", c.__name__) for c in OBJECTIVE_CLASSES]
 ENGINES = "choose one of VLLMConfig, VLLMServerConfig, HFConfig"
 UNKNOWN_ARGS = [
     (["--model.init_args.objective", "PPO9000"], "choose one of P3O, P4O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE"),
@@ -107,6 +108,16 @@ def test_print_config_lists_engine_settings(read_in_one_process):
     assert {"dtype", "gpu_memory_utilization", "kv_cache_gib", "max_model_len", "enforce_eager", "seed",
             "behavior_logprobs", "vllm_kwargs", "worker_devices", "transport", "bucket_mb", "max_lora_rank"} == set(vllm)
     assert (vllm["worker_devices"], vllm["transport"]) == (None, "shared_memory")   # colocated by default
+
+
+def test_print_config_lists_the_environment_and_advantage_by_class(read_in_one_process):
+    """data.env.env and data.advantage are chosen by class: the printed config shows every constructor argument."""
+    env = print_config(read_in_one_process, "--data.init_args.env",
+                       '{"env": {"class_path": "RetryArithmetic", "init_args": {"max_tries": 2}}}')["data"]["init_args"]["env"]
+    assert env["env"] == {"class_path": "lit_ess.envs.RetryArithmetic", "init_args": {"max_tries": 2, "feedback": "wrong"}}
+    assert print_config(read_in_one_process)["data"]["init_args"]["advantage"] == "zscore"
+    assert print_config(read_in_one_process, "--data.init_args.advantage", "RLOO")["data"]["init_args"]["advantage"] == \
+        {"class_path": "lit_ess.advantages.RLOO"}
 
 
 def test_nccl_without_dedicated_devices_is_one_line(read_in_one_process):

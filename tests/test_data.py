@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
-from lit_ess.advantages import group_advantages
+from lit_ess.advantages import RLOO, GroupMean, degenerate_groups, resolve_advantage
 from lit_ess.engines import HFConfig
 from lit_ess.sampling import SamplingConfig
 from lit_ess.rewards import RewardScorer, exact_match, gsm8k, math_verify
@@ -55,12 +55,20 @@ def test_scorer_counts_errors_and_timeouts():
 
 def test_group_advantages_hand_computed():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    adv, deg = group_advantages(r)
+    adv, deg = GroupMean()(r), degenerate_groups(r)
     std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()   # unbiased: sqrt(1/3)
     assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
     assert deg.tolist() == [False, True] and adv[1].abs().sum() == 0
-    adv, _ = group_advantages(r, "mean")
+    adv = GroupMean(normalize_std=False)(r)
     assert adv[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+    # RLOO: 1 - mean(0, 0, 1) = 2/3, 0 - mean(1, 0, 1) = -2/3
+    assert torch.allclose(RLOO()(r), torch.tensor([[2, -2, -2, 2], [0, 0, 0, 0]]) / 3.0)
+    # a degenerate group of rewards whose float mean is not exactly theirs: 0, not rounding noise / eps
+    flat = torch.full((1, 3), 0.9)                    # 0.9 - mean = 6e-8 in float32
+    assert all(e(flat).abs().sum() == 0 for e in (GroupMean(), GroupMean(normalize_std=False), RLOO()))
+    assert resolve_advantage("mean") == GroupMean(normalize_std=False) and resolve_advantage("rloo") == RLOO()
+    with pytest.raises(ValueError, match="advantage='grpo' is not one of zscore, mean, rloo"):
+        resolve_advantage("grpo")
 
 
 def test_arithmetic_is_correct_and_distinct():

@@ -4,6 +4,7 @@ equality of multi-turn episodes sampled by vLLM on a tiny Qwen2 with a BPE token
 from __future__ import annotations
 
 import math
+from functools import partial
 import time
 
 import numpy as np
@@ -79,15 +80,15 @@ def test_env_config_names_the_culprit():
         EnvConfig(env="lit_ess.envs:Nope")
     with pytest.raises(ValueError, match=r"'lit_ess.envs:Step' is a type, not a subclass of lit_ess.envs.Environment"):
         EnvConfig(env="lit_ess.envs:Step")
-    with pytest.raises(ValueError, match=r"env.kwargs \{'tries': 2\} do not fit environment 'retry_arithmetic'"):
-        EnvConfig(env="retry_arithmetic", kwargs={"tries": 2})
+    with pytest.raises(ValueError, match=r"env.init_args \{'tries': 2\} do not fit environment RetryArithmetic\(max_tries"):
+        EnvConfig(env=partial(RetryArithmetic, tries=2))
     for knob, value in [("max_turns", 0), ("max_episode_tokens", 1), ("step_timeout", 0)]:
         with pytest.raises(ValueError, match=f"env.{knob} must be"):
             EnvConfig(**{knob: value})
     with pytest.raises(ValueError, match="max_reward_error_rate must be"):
         EpisodeRunner(EnvConfig(), build_tokenizer(), max_error_rate=1.5)
     with pytest.raises(ValueError, match="RetryArithmetic.max_tries must be >= 1"):
-        EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 0}).make()
+        EnvConfig(env=partial(RetryArithmetic, max_tries=0)).make()
     assert isinstance(EnvConfig(env=f"{__name__}:Flaky").make(), Flaky)       # a user's own, module:Class
 
 
@@ -138,7 +139,7 @@ def test_retry_episodes_are_sampled_ids_plus_observation_tokens(byte_tok):
     tok, eos = byte_tok, byte_tok.eos_token_id
     right, wrong = ids(tok, "122") + [eos], ids(tok, "121") + [eos]
     engine = ScriptedEngine({0: [right], 1: [wrong, right], 2: [wrong, wrong, wrong]}, eos)
-    runner = EpisodeRunner(EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3), tok)
+    runner = EpisodeRunner(EnvConfig(env=partial(RetryArithmetic, max_tries=3), max_turns=3), tok)
     a, b, c = runner.run(engine, [Example("37+85=", "122")], n=3, sampling=S, call_seed=5)
 
     prompt = encode_prompt(tok, "37+85=")
@@ -184,7 +185,7 @@ def test_a_turn_sampled_by_two_versions_keeps_each_tokens_version(budget, byte_t
     engine = InFlightEngine({0: [wrong, right]}, eos)
     prompt = encode_prompt(tok, "37+85=")
     obs = ids(tok, "wrong\n37+85=")
-    cfg = EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3,
+    cfg = EnvConfig(env=partial(RetryArithmetic, max_tries=3), max_turns=3,
                     max_episode_tokens=None if budget is None else len(prompt) + 4 + len(obs) + 3)
     (e,) = EpisodeRunner(cfg, tok).run(engine, [Example("37+85=", "122")], n=1, sampling=S, call_seed=5)
     second = [4, 4, 5, 5] if budget is None else [4, 4, 5]
@@ -455,7 +456,7 @@ def test_an_environment_that_cannot_start_or_answer_in_the_tokenizers_format_sto
     tokenizer without a chat template) is no episode's failure: one line naming the environment, an
     EnvError (a worker process reports it as it is, not as a crash)."""
     engine = ScriptedEngine({0: [[50]] * 2}, byte_tok.eos_token_id)
-    built = r"cannot be built from env.kwargs \{\}: RuntimeError: no licence"
+    built = r"cannot be built from env.init_args \{\}: RuntimeError: no licence"
     for env, answer, why in [(f"{__name__}:Unbuildable", "ok", built),
                              (f"{__name__}:Flaky", "bad reset", "reset returned 42, not text"),
                              (f"{__name__}:Flaky", "messages", "answered with chat messages, but the tokenizer has no "
@@ -636,7 +637,7 @@ def test_vllm_multiturn_chat_episodes_are_token_in_token_out(chat_model_dir):
     engine = Recording(VLLMConfig(max_model_len=256).build(chat_model_dir))      # the module's one vLLM engine
     examples = Arithmetic(digits=2, size=4, seed=0).examples
     n, s = 4, SamplingConfig(temperature=1.0, max_new_tokens=6, seed=0)
-    cfg = EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3, max_episode_tokens=200)
+    cfg = EnvConfig(env=partial(RetryArithmetic, max_tries=3), max_turns=3, max_episode_tokens=200)
     eps = EpisodeRunner(cfg, tok).run(engine, examples, n, s)
     assert sum(e.turns for e in eps) > len(eps)                       # multi-turn: a random model answers wrong
 

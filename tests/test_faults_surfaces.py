@@ -226,7 +226,7 @@ def test_a_long_first_observation_is_cut_to_max_prompt_tokens_and_counted(tiny_m
     rollout/truncated_prompts (main: 5,000-token rows, trained on whole)."""
     from e2e_utils import scalars
 
-    env = {"env": "e2e_utils:LongFirstObservation", "kwargs": {"length": 5000}, "max_turns": 2}
+    env = {"env": {"class_path": "e2e_utils.LongFirstObservation", "init_args": {"length": 5000}}, "max_turns": 2}
     cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, prompts=8, samples=2,
                     extra_data={"env": env, "max_prompt_tokens": 64, "max_reward_error_rate": 1.0})
     cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordRowLengths",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,10 +18,10 @@ from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.datamodules.prompts import PromptOrder, encode_prompt
 from lit_ess.engines import HFConfig
 from lit_ess.sampling import SamplingConfig
-from lit_ess.envs import EnvConfig, EnvError, Environment, Step
+from lit_ess.envs import EnvConfig, EnvError, Environment, RetryArithmetic, Step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-RETRY = EnvConfig(env="retry_arithmetic", kwargs={"max_tries": 3}, max_turns=3, max_episode_tokens=64)
+RETRY = EnvConfig(env=partial(RetryArithmetic, max_tries=3), max_turns=3, max_episode_tokens=64)
 
 
 class AlwaysFails(Environment):
@@ -234,7 +235,7 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
     environment tokens), losses and cumulative environment-failure counters as the uninterrupted run.
     On the hf engine: what a resume restores here (prompt order, episodes' seeds, environment counters) lies
     outside the engine; vLLM's seeded sampling across a resume: test_e2e.py::test_kill_and_resume_matches_uninterrupted."""
-    env = {"env": "e2e_utils:FlakyRetry", "kwargs": {"max_tries": 3}, "max_turns": 3, "max_episode_tokens": 96}
+    env = {"env": {"class_path": "e2e_utils.FlakyRetry", "init_args": {"max_tries": 3}}, "max_turns": 3, "max_episode_tokens": 96}
     ref_dir, run_dir, steps = tmp_path / "ref", tmp_path / "killed", 4
     ref = fit(multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0,
                                engine=HF))
@@ -281,7 +282,7 @@ def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(ti
     dropped as stale; the lag stays within S, in TensorBoard and on every trained row. The environment
     fails on some answers: its failure counters go on from the checkpoint's (each rank's worker its own)."""
     S, P, n, steps = 2, 8, 4, 4
-    env = {"env": "e2e_utils:FlakyRetry", "kwargs": {"max_tries": 3}, "max_turns": 3, "max_episode_tokens": 96}
+    env = {"env": {"class_path": "e2e_utils.FlakyRetry", "init_args": {"max_tries": 3}}, "max_turns": 3, "max_episode_tokens": 96}
     cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=2, devices=2, mode="async",
                            placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n, env=env,
                            max_reward_error_rate=1.0, engine=engine)

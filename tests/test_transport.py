@@ -8,8 +8,8 @@ import torch
 from fake_engine import FakeConfig, FakeEngine
 from lit_ess.engines import HFConfig, VLLMConfig
 from lit_ess.engines.base import visible_devices
-from lit_ess.rollout.transport import (NCCL, SharedMemory, Ticket, build_transport, drop_tied, packed_buckets,
-                                       plan_buckets, update_info, update_kind)
+from lit_ess.rollout.transport import (NCCL, NCCLReceiver, SharedMemory, Ticket, build_transport, drop_tied,
+                                       packed_buckets, plan_buckets, update_info, update_kind)
 
 
 @pytest.mark.filterwarnings("ignore:Tensor .* exceeds buffer_size_bytes")      # vLLM's note on a lone big tensor
@@ -128,6 +128,24 @@ def test_default_transports_and_placement():
             build_transport(c.weight_transfer(in_process=True))
         assert type(build_transport(c.weight_transfer(in_process=False))) is SharedMemory
         assert c.worker_env() == {}                                       # colocated
+
+
+def test_what_the_nccl_transport_needs_of_an_engine_is_its_own_protocol():
+    """RolloutEngine holds what every engine does (generate, load_weights, close); the NCCL receive methods
+    are NCCLReceiver's: the in-process vLLM engine has them, the others do not and are refused in one line."""
+    from lit_ess.engines.base import RolloutEngine
+    from lit_ess.engines.hf_engine import HFEngine
+    from lit_ess.engines.vllm_engine import VLLMEngine
+    from lit_ess.engines.vllm_server import VLLMServerEngine
+
+    assert not any(hasattr(RolloutEngine, m) for m in ("init_weight_transfer", "receive_weights", "receive_adapter"))
+    assert issubclass(VLLMEngine, NCCLReceiver)
+    assert not any(issubclass(c, NCCLReceiver) for c in (HFEngine, VLLMServerEngine, FakeEngine))
+    nccl = NCCL.__new__(NCCL)                  # the engine side only: no group, no GPU
+    for msg, what in ((("init", {}), "weight"), (("update", {}, 1), "weight"), (("adapter", {}, 1), "adapter")):
+        with pytest.raises(NotImplementedError, match=f"^FakeEngine has no NCCL {what} transfer: use transport: "
+                                                      f"shared_memory$"):
+            nccl.receive(FakeEngine.__new__(FakeEngine), msg)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without CUDA")

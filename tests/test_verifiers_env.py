@@ -5,6 +5,7 @@ Skipped without the `envs` extra (scripts/setup.sh installs it)."""
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,9 @@ def test_a_timeout_not_below_the_runners_step_timeout_is_refused_and_a_late_run_
     from lit_ess.envs import EnvConfig
     from lit_ess.envs.verifiers_env import Verifiers
 
-    with pytest.raises(ValueError, match=r"^env.kwargs.timeout=60.0 s \(Verifiers\) must be below env.step_timeout=10.0 s"):
+    with pytest.raises(ValueError, match=r"^env.init_args.timeout=60.0 s \(Verifiers\) must be below env.step_timeout=10.0 s"):
         EnvConfig(env="lit_ess.envs.verifiers_env:Verifiers")
-    EnvConfig(env="lit_ess.envs.verifiers_env:Verifiers", kwargs={"timeout": 5.0}, step_timeout=10.0)
+    EnvConfig(env=partial(Verifiers, timeout=5.0), step_timeout=10.0)
     src, _ = tasks
     env = Verifiers(timeout=0.5)
     env.reset(src.examples[0])

@@ -1,5 +1,5 @@
 """The rollout-engine interface: generate n samples per prompt with the behaviour logprob of each
-sampled token, load new weights, report the policy version.
+sampled token, load new weights, close, report the policy version.
 
 Every engine returns, for each prompt, n `Completion`s whose `logprobs[i]` is the log-probability the
 engine really sampled `token_ids[i]` with (after temperature, top-k and top-p): that is pi_b. The
@@ -90,10 +90,12 @@ class EngineFault(RuntimeError):
 
 
 class RolloutEngine(ABC):
-    """Generate, refresh weights, report version. `version` is the optimizer step whose weights the
-    engine holds (0 = the initial checkpoint). `concurrent`: `generate` may be called from several threads
-    at once (an HTTP client); otherwise callers that have several threads (users' agents) take turns. The
-    environments call an engine as a lit_ess.sampling.Sampler, which every RolloutEngine is."""
+    """What every engine does: generate, load weights, close; and report its version. `version` is the
+    optimizer step whose weights the engine holds (0 = the initial checkpoint). `concurrent`: `generate`
+    may be called from several threads at once (an HTTP client); otherwise callers that have several
+    threads (users' agents) take turns. The environments call an engine as a lit_ess.sampling.Sampler,
+    which every RolloutEngine is. What one weight transport needs of an engine beyond this is declared
+    beside it (lit_ess.rollout.transport: `NCCLReceiver`)."""
 
     version: int = 0
     concurrent: ClassVar[bool] = False
@@ -111,19 +113,6 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None:
         """Replace the engine's weights (Hugging Face parameter names) and set `version`."""
-
-    def init_weight_transfer(self, init_info: dict) -> None:
-        """NCCL weight transfer: join the trainer's group (engines that support it override this)."""
-        raise NotImplementedError(f"{type(self).__name__} has no NCCL weight transfer: use transport: shared_memory")
-
-    def receive_weights(self, update_info: dict, version: int) -> None:
-        """NCCL weight transfer: receive the broadcast weights of `version` (see init_weight_transfer)."""
-        raise NotImplementedError(f"{type(self).__name__} has no NCCL weight transfer: use transport: shared_memory")
-
-    def receive_adapter(self, update_info: dict, version: int) -> None:
-        """NCCL weight transfer of LoRA adapters (model.lora.sync: adapter): receive them and sample with
-        them from now on (see init_weight_transfer)."""
-        raise NotImplementedError(f"{type(self).__name__} has no NCCL adapter transfer: use transport: shared_memory")
 
     def close(self) -> None:
         """Free the engine's resources."""

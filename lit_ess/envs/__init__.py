@@ -1,7 +1,7 @@
 """Multi-turn environments and episodes, token in, token out.
 
     base.py         Environment (reset / step), Action, Step, EnvError
-    config.py       EnvConfig: which environment (a built-in name or module:Class), the runner's limits
+    config.py       EnvConfig: which environment (by class and arguments, or a built-in name), the runner's limits
     single_turn.py  SingleTurn: prompt -> completion -> reward as a one-turn environment
     arithmetic.py   RetryArithmetic (feedback, retries) and Calculator (a tool call) on the arithmetic task
     tokens.py       prompt and observation token ids (chat-template deltas), never re-encoding the policy's
@@ -11,7 +11,7 @@
     verifiers_env.py  Verifiers: a `verifiers` environment's own run() played turn by turn, its rubric the reward
     openenv_env.py  OpenEnv: an OpenEnv environment's reset/step (a server's sessions, or a class in process)
 
-The last two need the `envs` extra and are named by path (env: lit_ess.envs.verifiers_env:Verifiers), not
+The last two need the `envs` extra and are named by path (class_path: lit_ess.envs.verifiers_env.Verifiers), not
 imported here.
 """
 from .agent import Agent, AgentRunner, make_runner

@@ -1,7 +1,7 @@
 """Users' agents: a function that talks to the policy through an OpenAI-compatible URL, recorded token in,
 token out.
 
-    env: {env: "lit_ess.envs.agent:Agent", kwargs: {function: "mymod:run_agent"}, max_turns: 4, step_timeout: 60}
+    env: {env: {class_path: lit_ess.envs.Agent, init_args: {function: "mymod:run_agent"}}, max_turns: 4, step_timeout: 60}
 
 `run_agent(base_url, example) -> reward` plays one episode: it posts to `{base_url}/chat/completions` or
 `{base_url}/completions` as to any OpenAI-compatible server (an `async def` runs in an event loop of its
@@ -46,7 +46,7 @@ from lit_ess.rewards import as_score, import_named
 from lit_ess.sampling import Completion, Sampler, SamplingConfig, derive_seed
 
 from .base import Action, Environment, Example, Message, Step
-from .config import EnvConfig, resolve_env
+from .config import EnvConfig
 from .episodes import Episode, EpisodeRunner, LiveEpisode, run_timed
 from .proxy import Proxy, RequestError
 from .tokens import TemplateError, encode_prompt, encode_text, render_chat
@@ -66,7 +66,7 @@ class Agent(Environment):
 
     def __init__(self, function: str):
         if ":" not in function:
-            raise ValueError(f"env.kwargs.function={function!r} is not 'package.module:function'")
+            raise ValueError(f"env.init_args.function={function!r} is not 'package.module:function'")
         fn = import_named(function, "agent function")
         if not callable(fn):
             raise ValueError(f"agent function {function!r} is a {type(fn).__name__}, not a function of (base_url, example)")
@@ -338,7 +338,7 @@ class AgentRunner(EpisodeRunner):
         super().__init__(config, tokenizer, max_error_rate, prompt_limit)
         self.agent = config.make()
         if not isinstance(self.agent, Agent):
-            raise ValueError(f"environment {config.env!r} is not an Agent: EpisodeRunner plays it")
+            raise ValueError(f"environment {config.name!r} is not an Agent: EpisodeRunner plays it")
         self.what = f"agent {self.agent.name!r}"
         self.proxy = None
 
@@ -400,5 +400,5 @@ def make_runner(config: EnvConfig, tokenizer, max_error_rate: float = 0.5, promp
     """The runner of `config`'s environment: AgentRunner for a user's agent (Agent), which plays whole
     episodes through an OpenAI-compatible URL, else the turn-by-turn EpisodeRunner. `prompt_limit`: the
     longest first observation played (data.max_prompt_tokens, as for source prompts)."""
-    cls = AgentRunner if issubclass(resolve_env(config.env), Agent) else EpisodeRunner
+    cls = AgentRunner if issubclass(config.env_class, Agent) else EpisodeRunner
     return cls(config, tokenizer, max_error_rate=max_error_rate, prompt_limit=prompt_limit)

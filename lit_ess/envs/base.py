@@ -66,8 +66,8 @@ class Step:
 
 
 class Environment(ABC):
-    """One episode of a text environment. Subclasses take their settings as keyword arguments
-    (`EnvConfig.kwargs`)."""
+    """One episode of a text environment. Subclasses take their settings as keyword arguments of their
+    constructor (a config's `env: {class_path: ..., init_args: {...}}`, `EnvConfig`)."""
 
     observation_role: ClassVar[str] = "user"      # the chat role of text observations
 
@@ -80,9 +80,9 @@ class Environment(ABC):
         """Answer the policy's turn."""
 
     @classmethod
-    def check_limits(cls, kwargs: dict, step_timeout: float) -> None:
-        """Refuse, in one line, constructor `kwargs` that do not fit the runner's `step_timeout` (EnvConfig
-        calls it at start). Nothing to check by default."""
+    def check_limits(cls, init_args: dict, step_timeout: float) -> None:
+        """Refuse, in one line, constructor arguments `init_args` that do not fit the runner's `step_timeout`
+        (EnvConfig calls it at start). Nothing to check by default."""
 
     def close(self) -> None:
         """Free what the episode holds (called once it ends, unless its last step timed out)."""

@@ -165,7 +165,7 @@ class EpisodeRunner:
         self.prompt_limit = prompt_limit
         self.max_error_rate = max_error_rate
         self.errors = self.timeouts = 0
-        self.what = f"environment {config.env!r}"        # who failed, in messages
+        self.what = f"environment {config.name!r}"        # who failed, in messages
 
     def run(self, engine: Sampler, examples: list[Example], n: int, sampling: SamplingConfig,
             call_seed: int = 0, prompt_keys: list[int] | None = None) -> list[Episode]:
@@ -178,7 +178,7 @@ class EpisodeRunner:
         opened = run_timed([lambda ex=ex: self._open(ex) for ex, _ in starts], c.step_timeout)
         live = [self._start(ex, key, engine.version, *o) for (ex, key), o in zip(starts, opened)]
         if any(x.episode.prompt_ids != live[i - i % n].episode.prompt_ids for i, x in enumerate(live)):
-            raise ValueError(f"environment {c.env!r}: the {n} episodes of an example start from different prompts "
+            raise ValueError(f"environment {c.name!r}: the {n} episodes of an example start from different prompts "
                              f"(reset must give one first observation per example: a group shares its prompt)")
         active = [x for x in live if not self._over_budget(x)]
         for turn in range(c.max_turns):
@@ -214,7 +214,7 @@ class EpisodeRunner:
         try:
             env = self.config.make()
         except Exception as e:
-            raise EnvError(f"{self.what} cannot be built from env.kwargs {self.config.kwargs}: "
+            raise EnvError(f"{self.what} cannot be built from env.init_args {self.config.init_args}: "
                            f"{type(e).__name__}: {_one_line(e)}") from None
         try:
             return env, env.reset(example)

@@ -3,8 +3,8 @@ its `reset` is the episode's first observation, each policy turn is one of its `
 the action's `action_field`), its per-step rewards add up to the episode's reward, its `done` ends the
 episode. The runner keeps the tokens (token in, token out): OpenEnv only sees and answers text.
 
-    env: {env: lit_ess.envs.openenv_env:OpenEnv, kwargs: {base_url: "http://127.0.0.1:8000",
-          action_field: message, observation_field: echoed_message}, max_turns: 2}
+    env: {env: {class_path: lit_ess.envs.openenv_env.OpenEnv, init_args: {base_url: "http://127.0.0.1:8000",
+          action_field: message, observation_field: echoed_message}}, max_turns: 2}
 
 Where the environment runs:
 * `base_url`: a running OpenEnv server (`uvicorn server.app:app`, a container, a Space). Each episode is a

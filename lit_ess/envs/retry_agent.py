@@ -8,7 +8,7 @@ far + the reply as returned + the feedback), so lit-ess trains the token sequenc
     37+85=  121<eos>  wrong\\n37+85=  122<eos>                reward 1/2, 2 calls
 
 Copy it, change the conversation and the reward, and name yours in the config:
-`env: {env: lit_ess.envs.agent:Agent, kwargs: {function: mypackage.mymodule:my_agent}}`.
+`env: {env: {class_path: lit_ess.envs.Agent, init_args: {function: mypackage.mymodule:my_agent}}}`.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ policy token in, token out: its Env's own `run()` holds the exchange, its Task's
 methods, and whatever `run()` or `finalize()` records on the trace) is the episode's reward.
 
     source: {class_path: lit_ess.datamodules.VerifiersTasks, init_args: {env: {taskset: {id: ...}}}}
-    env:    {env: lit_ess.envs.verifiers_env:Verifiers, kwargs: {max_turns: 3}, max_turns: 3}
+    env:    {env: {class_path: lit_ess.envs.verifiers_env.Verifiers, init_args: {max_turns: 3}}, max_turns: 3}
 
 How. verifiers runs an episode as `Env.run(task, agents)`, a coroutine in which each agent (seat) plays
 through `agent.run(task)` (one reply to the task's prompt) or `agent.interaction(task)` (`turn(message)`
@@ -263,10 +263,10 @@ class Verifiers(Environment):
         self.future = None
 
     @classmethod
-    def check_limits(cls, kwargs: dict, step_timeout: float) -> None:
-        timeout = kwargs.get("timeout", inspect.signature(cls).parameters["timeout"].default)
+    def check_limits(cls, init_args: dict, step_timeout: float) -> None:
+        timeout = init_args.get("timeout", inspect.signature(cls).parameters["timeout"].default)
         if isinstance(timeout, (int, float)) and timeout >= step_timeout:
-            raise ValueError(f"env.kwargs.timeout={timeout} s (Verifiers) must be below env.step_timeout={step_timeout} s, "
+            raise ValueError(f"env.init_args.timeout={timeout} s (Verifiers) must be below env.step_timeout={step_timeout} s, "
                              f"or a slow turn is abandoned by the runner instead of stopped: raise env.step_timeout (a "
                              f"fresh process imports verifiers in its first reset, 20-70 s here) or lower the timeout")
 

@@ -17,7 +17,8 @@ Each side builds its own transport object from what the engine config asks for
 * `SharedMemory` (async mode, default): 4 slots of shared memory (one flat tensor per dtype each,
   allocated at the first push and sent once); `push` copies into a slot no ticket in use names,
   `load` hands views of that slot to `engine.load_weights`. Works on CPU and on GPUs (via host memory).
-* `NCCL` (async mode on GPUs, the engine on its own devices): vLLM's native weight-transfer API.
+* `NCCL` (async mode on GPUs, the engine on its own devices): vLLM's native weight-transfer API, on an
+  engine that has the three methods of `NCCLReceiver` beyond RolloutEngine's (VLLMEngine).
   First push: `send(("init", info))`, then the trainer opens NCCL rank 0 while the engine's workers
   join as ranks 1..n (`init_weight_transfer_engine`). Every push: `send(("update", info, version))`,
   the engine runs `start_weight_update`, `update_weights` (receives), `finish_weight_update`, resets
@@ -43,7 +44,7 @@ from __future__ import annotations
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterable
+from typing import Callable, Collection, Iterable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -221,6 +222,21 @@ def materialize(t: Tensor) -> Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+@runtime_checkable
+class NCCLReceiver(Protocol):
+    """What the NCCL transport needs of an engine beyond RolloutEngine's (VLLMEngine has it): join the
+    trainer's group, receive full weights, receive LoRA adapters (model.lora.sync: adapter)."""
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's NCCL group as ranks 1..n (blocks until the trainer opens rank 0)."""
+
+    def receive_weights(self, update_info: dict, version: int) -> None:
+        """Receive the broadcast weights of `version` (`update_info`: names, dtype names, shapes in send order)."""
+
+    def receive_adapter(self, update_info: dict, version: int) -> None:
+        """Receive LoRA adapters of `version` and sample with them from now on."""
+
+
 class NCCL(WeightTransport):
     """vLLM's NCCL weight transfer; the trainer is rank 0, the engine's `engine_ranks` workers 1..n.
 
@@ -273,6 +289,9 @@ class NCCL(WeightTransport):
 
     def receive(self, engine, msg):
         kind = msg[0]
+        if not isinstance(engine, NCCLReceiver):
+            what = "adapter" if kind == "adapter" else "weight"
+            raise NotImplementedError(f"{type(engine).__name__} has no NCCL {what} transfer: use transport: shared_memory")
         if kind == "init":
             engine.init_weight_transfer(msg[1])
         elif kind == "update":

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from lit_ess.advantages import group_advantages
+from lit_ess.advantages import Advantage, GroupMean, degenerate_groups
 from lit_ess.batch import RolloutBatch, Row, collate
 from lit_ess.engines import EngineConfig
 from lit_ess.envs import EnvConfig, Episode, episode_stats, make_runner, to_row
@@ -104,7 +104,7 @@ class WorkerConfig:
     reward_timeout: float = 5.0
     samples_per_prompt: int = 8
     steps_per_rollout: int = 1
-    advantage: str = "zscore"
+    advantage: Advantage = field(default_factory=GroupMean)   # rewards [G, n] -> advantages [G, n]
     drop_degenerate: bool = False
     seed: int = 0
     max_staleness: int = 0
@@ -215,11 +215,11 @@ class RolloutWorker:
         if c.overlong is not None:
             penalty = overlong_penalty(lengths, c.overlong.max_length, c.overlong.buffer, c.overlong.factor)
             shaped = rewards + penalty.view_as(rewards)
-        adv, degenerate = group_advantages(shaped, c.advantage)
+        adv, degenerate = c.advantage(shaped), degenerate_groups(shaped)             # [G, n], [G]
 
         if c.filter_groups is not None:                     # dynamic sampling: every group, and which carry a signal
             keep = list(range(len(groups)))
-            signal = ~(degenerate if c.filter_groups == "shaped" else group_advantages(rewards, c.advantage)[1])
+            signal = ~(degenerate if c.filter_groups == "shaped" else degenerate_groups(rewards))
         else:
             keep = [g for g in range(len(groups)) if not (c.drop_degenerate and degenerate[g])]
             # every optimizer step needs at least one row: restore dropped groups (zero advantage) in order
