@@ -40,6 +40,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -150,7 +151,7 @@ def validate(model: Path, d: Path, scale: Scale, temp: float, threads: int | Non
 
 
 def base_validation(out: Path, sft: Path, scale: Scale, summaries: Path, threads: int | None = None,
-                    temp: float = 1.0) -> Path:
+                    temp: float = 1.0) -> None:
     """Held-out metrics of the warm start sampled at `temp`: the step-0 point of every curve (T = 1.0),
     and the baseline of the cells evaluated at their own temperature."""
     d = base_dir(out, temp)
@@ -175,7 +176,6 @@ def base_validation(out: Path, sft: Path, scale: Scale, summaries: Path, threads
                          f"page over (another --summaries folder, or remove {summaries})")
     if stored is None:                 # the stored one stays the page's step-0 point (as evaluated when it was made)
         summarize(d, dest, {"weights_sha256": weights, "seed_scheme": SEED_SCHEME})
-    return d
 
 
 def weights_sha256(model: Path) -> str:
@@ -432,9 +432,10 @@ def main(argv: list[str] | None = None) -> None:
     for warm in a.warm_starts:    # and its own baselines
         w_out, w_sum = warm_root(out, warm), warm_root(summaries, warm)
         for temp in sorted({temperature(c) for w, _, c, _ in todo if w == warm} | {1.0}):
-            d = base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
-            for name in names:    # beside the experiment's runs too: what its section's baseline was
-                summarize(d, base_dir(w_sum / name, temp), {})
+            base_validation(w_out, sfts[warm], scale, w_sum, threads, temp)
+            for name in names:    # beside the experiment's runs too: what its section's baseline was (the page's
+                kept = base_dir(w_sum, temp)       # summary of this warm start, as stored: the same weights)
+                shutil.copytree(kept, base_dir(w_sum / name, temp), dirs_exist_ok=True)
     counts = {"done": 0, "skipped": 0, "failed": 0}
 
     def one(job):
