@@ -13,12 +13,12 @@ A new estimator is a subclass with an `estimate`; the rollout worker calls every
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 
 import torch
 from torch import Tensor
 
-from .knobs import check
+from .knobs import check, plain
 
 
 def degenerate_groups(rewards: Tensor) -> Tensor:
@@ -43,7 +43,7 @@ class Advantage(ABC):
 
     def hparams(self) -> dict:
         """Plain values to log as hyper-parameters: the class name and its fields."""
-        return {"name": type(self).__name__, **asdict(self)}
+        return {"name": type(self).__name__, **plain(asdict(self) if is_dataclass(self) else dict(vars(self)))}
 
 
 @dataclass

@@ -42,3 +42,23 @@ def describe(gt, ge, lt, le, integer: bool, finite: bool) -> str:
         bounds = ""
     kind = "an integer" if integer else "" if finite else "a finite number"
     return " ".join(part for part in (kind, bounds) if part) or "a finite number"
+
+
+def plain(value):
+    """`value` as plain values (numbers, strings, lists, dicts) that TensorBoard logs and a checkpoint's
+    weights_only load reads: a dataclass as its fields, another object as its class path and attributes, a
+    class or function by its path."""
+    import dataclasses
+
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{value.__module__}.{value.__qualname__}"
+    path = f"{type(value).__module__}.{type(value).__qualname__}"
+    if dataclasses.is_dataclass(value):
+        return {"class_path": path, "init_args": {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    return {"class_path": path, "init_args": plain(dict(vars(value))) if hasattr(value, "__dict__") else repr(value)}

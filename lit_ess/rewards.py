@@ -262,23 +262,24 @@ def bind(spec: str | Reward, columns: list[str] | None = None) -> BoundReward:
     except ValueError:                        # no signature to inspect (a builtin): called as f(completion, answer)
         return BoundReward(fn, where, _label(spec), spec.weight, ("completion", "answer"), False, is_batched, False,
                            positional=True)
-    params, varkw = [], False
+    params, optional, varkw = [], [], False
     for p in sig.parameters.values():
         if p.kind is p.VAR_KEYWORD:
             varkw = True
         elif p.kind is p.VAR_POSITIONAL or (p.default is not p.empty and p.name not in known):
-            continue                          # optional: given only when it is one of what a call gives
+            continue                          # optional and not one of what a call gives: left to its default
         elif p.kind is p.POSITIONAL_ONLY:
             raise ValueError(f"reward {where!r}: parameter {p.name!r} is positional-only; rewards are called by "
                              f"parameter name")
-        else:
-            params.append(p.name)
-    if not params and not varkw:
+        else:                                 # required, or optional and one of what a call gives (given then)
+            (params if p.default is p.empty else optional).append(p.name)
+    if not params and not optional and not varkw:
         raise ValueError(f"reward {where!r} takes no parameters: name the ones it scores, e.g. "
                          f"({', '.join(known[1:])})")
     if not is_batched and len(params) == 2 and not varkw and not set(params) & {*known, *(columns or [])}:
         return BoundReward(fn, where, _label(spec), spec.weight, ("completion", "answer"), False, False,
                            inspect.iscoroutinefunction(fn), positional=True)    # f(completion, answer), any names
+    params += optional
     if columns is not None:
         for name in params:
             if name not in known and name not in columns:

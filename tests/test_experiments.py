@@ -105,14 +105,16 @@ def _build(cfg: dict, path: Path):
 def test_multiturn_configs_build(tiny_model_dir, tmp_path):
     """Each method's multi-turn config at the highest S is one `lit-ess fit --config` accepts: parsed and
     built (the environment config, the objective with its correction, the staleness bound), not run."""
-    from lit_ess.envs import EnvConfig
     from experiments.run import cell_config
 
     for c in [c for c in EXPERIMENTS["multiturn"].cells if c.level == 8]:
         cli = _build(cell_config("multiturn", c, 0, Path(tiny_model_dir), tmp_path / c.label, FULL),
                      tmp_path / f"{c.label}.yaml")
         dm, objective = cli.datamodule, cli.model.objective
-        assert dm.env == EnvConfig(**MULTITURN_ENV) and dm.max_staleness == c.level and dm.mode == "sync"
+        assert dm.env.hparams() == {"env": {"class_path": "lit_ess.envs.arithmetic.RetryArithmetic",
+                                            "init_args": MULTITURN_ENV["env"]["init_args"]},
+                                    "max_turns": 3, "max_episode_tokens": 96, "step_timeout": 10.0}
+        assert dm.max_staleness == c.level and dm.mode == "sync"
         assert type(objective).__name__ == ("P3O" if c.method == "p3o" else "GRPO")
         tis = objective.correction
         assert (tis.level, tis.mode, tis.high) == ("token", "truncate", 2.0) if c.method == "grpo_tis" else tis is None

@@ -81,6 +81,9 @@ DOCUMENTED = {
     ("VLLMConfig", "max_lora_rank", None): "None = off",
     ("VLLMServerConfig", "gpu_memory_utilization", None): "None = 0.1 on CPU, 0.4 on CUDA",
     ("VLLMServerConfig", "max_model_len", None): "None = the model's",
+    ("LLMJudge", "max_model_len", None): "None = the model's",
+    ("LLMJudge", "gpu_memory_utilization", None): "None = 0.1 on CPU, 0.4 on CUDA",
+    ("LLMJudge", "temperature", 0): "0 = greedy",
     ("VLLMServerConfig", "seed", 0): "seed: launched server: the engine's own seed, an integer >= 0",
     ("VLLMServerConfig", "port", None): "None = a free one",
     ("VLLMServerConfig", "max_lora_rank", None): "None = off (merged pushes)",
@@ -207,11 +210,11 @@ def required(tiny_model_dir, tmp_path_factory):
     """Values for the constructor parameters without a default."""
     rows = tmp_path_factory.mktemp("knobs") / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    # fn: lit_ess.rewards.Reward; task: lit_ess.datamodules.ReasoningGym (a reasoning-gym task); env:
+    # model: lit_ess.engines.LLMJudge (a launched judge needs a model folder); fn: lit_ess.rewards.Reward; task: lit_ess.datamodules.ReasoningGym (a reasoning-gym task); env:
     # lit_ess.datamodules.VerifiersTasks, the demo's taskset (configs/vf_retry_arithmetic.py, found beside it)
     configs = str(Path(__file__).resolve().parents[1] / "configs")
     sys.path.insert(0, configs)
-    yield {"model_path": tiny_model_dir, "path": str(rows), "fn": "exact_match", "task": "chain_sum",
+    yield {"model_path": tiny_model_dir, "model": tiny_model_dir, "path": str(rows), "fn": "exact_match", "task": "chain_sum",
            "env": {"taskset": {"id": "vf_retry_arithmetic", "size": 8, "seed": 0}}}
     sys.path.remove(configs)
 
@@ -340,3 +343,36 @@ def test_reference_loop_checks_max_grad_norm_before_loading_anything(tmp_path):
 
     with pytest.raises(ValueError, match="max_grad_norm"):
         main(["--model_path", str(tmp_path / "absent"), "--max_grad_norm", "-1"])
+
+
+def test_plain_values_load_with_weights_only(tmp_path):
+    """What the data module logs and checkpoints of an environment's typed arguments and a user's estimator (a
+    subclass that is no dataclass) is plain values: torch.load(weights_only=True), Lightning's default, reads it."""
+    import dataclasses
+    import functools
+
+    import torch
+
+    from lit_ess.advantages import Advantage
+    from lit_ess.envs import EnvConfig, RetryArithmetic
+    from lit_ess.knobs import plain
+
+    @dataclasses.dataclass
+    class Opts:
+        tries: int = 3
+
+    class Flat(Advantage):                       # no dataclass: a user's estimator as the docs describe it
+        def __init__(self):
+            self.scale = 2.0
+
+        def estimate(self, rewards):
+            return self.scale * (rewards - rewards.mean(1, keepdim=True))
+
+    assert plain({"o": Opts(), "f": len, "t": (1, None)}) == {
+        "o": {"class_path": f"{Opts.__module__}.{Opts.__qualname__}", "init_args": {"tries": 3}},
+        "f": "builtins.len", "t": [1, None]}
+    env = EnvConfig(env=functools.partial(RetryArithmetic, max_tries=3))
+    saved = {"env": env.hparams(), "advantage": Flat().hparams(), "opts": plain(Opts())}
+    torch.save(saved, tmp_path / "h.pt")
+    assert torch.load(tmp_path / "h.pt", weights_only=True) == saved
+    assert saved["advantage"] == {"name": "Flat", "scale": 2.0}

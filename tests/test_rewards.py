@@ -35,6 +35,10 @@ def legacy(c, a):                      # the form of earlier releases: two posit
     return float(c == a)
 
 
+def legacy_with_prompt(c, a, prompt=None):   # two positional, and an optional standard name: given when known
+    return float(c == a) + (0.5 if prompt else 0.0)
+
+
 def takes_all(completion, **columns):
     return float(len(columns))
 
@@ -85,6 +89,7 @@ def test_a_reward_takes_prompt_answer_and_columns_by_name():
     assert _score("test_rewards:by_level", ["2", "5"], answers, prompts, rows)[0] == [0.25, 0.0]
     assert _score("test_rewards:echo_prompt", ["1+", "x"], answers, prompts, rows)[0] == [1.0, 0.0]
     assert _score("test_rewards:legacy", ["2", "5"], answers, prompts, rows)[0] == [1.0, 0.0]
+    assert _score("test_rewards:legacy_with_prompt", ["2", "5"], answers, prompts, rows)[0] == [1.0, 0.0]
     assert _score("test_rewards:takes_all", ["2", "5"], answers, prompts, rows)[0] == [4.0, 4.0]   # every column
     assert _score("test_rewards.by_level", ["2", "4"], answers, prompts, rows)[0] == [0.25, 0.75]  # module.function
 

@@ -1423,8 +1423,8 @@ def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(serve
 
     S = 2
     log, n = tmp_path / "episodes.jsonl", 2 * 4                   # a phase: 2 prompts x 4 samples
-    env = {"env": "e2e_utils:WaitsForNewWeights", "kwargs": {"url": server.urls[0], "unmixed": n, "log": str(log),
-                                                             "wait": 20.0},
+    env = {"env": {"class_path": "e2e_utils.WaitsForNewWeights",
+                   "init_args": {"url": server.urls[0], "unmixed": n, "log": str(log), "wait": 20.0}},
            "max_turns": 2, "step_timeout": 60.0}
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, prompts=2, samples=4, extra_data={
         "mode": "async", "max_staleness": S, "env": env, "sampling": {"temperature": 1.0, "max_new_tokens": 24, "seed": 0},

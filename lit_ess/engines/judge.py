@@ -154,6 +154,8 @@ class LLMJudge(ModelReward):
         check("LLMJudge.request_timeout", self.request_timeout, gt=0)
         check("LLMJudge.startup_timeout", self.startup_timeout, gt=0)
         check("LLMJudge.max_model_len", self.max_model_len, ge=1, integer=True, null=True)
+        check("LLMJudge.gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1, null=True)
+        check("LLMJudge.kv_cache_gib", self.kv_cache_gib, gt=0)
         if self.url is None:
             check_model_path(self.model, "LLMJudge.model")
             if not Path(self.model).is_dir():

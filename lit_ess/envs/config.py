@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
-from lit_ess.knobs import check
+from lit_ess.knobs import check, plain
 from lit_ess.rewards import import_named
 
 from .arithmetic import Calculator, RetryArithmetic
@@ -122,6 +122,6 @@ class EnvConfig:
     def hparams(self) -> dict:
         """Plain values to log as hyper-parameters: the environment's class path and arguments, the limits."""
         cls, init_args = env_class_and_args(self.env)
-        return {"env": {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args},
+        return {"env": {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": plain(init_args)},
                 "max_turns": self.max_turns, "max_episode_tokens": self.max_episode_tokens,
                 "step_timeout": self.step_timeout}
