@@ -4,7 +4,7 @@
     ---------------                                   ----------------------
     load_weights(state, v) -> transport.push(...)     requests.get() -> ("transport", msg): transport.receive
         messages it sends go on the request queue      -> a request naming newer weights: transport.load
-    submit(kind, payload) -> requests.put(..., ticket) -> worker.sample(request)     (engine)
+    submit(request) -> requests.put(..., ticket)      -> worker.sample(request)     (engine)
     poll(timeout) -> [(id, result)]                   -> scoring thread: worker.score(...) (rewards)
                                                          -> results.put(pickled)
 
@@ -45,9 +45,9 @@ import torch
 from lit_ess.engines.base import EngineFault
 from lit_ess.rewards import RewardError
 
-from .executor import WorkerError
+from .executor import WorkerError, check_request
 from .transport import Ticket, build_transport
-from .worker import RolloutWorker, WorkerConfig
+from .worker import EvalRequest, RolloutRequest, RolloutWorker, WorkerConfig
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -130,14 +130,16 @@ class WorkerProcess:
         self.requests.put(("transport", -1, msg, None))
 
     # ------------------------------------------------------------------ requests
-    def submit(self, kind: str, payload) -> int:
-        """Queue a request ("phase": a RolloutRequest, "evaluate": an EvalRequest); it runs with
+    def submit(self, request: RolloutRequest | EvalRequest) -> int:
+        """Queue a request (a RolloutRequest: a phase; an EvalRequest: held-out prompts); it runs with
         the newest weights pushed before it."""
+        check_request(request)
         rid, self.next_id = self.next_id, self.next_id + 1
         self.submitted_at[rid] = time.monotonic()            # silence before a request is not a stall
         self.in_flight[rid] = self.current
-        self.requested[rid] = _what(kind, payload)
-        self.requests.put((kind, rid, payload, self.current))
+        self.requested[rid] = _what(request)
+        kind = "phase" if isinstance(request, RolloutRequest) else "evaluate"
+        self.requests.put((kind, rid, request, self.current))
         return rid
 
     def poll(self, timeout: float, _from_wait: bool = False) -> list[tuple[int, object]]:
@@ -272,7 +274,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 continue                         # closing: nobody will read it
             kind, rid, payload, sampled = item
             try:
-                report(f"scoring {_what(kind, payload)} (rewards)")
+                report(f"scoring {_what(payload)} (rewards)")
                 out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
                 results.put(("result", rid, pickle.dumps(out),
                              (clock["idle"], clock["busy"], clock["weights"], time.monotonic())))
@@ -336,7 +338,7 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
                 continue
             if weights is not None:
                 load(weights, "loading the weights of step")
-            report(f"sampling {_what(kind, payload)}")
+            report(f"sampling {_what(payload)}")
             try:
                 sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload)
             except RewardError as e:             # an environment that cannot play or fails too often (EnvError): bad
@@ -370,5 +372,5 @@ def _exit_cause(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _what(kind: str, payload) -> str:
-    return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"
+def _what(request: RolloutRequest | EvalRequest) -> str:
+    return f"phase {request.phase}" if isinstance(request, RolloutRequest) else f"{len(request.prompts)} held-out prompts"
