@@ -66,7 +66,7 @@ from lit_ess.rewards import ModelReward, Reward, RewardScorer, as_rewards
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBuffer, RolloutExecutor, RolloutRequest, Ranks, TorchRanks,
-                             WorkerConfig, build_executor, in_step, shares_servers)
+                             WorkerConfig, Placement, build_executor, in_step)
 from lit_ess.sampling import SamplingConfig
 from lit_ess.rollout.dapo import DynamicSampling, OverlongPenalty, PhaseFill
 from lit_ess.rollout.worker import pad_token_id, phase_batches
@@ -359,6 +359,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.resume_offset = 0
         self.wait_seconds, self.t_start = 0.0, None
         self.rank, self.world = 0, 1                       # data-parallel position, set in setup()
+        self.place: Placement | None = None               # where rollouts run (mode, placement in force, world), set in setup()
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
@@ -396,9 +397,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         check_chat(self.tokenizer, self.chat, [self.source, self.val_source])
         self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
-        self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
+        self.place = Placement.of(self.mode, self.placement, self.world)
+        self.executor = build_executor(self._worker_config(), self.place, self.ranks, self.worker_timeout)
         self.executor.start()
-        if shares_servers(self.engine_config, self.mode, self.placement, self.world):
+        if self.place.shares_servers(self.engine_config):
             # rank 0's engine labels the servers "-1" as it starts: no rank asks them for weights before that
             in_step(self.ranks, lambda: self.executor.ready() or None)
 
