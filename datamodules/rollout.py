@@ -59,7 +59,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lit_ess.advantages import Advantage, resolve_advantage
-from lit_ess.batch import RolloutBatch
+from lit_ess.batch import EvalResult, RolloutBatch
 from lit_ess.data import RolloutConsumer
 from lit_ess.engines import EngineConfig, VLLMConfig, VLLMServerConfig
 from lit_ess.envs import EnvConfig
@@ -67,7 +67,7 @@ from lit_ess.rewards import ModelReward, Reward, RewardScorer, as_rewards
 from lit_ess.engines.base import prompt_budget
 from lit_ess.knobs import check
 from lit_ess.rollout import (EvalRequest, PhaseResult, RolloutBuffer, RolloutExecutor, RolloutRequest, Ranks, TorchRanks,
-                             WorkerConfig, build_executor, in_step, shares_servers)
+                             WorkerConfig, Placement, build_executor, in_step)
 from lit_ess.sampling import SamplingConfig
 from lit_ess.rollout.dapo import DynamicSampling, OverlongPenalty, PhaseFill
 from lit_ess.rollout.worker import pad_token_id, phase_batches
@@ -357,12 +357,13 @@ class RolloutDataModule(L.LightningDataModule):
                                                            # dynamic sampling: the phase's round to generate)
         self.fills: dict[int, PhaseFill] = {}              # dynamic sampling: the rounds of phases not yet full
         self.submitted: dict[int, int] = {}                # request id -> phase, not yet in the buffer
-        self.evaluated: dict[int, dict] = {}               # request id -> held-out results not yet read
+        self.evaluated: dict[int, EvalResult] = {}         # request id -> held-out results not yet read
         self.skipped_long_prompts = 0
         self.reward_counters: dict = {}
         self.resume_offset = 0
         self.wait_seconds, self.t_start = 0.0, None
         self.rank, self.world = 0, 1                       # data-parallel position, set in setup()
+        self.place: Placement | None = None               # where rollouts run (mode, placement in force, world), set in setup()
 
     # ------------------------------------------------------------------ set-up
     def setup(self, stage: str) -> None:
@@ -400,9 +401,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         check_chat(self.tokenizer, self.chat, [self.source, self.val_source])
         self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
-        self.executor = build_executor(self._worker_config(), self.mode, self.placement, self.ranks, self.worker_timeout)
+        self.place = Placement.of(self.mode, self.placement, self.world)
+        self.executor = build_executor(self._worker_config(), self.place, self.ranks, self.worker_timeout)
         self.executor.start()
-        if shares_servers(self.engine_config, self.mode, self.placement, self.world):
+        if self.place.shares_servers(self.engine_config):
             # rank 0's engine labels the servers "-1" as it starts: no rank asks them for weights before that
             in_step(self.ranks, lambda: self.executor.ready() or None)
 
@@ -458,7 +460,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _start_admissible(self, step: int) -> None:
         """Submit every phase the newest pushed weights may generate (up to the in-flight cap)."""
         while (p := self._admissible(self.executor.version, step)) is not None:
-            self.submitted[self.executor.submit("phase", self._request(p))] = p
+            self.submitted[self.executor.submit(self._request(p))] = p
 
     def _admissible(self, version: int, step: int) -> int | None:
         """The next phase to start, if weights of `version` may
@@ -515,7 +517,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Move finished requests from the executor: phases into the buffer, held-out results aside."""
         self._take(self.executor.poll(timeout=timeout))
 
-    def _take(self, results: list[tuple[int, object]]) -> None:
+    def _take(self, results: list[tuple[int, PhaseResult | EvalResult]]) -> None:
         for rid, result in results:
             self.submitted.pop(rid, None)
             if isinstance(result, PhaseResult):
@@ -543,7 +545,7 @@ class RolloutDataModule(L.LightningDataModule):
         fill.add(result.groups, result.keep, result.stats)
         if not fill.done:
             self.requests[p] = self._refill(p, len(fill.rounds))
-            self.submitted[self.executor.submit("phase", self.requests[p])] = p
+            self.submitted[self.executor.submit(self.requests[p])] = p
             return
         rows, stats = fill.rows()
         del self.fills[p]
@@ -617,23 +619,23 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate the next phase with the engine's current weights and return all its batches, as if
         they were trained (for inspection and tests; one rank)."""
         p = self.buffer.next_phase
-        self.submitted[self.executor.submit("phase", self._request(p))] = p
+        self.submitted[self.executor.submit(self._request(p))] = p
         while p not in self.buffer.ready:
             self._collect(timeout=1.0)
         return self.buffer.pop_phase(p)
 
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
-    def evaluate(self, examples: list[tuple]) -> dict[str, torch.Tensor]:
+    def evaluate(self, examples: list[tuple]) -> EvalResult:
         """`val_samples` samples per held-out (index, prompt, answer[, columns]) with `val_sampling` (default: the
-        training sampling settings): the reward and the length of each, `{"reward": [P, n], "length": [P, n]}`.
+        training sampling settings): the reward and the length of each, `[P, n]`.
         Every rank calls it equally often (an empty batch keeps a rank in step with the others)."""
         req = EvalRequest([self.encode_prompt(e[1]) for e in examples], [e[2] for e in examples],
                           [e[0] for e in examples], self.val_samples, self.val_sampling,
                           prompt_texts=[prompt_text(e[1]) for e in examples],
                           columns=[e[3] if len(e) > 3 else {} for e in examples],
                           conversations=[conversation(e[1]) for e in examples])
-        rid = self.executor.submit("evaluate", req)
+        rid = self.executor.submit(req)
 
         def attempt():
             if rid not in self.evaluated:

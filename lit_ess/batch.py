@@ -263,3 +263,11 @@ def collate(rows: list[Row], pad_id: int, **values) -> RolloutBatch:
         else:
             out[f.name] = [getattr(r, source) for r in rows]
     return RolloutBatch(**out, **values)
+
+
+@dataclass
+class EvalResult:
+    """Held-out prompts sampled `n` times each and scored (a validation batch): each sample's reward and its
+    length in tokens. Not frozen: Lightning moves a batch's tensors to the device field by field."""
+    reward: Tensor        # [P, n] float
+    length: Tensor        # [P, n] float

@@ -87,7 +87,7 @@ from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, not_offered, parse
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
 from lit_ess.rewards import add_search_folders  # noqa: E402
-from lit_ess.rollout import RankFailed, WorkerError, shares_servers  # noqa: E402
+from lit_ess.rollout import Placement, RankFailed, WorkerError  # noqa: E402
 
 # objectives and engine configs are dataclasses: let `class_path` pick any subclass
 set_parsing_settings(subclasses_enabled=[Objective, EngineConfig])
@@ -406,7 +406,7 @@ class LitESSCLI(LightningCLI):
             return
         dm = self.datamodule
         error = dm.engine_config.adapter_error(lora.rank)
-        if error is None and shares_servers(dm.engine_config, dm.mode, dm.placement, self.trainer.world_size):
+        if error is None and Placement.of(dm.mode, dm.placement, self.trainer.world_size).shares_servers(dm.engine_config):
             error = SHARED_ADAPTERS
         if error is not None:
             raise ValueError(error)

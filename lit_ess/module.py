@@ -41,7 +41,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from .batch import Proximal, RolloutBatch
+from .batch import EvalResult, Proximal, RolloutBatch
 from .data import RolloutData
 from .health import ESSAlarm, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
 from .knobs import check
@@ -792,13 +792,13 @@ class PolicyModule(L.LightningModule):
             for lg in self.loggers:
                 lg.log_metrics(logs, step=self.global_step)
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int):
+    def validation_step(self, batch: EvalResult, batch_idx: int):
         """Held-out prompts sampled by the engine with the current weights (n samples each) and scored
-        by the data module: `{"reward": [P, n], "length": [P, n]}`. A sample passes when its reward
+        by the data module: each sample's reward and length, `[P, n]`. A sample passes when its reward
         is 1. The metrics are reduced over ranks (torchmetrics)."""
-        self.val_reward.update(batch["reward"])
-        self.val_length.update(batch["length"])
-        self.val_pass.update(batch["reward"] >= 1.0)
+        self.val_reward.update(batch.reward)
+        self.val_length.update(batch.length)
+        self.val_pass.update(batch.reward >= 1.0)
         self.log("val/reward_mean", self.val_reward, on_step=False, on_epoch=True)
         self.log("val/response_len", self.val_length, on_step=False, on_epoch=True)
 

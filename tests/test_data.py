@@ -302,7 +302,7 @@ def test_held_out_evaluation_samples_with_val_sampling(tiny_model_dir):
                                sampling=SamplingConfig(max_new_tokens=6, seed=0), val_samples=3, val_sampling=val,
                                val_source=Arithmetic(size=8, split="test"))
         dm.setup("validate")
-        lengths[name] = dm.evaluate(held_out)["length"]
+        lengths[name] = dm.evaluate(held_out).length
         assert val is None or (dm.val_sampling.seed, dm.val_sampling.max_new_tokens) == (0, 2)
         dm.teardown("validate")
     assert lengths["val"].shape == (4, 3) and lengths["val"].max() == 2

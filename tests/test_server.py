@@ -495,12 +495,12 @@ def _fake_on(port: int, handler=FakeVLLM) -> ThreadingHTTPServer:
 def test_servers_shared_by_the_ranks_take_weights_from_rank_0_alone(mode, placement, urls, world, roles):
     from test_async_ranks import ThreadRanks
 
-    from lit_ess.rollout.placement import engine_for_rank
+    from lit_ess.rollout.placement import Placement, engine_for_rank
 
     shared, got = {"slots": [None] * world, "barrier": threading.Barrier(world)}, [None] * world
 
     def rank(r):
-        got[r] = engine_for_rank(VLLMServerConfig(urls=urls), mode, placement, ThreadRanks(r, world, shared))
+        got[r] = engine_for_rank(VLLMServerConfig(urls=urls), Placement.of(mode, placement, world), ThreadRanks(r, world, shared))
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()

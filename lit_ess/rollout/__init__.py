@@ -4,12 +4,12 @@ lit_ess.batch's RolloutBatch; the trainer sees this layer only through lit_ess.d
 from .buffer import RolloutBuffer
 from .dapo import DynamicSampling, OverlongPenalty, PhaseFill, overlong_penalty
 from .executor import InlineExecutor, RolloutExecutor, WorkerError
-from .placement import build_executor, placed, shares_servers
+from .placement import Placement, build_executor
 from .process import WorkerProcess
 from .ranks import RankFailed, Ranks, TorchRanks, in_step
 from .worker import EvalRequest, PhaseResult, RolloutRequest, RolloutWorker, WorkerConfig
 
 __all__ = ["DynamicSampling", "EvalRequest", "InlineExecutor", "OverlongPenalty", "PhaseFill", "RankFailed", "Ranks",
-           "RolloutExecutor", "TorchRanks", "build_executor", "in_step", "overlong_penalty", "placed", "shares_servers",
+           "RolloutExecutor", "TorchRanks", "build_executor", "in_step", "overlong_penalty", "Placement",
            "PhaseResult", "RolloutBuffer", "RolloutRequest", "RolloutWorker", "WorkerConfig", "WorkerError",
            "WorkerProcess"]

@@ -7,12 +7,12 @@
                                                    every rank's before the first push
     executor.load_weights(named_tensors, version)  the weights of optimizer step `version`; every rank
                                                    consumes the iterator (FSDP2 gathers tensor by tensor)
-    rid = executor.submit(kind, request)           "phase": this rank's RolloutRequest (its share of the
-                                                   phase's prompts); "evaluate": its EvalRequest (every
-                                                   rank evaluates equally often); generated with the
-                                                   newest weights loaded before it
-    executor.poll(timeout) -> [(rid, result)]      finished requests, in submission order: a PhaseResult,
-                                                   or an evaluation's {"reward": [P, n], "length": [P, n]}
+    rid = executor.submit(request)                 a RolloutRequest (this rank's share of a phase's prompts)
+                                                   or an EvalRequest (its held-out prompts; every rank
+                                                   evaluates equally often); generated with the newest
+                                                   weights loaded before it
+    executor.poll(timeout) -> [(rid, result)]      finished requests, in submission order: a PhaseResult
+                                                   for a RolloutRequest, an EvalResult for an EvalRequest
     executor.restore(reward_counters)              a resumed run's failure counters (RolloutWorker.counters:
                                                    the reward scorer's and the environment's)
     executor.version                               the newest weights loaded (-1: none yet)
@@ -35,11 +35,19 @@ from typing import Iterable, Protocol
 
 from torch import Tensor
 
-from .worker import RolloutWorker, WorkerConfig
+from lit_ess.batch import EvalResult
+
+from .worker import EvalRequest, PhaseResult, RolloutRequest, RolloutWorker, WorkerConfig
 
 
 class WorkerError(RuntimeError):
     """The process that generates rollouts failed, stalled or exited."""
+
+
+def check_request(request) -> None:
+    """What `submit` takes: a RolloutRequest or an EvalRequest (one line naming anything else)."""
+    if not isinstance(request, (RolloutRequest, EvalRequest)):
+        raise TypeError(f"submit takes a RolloutRequest or an EvalRequest, not {type(request).__name__}")
 
 
 class RolloutExecutor(Protocol):
@@ -54,9 +62,9 @@ class RolloutExecutor(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], version: int) -> None: ...
 
-    def submit(self, kind: str, payload) -> int: ...
+    def submit(self, request: RolloutRequest | EvalRequest) -> int: ...
 
-    def poll(self, timeout: float) -> list[tuple[int, object]]: ...
+    def poll(self, timeout: float) -> list[tuple[int, PhaseResult | EvalResult]]: ...
 
     def restore(self, reward_counters: dict) -> None: ...
 
@@ -73,7 +81,7 @@ class InlineExecutor:
         config.engine.weight_transfer(in_process=True)       # refuses what needs the worker process: fails fast
         self.config = config
         self.worker: RolloutWorker | None = None
-        self.done: list[tuple[int, object]] = []
+        self.done: list[tuple[int, PhaseResult | EvalResult]] = []
         self.next_id = 0
         self.idle_seconds = self.busy_seconds = 0.0
 
@@ -93,15 +101,16 @@ class InlineExecutor:
     def restore(self, reward_counters: dict) -> None:
         self.worker.load_counters(reward_counters)
 
-    def submit(self, kind: str, payload) -> int:
+    def submit(self, request: RolloutRequest | EvalRequest) -> int:
+        check_request(request)
         rid, self.next_id = self.next_id, self.next_id + 1
         t0 = time.perf_counter()
-        result = self.worker.run(payload) if kind == "phase" else self.worker.evaluate(payload)
+        result = self.worker.run(request) if isinstance(request, RolloutRequest) else self.worker.evaluate(request)
         self.busy_seconds += time.perf_counter() - t0
         self.done.append((rid, result))
         return rid
 
-    def poll(self, timeout: float) -> list[tuple[int, object]]:
+    def poll(self, timeout: float) -> list[tuple[int, PhaseResult | EvalResult]]:
         out, self.done = self.done, []
         return out
 

@@ -1,4 +1,4 @@
-"""Where a rank's rollouts run: the executor for (mode, placement, ranks), and the engine it builds.
+"""Where a rank's rollouts run: the executor for a Placement (mode, placement in force, ranks), and the engine it builds.
 
     sync                 InlineExecutor: the worker in the trainer's process
     async, colocated     WorkerProcess: a worker process per rank, its engine on the rank's own GPU
@@ -9,6 +9,8 @@
 vLLM servers shared by several ranks (`urls` on W ranks, or the one server rank 0 launches under the
 dedicated placement) take weights from rank 0 alone; the other ranks' engines (`FollowerConfig`) wait
 until the servers carry the step their requests name.
+
+The data module resolves its knobs into one `Placement` value in setup (`Placement.of`) and hands it on.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import os
 import socket
 import tempfile
 import uuid
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -32,24 +36,35 @@ from .ranks import Ranks
 from .worker import WorkerConfig
 
 
-def placed(mode: str, placement: str, world: int) -> str:
-    """The placement in force: "dedicated" (servers of their own, shared by every rank) is async on several
-    ranks; otherwise each rank's engine is its own ("colocated"), whatever the knob says."""
-    return "dedicated" if mode == "async" and placement == "dedicated" and world > 1 else "colocated"
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's rollouts run, resolved once from the knobs (`of`): `mode` "sync" (in the trainer's process)
+    or "async" (a worker process per rank); `where` the placement in force, "dedicated" (servers of their own,
+    shared by every rank: async on several ranks) or "colocated" (each rank's engine its own, whatever the
+    knob says otherwise); `world` the data-parallel ranks."""
+    mode: Literal["sync", "async"]
+    where: Literal["colocated", "dedicated"]
+    world: int
+
+    @classmethod
+    def of(cls, mode: str, placement: str, world: int) -> Placement:
+        return cls(mode, "dedicated" if mode == "async" and placement == "dedicated" and world > 1 else "colocated", world)
+
+    @property
+    def dedicated(self) -> bool:
+        return self.where == "dedicated"
+
+    def shares_servers(self, engine: EngineConfig) -> bool:
+        """Whether the run's ranks share vLLM servers, rank 0 pushing the weights: servers by URL on several
+        ranks, or the dedicated placement's one launched server."""
+        return isinstance(engine, VLLMServerConfig) and self.world > 1 and (bool(engine.urls) or self.dedicated)
 
 
-def shares_servers(engine: EngineConfig, mode: str, placement: str, world: int) -> bool:
-    """Whether the run's ranks share vLLM servers, rank 0 pushing the weights: servers by URL on several
-    ranks, or the dedicated placement's one launched server."""
-    return isinstance(engine, VLLMServerConfig) and world > 1 and \
-        (bool(engine.urls) or placed(mode, placement, world) == "dedicated")
-
-
-def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Ranks) -> EngineConfig:
+def engine_for_rank(engine: EngineConfig, place: Placement, ranks: Ranks) -> EngineConfig:
     """The engine config this rank builds (every rank calls it). Servers shared by the ranks: rank 0's a
     LeaderConfig of the user's (under the dedicated placement it launches the server, on a port all ranks
     agree on), the others' a FollowerConfig of the same servers."""
-    if not shares_servers(engine, mode, placement, ranks.world):
+    if not place.shares_servers(engine):
         return engine
     urls = engine.urls
     if not urls:                                # dedicated: rank 0 launches it, on this node
@@ -70,15 +85,14 @@ def engine_for_rank(engine: EngineConfig, mode: str, placement: str, ranks: Rank
                           server_log=None if engine.urls else engine.log_file)
 
 
-def build_executor(config: WorkerConfig, mode: str, placement: str, ranks: Ranks,
-                   worker_timeout: float) -> RolloutExecutor:
+def build_executor(config: WorkerConfig, place: Placement, ranks: Ranks, worker_timeout: float) -> RolloutExecutor:
     """This rank's executor (every rank calls it: servers shared by the ranks are agreed on). sync: the
     worker in this process; async: a worker process per rank, its engine on the rank's own GPU (colocated)
     or the servers shared by every rank (dedicated)."""
-    config = dataclasses.replace(config, engine=engine_for_rank(config.engine, mode, placement, ranks))
-    if mode == "sync":
+    config = dataclasses.replace(config, engine=engine_for_rank(config.engine, place, ranks))
+    if place.mode == "sync":
         return InlineExecutor(config)
-    dedicated = placed(mode, placement, ranks.world) == "dedicated"
+    dedicated = place.dedicated
     own_devices = "CUDA_VISIBLE_DEVICES" in config.engine.worker_env()
     if ranks.world > 1 and own_devices and not dedicated:
         raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "

@@ -2,11 +2,15 @@
 
     trainer process                                   worker process (spawn)
     ---------------                                   ----------------------
-    load_weights(state, v) -> transport.push(...)     requests.get() -> ("transport", msg): transport.receive
-        messages it sends go on the request queue      -> a request naming newer weights: transport.load
-    submit(kind, payload) -> requests.put(..., ticket) -> worker.sample(request)     (engine)
+    load_weights(state, v) -> transport.push(...)     requests.get() -> Transport(msg): transport.receive
+        messages it sends go on the request queue      -> a Submit naming newer weights: transport.load
+    submit(request) -> requests.put(Submit(...))      -> worker.sample(request)     (engine)
     poll(timeout) -> [(id, result)]                   -> scoring thread: worker.score(...) (rewards)
-                                                         -> results.put(pickled)
+                                                         -> results.put(Result(pickled))
+
+The messages are small frozen dataclasses, one per kind, pickled through the queues and matched by
+type: to the worker Submit, Restore, Transport, Stop; back Ready, Stage, Loaded, Result, Failed (each
+but Failed stamped with when it was sent, for the watchdog below).
 
 Weights travel by the engine config's transport (lit_ess/rollout/transport.py): shared memory by
 default (the trainer copies into a slot no queued request names; the worker's engine reads it with
@@ -17,7 +21,7 @@ In-flight updates (an engine whose `updates_in_flight()` is true, e.g. VLLMServe
 `weight_update: in_flight`): every push also goes, as its ticket, on a second queue that a thread of
 the worker reads while the main thread samples, so the engine takes the weights while the phase's
 requests run (and they go on with them). One such load is outstanding at a time: the worker answers
-each with ("loaded", version), and the next push first waits for that answer (a load takes a fraction
+each with Loaded(version), and the next push first waits for that answer (a load takes a fraction
 of a second; the slots in use are then those of the queued requests only).
 The worker process gets the engine config's `worker_env()` (e.g. CUDA_VISIBLE_DEVICES for an engine
 on GPUs of its own, or for the server it launches). It exits when told to, and the kernel stops it when the trainer process ends (lit_ess.lifetime).
@@ -39,15 +43,82 @@ import pickle
 import queue
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
 from lit_ess.engines.base import EngineFault
 from lit_ess.rewards import RewardError
 
-from .executor import WorkerError
+from .executor import WorkerError, check_request
 from .transport import Ticket, build_transport
-from .worker import RolloutWorker, WorkerConfig
+from .worker import EvalRequest, RolloutRequest, RolloutWorker, WorkerConfig
+
+
+# ---------------------------------------------------------------------- trainer -> worker (requests queue)
+@dataclass(frozen=True)
+class Submit:
+    """Sample and score `request` with the weights `weights` (None: those the engine holds)."""
+    rid: int
+    request: RolloutRequest | EvalRequest
+    weights: Ticket | None
+
+
+@dataclass(frozen=True)
+class Restore:
+    """A resumed run's failure counters (RolloutWorker.counters)."""
+    counters: dict
+
+
+@dataclass(frozen=True)
+class Transport:
+    """A message of the weight transport's trainer side for its engine side, applied in order with the requests."""
+    msg: object
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit now (the queued requests are skipped)."""
+
+
+# ---------------------------------------------------------------------- worker -> trainer (results queue)
+@dataclass(frozen=True)
+class Ready:
+    """The engine is built."""
+    sent: float                    # time.monotonic() in the worker (the same clock as the trainer's)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The worker begins a stage (e.g. "sampling phase 3"), for the watchdog's message."""
+    stage: str
+    sent: float
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An in-flight weight load (the updates queue) is done."""
+    version: int
+    sent: float
+
+
+@dataclass(frozen=True)
+class Result:
+    """Request `rid`'s result, pickled (a PhaseResult or an EvalResult), and the engine's clock when it was sent."""
+    rid: int
+    payload: bytes
+    idle_seconds: float
+    busy_seconds: float
+    weight_load_seconds: float
+    sent: float
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The worker failed (on request `rid`; -1: outside one): a RewardError or EngineFault to raise as it is
+    (its one line), else the traceback as text."""
+    rid: int
+    error: BaseException | str
 
 
 def cpu_sharing_env() -> dict[str, str]:
@@ -100,7 +171,7 @@ class WorkerProcess:
     def restore(self, reward_counters: dict) -> None:
         """A resumed run's failure counters (RolloutWorker.counters), applied before any request queued after them."""
         if reward_counters:
-            self.requests.put(("restore", -1, reward_counters, None))
+            self.requests.put(Restore(reward_counters))
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, named_tensors, version: int) -> None:
@@ -127,17 +198,18 @@ class WorkerProcess:
             self.updates.put(self.current)
 
     def _send(self, msg) -> None:
-        self.requests.put(("transport", -1, msg, None))
+        self.requests.put(Transport(msg))
 
     # ------------------------------------------------------------------ requests
-    def submit(self, kind: str, payload) -> int:
-        """Queue a request ("phase": a RolloutRequest, "evaluate": an EvalRequest); it runs with
+    def submit(self, request: RolloutRequest | EvalRequest) -> int:
+        """Queue a request (a RolloutRequest: a phase; an EvalRequest: held-out prompts); it runs with
         the newest weights pushed before it."""
+        check_request(request)
         rid, self.next_id = self.next_id, self.next_id + 1
         self.submitted_at[rid] = time.monotonic()            # silence before a request is not a stall
         self.in_flight[rid] = self.current
-        self.requested[rid] = _what(kind, payload)
-        self.requests.put((kind, rid, payload, self.current))
+        self.requested[rid] = _what(request)
+        self.requests.put(Submit(rid, request, self.current))
         return rid
 
     def poll(self, timeout: float, _from_wait: bool = False) -> list[tuple[int, object]]:
@@ -150,7 +222,7 @@ class WorkerProcess:
                 return out
             wait = deadline - time.monotonic() if not out else 0.0
             try:
-                kind, rid, payload, info = self.results.get(timeout=max(wait, 0.0)) if wait > 0 else self.results.get_nowait()
+                msg = self.results.get(timeout=max(wait, 0.0)) if wait > 0 else self.results.get_nowait()
             except queue.Empty:
                 if not self.proc.is_alive():
                     raise WorkerError(f"the rollout worker process (pid {self.proc.pid}) died: "
@@ -159,25 +231,25 @@ class WorkerProcess:
                     raise WorkerError(f"the rollout worker did not start its engine within {self.start_timeout:.0f} s") from None
                 self._check_progress()
                 return out
-            if kind == "error":
-                if isinstance(payload, (RewardError, EngineFault)):
-                    raise payload                # bad input, or a server that is gone: the same one line as sync
-                raise WorkerError(f"the rollout worker failed:\n{payload}")
-            self.last_heard = max(self.last_heard, info[-1])       # when it was sent
-            if kind == "ready":
-                self.started, self.stage = True, "idle"
-                continue
-            if kind == "stage":
-                self.stage = payload
-                continue
-            if kind == "loaded":                                   # an in-flight load is done
-                self.update_sent = None
-                continue
-            self.idle_seconds, self.busy_seconds, self.weight_load_seconds = info[:3]
-            self.in_flight.pop(rid, None)
-            self.submitted_at.pop(rid, None)
-            self.stage = f"between requests (last finished: {self.requested.pop(rid, '?')})"
-            out.append((rid, pickle.loads(payload)))
+            if isinstance(msg, Failed):
+                if isinstance(msg.error, (RewardError, EngineFault)):
+                    raise msg.error              # bad input, or a server that is gone: the same one line as sync
+                raise WorkerError(f"the rollout worker failed:\n{msg.error}")
+            self.last_heard = max(self.last_heard, msg.sent)
+            match msg:
+                case Ready():
+                    self.started, self.stage = True, "idle"
+                case Stage(stage=stage):
+                    self.stage = stage
+                case Loaded():                                     # an in-flight load is done
+                    self.update_sent = None
+                case Result(rid=rid):
+                    self.idle_seconds, self.busy_seconds = msg.idle_seconds, msg.busy_seconds
+                    self.weight_load_seconds = msg.weight_load_seconds
+                    self.in_flight.pop(rid, None)
+                    self.submitted_at.pop(rid, None)
+                    self.stage = f"between requests (last finished: {self.requested.pop(rid, '?')})"
+                    out.append((rid, pickle.loads(msg.payload)))
 
     def _check_progress(self) -> None:
         """The watchdog: stop a worker that has sent nothing for progress_timeout s with work in flight."""
@@ -216,7 +288,7 @@ class WorkerProcess:
         if self.proc is None:
             return
         self.stop.set()
-        self.requests.put(("stop", -1, None, None))               # wakes a worker waiting for requests
+        self.requests.put(Stop())                                  # wakes a worker waiting for requests
         deadline = time.monotonic() + grace
         while self.proc.is_alive() and time.monotonic() < deadline:
             try:
@@ -254,15 +326,15 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
         transport = build_transport(config.engine.weight_transfer(in_process=False))
         worker = RolloutWorker(config)
     except EngineFault as e:             # e.g. a server refused at start: its one line
-        results.put(("error", -1, e, None))
+        results.put(Failed(-1, e))
         return
     except BaseException:
-        results.put(("error", -1, traceback.format_exc(), None))
+        results.put(Failed(-1, traceback.format_exc()))
         return
-    results.put(("ready", -1, None, (time.monotonic(),)))
+    results.put(Ready(time.monotonic()))
 
     def report(stage: str) -> None:
-        results.put(("stage", -1, stage, (time.monotonic(),)))
+        results.put(Stage(stage, time.monotonic()))
     to_score: queue.Queue = queue.Queue()
     clock = {"idle": 0.0, "busy": 0.0, "weights": 0.0}       # of the engine (main thread)
 
@@ -270,17 +342,18 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
         while (item := to_score.get()) is not None:
             if stop.is_set():
                 continue                         # closing: nobody will read it
-            kind, rid, payload, sampled = item
+            sub, sampled = item
+            req = sub.request
             try:
-                report(f"scoring {_what(kind, payload)} (rewards)")
-                out = worker.score(payload, *sampled) if kind == "phase" else worker.score_eval(payload, *sampled)
-                results.put(("result", rid, pickle.dumps(out),
-                             (clock["idle"], clock["busy"], clock["weights"], time.monotonic())))
+                report(f"scoring {_what(req)} (rewards)")
+                out = worker.score(req, *sampled) if isinstance(req, RolloutRequest) else worker.score_eval(req, *sampled)
+                results.put(Result(sub.rid, pickle.dumps(out), clock["idle"], clock["busy"], clock["weights"],
+                                   time.monotonic()))
             except RewardError as e:
-                results.put(("error", rid, e, None))
+                results.put(Failed(sub.rid, e))
                 return
             except BaseException:
-                results.put(("error", rid, traceback.format_exc(), None))
+                results.put(Failed(sub.rid, traceback.format_exc()))
                 return
 
     scorer = threading.Thread(target=score_loop, name="lit-ess-scorer", daemon=True)
@@ -304,9 +377,9 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
             try:
                 load(ticket, "loading in flight the weights of step")
             except BaseException:
-                results.put(("error", -1, traceback.format_exc(), None))
+                results.put(Failed(-1, traceback.format_exc()))
                 return
-            results.put(("loaded", -1, ticket.version, (time.monotonic(),)))
+            results.put(Loaded(ticket.version, time.monotonic()))
 
     updater = None
     if in_flight:
@@ -316,38 +389,40 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
         while True:
             t0 = time.perf_counter()
             try:
-                kind, rid, payload, weights = requests.get(timeout=1.0)
+                msg = requests.get(timeout=1.0)
             except queue.Empty:
                 clock["idle"] += time.perf_counter() - t0
                 if not _parent_alive(parent_pid) or not scorer.is_alive():
                     return
                 continue
             clock["idle"] += time.perf_counter() - t0
-            if kind == "stop" or stop.is_set() or not _parent_alive(parent_pid):
+            if isinstance(msg, Stop) or stop.is_set() or not _parent_alive(parent_pid):
                 return                           # (a killed trainer: skip what it had queued)
             t1 = time.perf_counter()
-            if kind == "restore":
-                worker.load_counters(payload)
-                continue
-            if kind == "transport":
-                report("receiving weights")
-                transport.receive(worker.engine, payload)
-                clock["weights"] += time.perf_counter() - t1
-                continue
-            if weights is not None:
-                load(weights, "loading the weights of step")
-            report(f"sampling {_what(kind, payload)}")
-            try:
-                sampled = worker.sample(payload) if kind == "phase" else worker.sample_eval(payload)
-            except RewardError as e:             # an environment that cannot play or fails too often (EnvError): bad
-                results.put(("error", rid, e, None))      # input, one line, as the scorer's in score_loop
-                return
-            clock["busy"] += time.perf_counter() - t1
-            to_score.put((kind, rid, payload, sampled))
+            match msg:
+                case Restore(counters=counters):
+                    worker.load_counters(counters)
+                case Transport(msg=payload):
+                    report("receiving weights")
+                    transport.receive(worker.engine, payload)
+                    clock["weights"] += time.perf_counter() - t1
+                case Submit(rid=rid, request=req, weights=weights):
+                    if weights is not None:
+                        load(weights, "loading the weights of step")
+                    report(f"sampling {_what(req)}")
+                    try:
+                        sampled = worker.sample(req) if isinstance(req, RolloutRequest) else worker.sample_eval(req)
+                    except RewardError as e:     # an environment that cannot play or fails too often (EnvError): bad
+                        results.put(Failed(rid, e))        # input, one line, as the scorer's in score_loop
+                        return
+                    clock["busy"] += time.perf_counter() - t1
+                    to_score.put((msg, sampled))
+                case _:
+                    raise TypeError(f"the rollout worker got a {type(msg).__name__}, not a request message")
     except EngineFault as e:
-        results.put(("error", -1, e, None))
+        results.put(Failed(-1, e))
     except BaseException:
-        results.put(("error", -1, traceback.format_exc(), None))
+        results.put(Failed(-1, traceback.format_exc()))
     finally:
         to_score.put(None)
         scorer.join(timeout=60)
@@ -370,5 +445,5 @@ def _exit_cause(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _what(kind: str, payload) -> str:
-    return f"phase {payload.phase}" if kind == "phase" else f"{len(payload.prompts)} held-out prompts"
+def _what(request: RolloutRequest | EvalRequest) -> str:
+    return f"phase {request.phase}" if isinstance(request, RolloutRequest) else f"{len(request.prompts)} held-out prompts"

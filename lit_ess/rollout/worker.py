@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lit_ess.advantages import Advantage, GroupMean, degenerate_groups
-from lit_ess.batch import RolloutBatch, Row, collate
+from lit_ess.batch import EvalResult, RolloutBatch, Row, collate
 from lit_ess.engines import EngineConfig
 from lit_ess.envs import EnvConfig, Episode, episode_stats, make_runner, to_row
 from lit_ess.envs.base import Example
@@ -273,13 +273,13 @@ class RolloutWorker:
                                 sampling=c.sampling, engine_dtype=c.engine.exact_dtype(), max_staleness=c.max_staleness)
         return PhaseResult(req.phase, batches, counts, t_gen)
 
-    def evaluate(self, req: "EvalRequest") -> dict[str, torch.Tensor]:
+    def evaluate(self, req: EvalRequest) -> EvalResult:
         """`req.n` samples per held-out prompt with `req.sampling` (or the training settings): the reward and the
-        length of each, `{"reward": [P, n], "length": [P, n]}`."""
+        length of each, `[P, n]`."""
         return self.score_eval(req, *self.sample_eval(req))
 
     @torch.no_grad()
-    def sample_eval(self, req: "EvalRequest") -> tuple[list[str], list[int]]:
+    def sample_eval(self, req: EvalRequest) -> tuple[list[str], list[int]]:
         if not req.prompts:                      # a rank's empty share of the held-out set: no engine call
             return [], []
         groups = self.engine.generate(req.prompts, req.n, req.sampling or self.config.sampling, call_seed=-1,
@@ -287,12 +287,12 @@ class RolloutWorker:
         return ([self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g],
                 [len(s.token_ids) for g in groups for s in g])
 
-    def score_eval(self, req: "EvalRequest", texts: list[str], lengths: list[int]) -> dict[str, torch.Tensor]:
+    def score_eval(self, req: EvalRequest, texts: list[str], lengths: list[int]) -> EvalResult:
         rewards = self.scorer(texts, _repeat(req.answers, req.n), _repeat(req.prompt_texts or [""] * len(req.answers), req.n),
                               _repeat(_rows(req.columns, len(req.answers)), req.n),
                               _repeat(req.conversations or [None] * len(req.answers), req.n))
-        return {"reward": torch.tensor(rewards, dtype=torch.float32).view(-1, req.n),
-                "length": torch.tensor(lengths, dtype=torch.float32).view(-1, req.n)}
+        return EvalResult(reward=torch.tensor(rewards, dtype=torch.float32).view(-1, req.n),
+                          length=torch.tensor(lengths, dtype=torch.float32).view(-1, req.n))
 
     def close(self) -> None:
         """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
