@@ -260,10 +260,11 @@ def test_dynamic_sampling_refuses_several_ranks(tiny_model_dir):
 # ------------------------------------------------------------------------------------------------ lit-ess fit
 @pytest.mark.e2e
 def test_fit_with_dynamic_sampling_and_the_overlong_penalty(tiny_model_dir, tmp_path):
-    """3 steps of DAPO on the tiny model (vLLM, sync), 8 prompts x 4 samples, groups with a signal only when
+    """3 steps of DAPO on the tiny model (the hf engine, sync: dynamic sampling and the penalty are the data
+    module's, not the engine's), 8 prompts x 4 samples, groups with a signal only when
     the answer is even, completions of up to 6 tokens penalised past 3: the counts and the penalty are in
     TensorBoard at every step, and `--print_config` shows both knobs (off by default)."""
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, objective="DAPO", extra_data={
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3, objective="DAPO", extra_data={
         "reward": "e2e_utils:signal_if_even", "dynamic_sampling": {"enable": True, "max_rounds": 3},
         "overlong": {"enable": True, "buffer": 3}})
     path = write_config(cfg, tmp_path / "config.yaml")
