@@ -241,11 +241,17 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
     outside the engine; vLLM's seeded sampling across a resume: test_e2e.py::test_kill_and_resume_matches_uninterrupted."""
     env = {"env": {"class_path": "e2e_utils.FlakyRetry", "init_args": {"max_tries": 3}}, "max_turns": 3, "max_episode_tokens": 96}
     ref_dir, run_dir, steps = tmp_path / "ref", tmp_path / "killed", 4
-    ref = fit(multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0,
-                               engine=HF))
+    ref_cfg = multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0,
+                               engine=HF)
     cfg = multiturn_config(warm_start, run_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0, engine=HF)
     kill_after_checkpoint(cfg, run_dir / "ckpt", 2)
-    got = fit(cfg, "--ckpt_path", "last")
+    # the resume, then the uninterrupted run, in one process (e2e_utils.cli_each): one start of Lightning fewer;
+    # the resume first, in a fresh process as a user's, so nothing the uninterrupted run left behind can help it
+    runs = cli_each({"resumed": (["fit", "--config", str(cfg), "--ckpt_path", "last"], None),
+                     "ref": (["fit", "--config", str(ref_cfg)], None)}, timeout=1200)
+    for res in runs.values():
+        assert res.returncode == 0, res.stderr[-4000:]
+    got, ref = scalars(run_dir), scalars(ref_dir)
     lines = (run_dir / "prompts.jsonl").read_text().splitlines()
     assert sum('"step": 0,' in ln for ln in lines) == 1               # really resumed, not started again
     for tag in ("train/loss", "train/ess", "rollout/reward_mean", "rollout/turns", "rollout/env_tokens",
