@@ -59,6 +59,13 @@ def module(model_dir, objective, **kw) -> PolicyModule:
     return m
 
 
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    """The tiny model loaded once for the steps that share it (_step_on resets its gradients; no step here
+    moves its weights): a load per step was most of this file's time."""
+    return module(tiny_model_dir, GRPO()).policy
+
+
 def test_the_budget_cuts_by_length(tiny_model_dir, stale_batch):
     """Hand-checked on the batch: each micro-batch holds <= BUDGET padded tokens (rows x its longest
     row) unless it is one row, is trimmed to that row, every row is in exactly one, and the row counts
@@ -99,16 +106,16 @@ OBJECTIVES = [*OBJECTIVE_CLASSES, "GRPO-old-proximal"]
 @pytest.mark.parametrize("data", ["stale_batch", "tailed_batch"])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 @pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda c: c if isinstance(c, str) else c.__name__)
-def test_the_update_does_not_depend_on_the_cut(tiny_model_dir, objective, aggregation, data, request):
+def test_the_update_does_not_depend_on_the_cut(tiny_model_dir, policy, objective, aggregation, data, request):
     """One padded batch, micro_batch_size 2 (8 equal slices), micro_batch_tokens (3+ unequal
     micro-batches by length), packing (one micro-batch, rows packed) and packing with the budget: the
     same loss, gradient and ESS to 1e-5, on sampled rows of 9-13 tokens and on long-tailed ones."""
     batch = request.getfixturevalue(data)
     make = lambda: make_objective(objective, aggregation)      # noqa: E731
-    g0, m0, e0 = _step(tiny_model_dir, batch, make())
+    g0, m0, e0 = _step_on(policy, tiny_model_dir, batch, make())
     assert m0["train/ess"] < 0.99                              # off-policy: the ESS is doing something
     for kw in CUTS.values():
-        g, m, e = _step(tiny_model_dir, batch, make(), **kw)
+        g, m, e = _step_on(policy, tiny_model_dir, batch, make(), **kw)
         assert torch.allclose(g, g0, atol=1e-5, rtol=1e-4), kw
         for k in ("train/loss", "train/policy_loss", "train/ess", "train/tokens"):
             assert m[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), (kw, k)
@@ -260,7 +267,7 @@ def _ranks_main(rank, world, port, model_dir, batch_file, out):
 
 
 @pytest.mark.dist
-def test_two_ranks_give_the_one_rank_update(tiny_model_dir, tailed_batch, tmp_path):
+def test_two_ranks_give_the_one_rank_update(tiny_model_dir, policy, tailed_batch, tmp_path):
     """2 gloo ranks holding 10 and 6 of the long-tailed rows, padded, by token budget and packed by token
     budget: for every objective x aggregation the gradient summed over ranks, the loss and the ESS equal one
     process's padded step on all 16 rows (to 1e-5); the ranks run the same number of passes (else hang).
@@ -276,7 +283,6 @@ def test_two_ranks_give_the_one_rank_update(tiny_model_dir, tailed_batch, tmp_pa
         (t0, n0), (t1, n1) = got[cut]
         assert t0 + t1 == int(lengths.sum()) and abs(t0 - t1) <= int(lengths.max()) < abs(unbalanced[0] - unbalanced[1])
         assert n0 == n1, cut
-    policy = module(tiny_model_dir, GRPO()).policy
     for objective in OBJECTIVES:
         for aggregation in AGGREGATIONS:
             g0, m0, e0 = _step_on(policy, tiny_model_dir, tailed_batch, make_objective(objective, aggregation))

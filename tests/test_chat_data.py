@@ -10,7 +10,7 @@ import warnings
 import pytest
 import yaml
 
-from e2e_utils import cli, cli_each, rl_config, scalars, write_config
+from e2e_utils import cli_each, rl_config, scalars, write_config
 from lit_ess.chat import ChatFormat
 from lit_ess.datamodules import HFPrompts, RolloutDataModule
 from lit_ess.datamodules.prompts import check_chat, encode_prompt
@@ -208,14 +208,16 @@ def test_fit_on_a_chat_jsonl_from_a_yaml_config(tmp_path, chat_model_dir):
     cfg["data"]["init_args"]["chat"] = {"system_prompt": "Answer with a number.",
                                         "chat_template_kwargs": {"enable_thinking": False}}
     path = write_config(cfg, tmp_path / "config.yaml")
+    # both configs printed, then the run, in one process (e2e_utils.cli_each): one start of Lightning, not two
     printed = cli_each({"plain": (["fit", "--config", str(plain), "--print_config"], None),
-                        "chat": (["fit", "--config", str(path), "--print_config"], None)})
+                        "chat": (["fit", "--config", str(path), "--print_config"], None),
+                        "fit": (["fit", "--config", str(path)], None)})
     for key, want in (("plain", {"use_template": True, "system_prompt": None, "chat_template_kwargs": {}}),
                       ("chat", {"use_template": True, "system_prompt": "Answer with a number.",
                                 "chat_template_kwargs": {"enable_thinking": False}})):
         assert printed[key].returncode == 0, printed[key].stderr[-3000:]
         assert yaml.safe_load(printed[key].stdout)["data"]["init_args"]["chat"] == want
-    res = cli(["fit", "--config", str(path)])
+    res = printed["fit"]
     assert res.returncode == 0, res.stderr[-4000:]
     s = scalars(tmp_path)
     assert len(s["train/loss"]) == 2 and [v for _, v in s["data/skipped_rows"]] == [1.0, 1.0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from e2e_utils import cli, cli_each, rl_config, scalars, write_config
+from e2e_utils import cli_each, rl_config, scalars, write_config
 from fake_engine import FakeConfig
 from test_async import drive, weights
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
@@ -260,17 +260,20 @@ def test_dynamic_sampling_refuses_several_ranks(tiny_model_dir):
 # ------------------------------------------------------------------------------------------------ lit-ess fit
 @pytest.mark.e2e
 def test_fit_with_dynamic_sampling_and_the_overlong_penalty(tiny_model_dir, tmp_path):
-    """3 steps of DAPO on the tiny model (vLLM, sync), 8 prompts x 4 samples, groups with a signal only when
+    """3 steps of DAPO on the tiny model (the hf engine, sync: dynamic sampling and the penalty are the data
+    module's, not the engine's), 8 prompts x 4 samples, groups with a signal only when
     the answer is even, completions of up to 6 tokens penalised past 3: the counts and the penalty are in
     TensorBoard at every step, and `--print_config` shows both knobs (off by default)."""
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, objective="DAPO", extra_data={
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3, objective="DAPO", extra_data={
         "reward": "e2e_utils:signal_if_even", "dynamic_sampling": {"enable": True, "max_rounds": 3},
         "overlong": {"enable": True, "buffer": 3}})
     path = write_config(cfg, tmp_path / "config.yaml")
     plain = rl_config(tiny_model_dir, tmp_path / "plain")
     plain_path = write_config(plain, tmp_path / "plain.yaml")
+    # both configs printed, then the run, in one process (e2e_utils.cli_each): one start of Lightning, not two
     printed = cli_each({"dapo": (["fit", "--config", str(path), "--print_config"], tmp_path),
-                        "plain": (["fit", "--config", str(plain_path), "--print_config"], tmp_path)})
+                        "plain": (["fit", "--config", str(plain_path), "--print_config"], tmp_path),
+                        "fit": (["fit", "--config", str(path)], tmp_path)})
     for key, want in (("dapo", {"dynamic_sampling": {"enable": True, "max_rounds": 3, "metric": "reward"},
                                 "overlong": {"enable": True, "buffer": 3, "max_length": None, "factor": 1.0}}),
                       ("plain", {"dynamic_sampling": {"enable": False, "max_rounds": 4, "metric": "reward"},
@@ -280,7 +283,7 @@ def test_fit_with_dynamic_sampling_and_the_overlong_penalty(tiny_model_dir, tmp_
         data = yaml.safe_load(res.stdout)["data"]["init_args"]
         assert {k: data[k] for k in want} == want
 
-    res = cli(["fit", "--config", str(path)])
+    res = printed["fit"]
     assert res.returncode == 0, res.stderr[-4000:]
     s = {k: [v for _, v in vals] for k, vals in scalars(tmp_path).items()}
     for key in (*COUNTS, "rollout/overlong_frac", "rollout/overlong_penalty"):

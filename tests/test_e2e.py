@@ -57,7 +57,11 @@ def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path, sync_
 
 
 def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
-    s = run_ok(rl_config(tiny_model_dir, tmp_path, max_steps=8, steps_per_rollout=4, prompts=8, samples=4), tmp_path)
+    """Steps 2-4 of each phase train on data the policy already moved away from. The hf engine: staleness is
+    the trainer's own (the engine samples once per phase), and the hf engine's logprobs equal the trainer's
+    as vLLM's do (test_on_policy_ess_is_one_every_step runs both)."""
+    s = run_ok(rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=8, steps_per_rollout=4, prompts=8,
+                         samples=4), tmp_path)
     ess = [v for _, v in s["train/ess"]]
     lag = [v for _, v in s["train/policy_lag"]]
     assert ess[0] >= 0.9999 and ess[4] >= 0.9999          # first step of each phase: fresh data
@@ -141,8 +145,10 @@ def test_validation_in_fit_and_validate_from_checkpoint(sync_run):
 
 def test_a_broken_weight_sync_stops_the_run_with_ess_alarm_error(tiny_model_dir, tmp_path):
     """A sync that keeps pushing the first weights (labelled as current): with model.ess_alarm_error the
-    run stops at step 1, the first step whose engine lags, with one line that says what is wrong."""
-    cfg = rl_config(tiny_model_dir, tmp_path, max_steps=3, lr=2e-2, extra_model={"ess_alarm_error": True})
+    run stops at step 1, the first step whose engine lags, with one line that says what is wrong. The hf
+    engine: the broken sync is the callback's, the alarm the module's; neither is the engine's."""
+    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3, lr=2e-2,
+                    extra_model={"ess_alarm_error": True})
     cfg["trainer"]["callbacks"][0] = {"class_path": "e2e_utils.StaleWeightSync"}
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from e2e_utils import cli, kill_after_checkpoint, scalars, trained_prompts, write_config
+from e2e_utils import cli, cli_each, kill_after_checkpoint, scalars, trained_prompts, write_config
 from test_dist_async import by_phase, records
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.datamodules.prompts import PromptOrder, encode_prompt
@@ -216,10 +216,14 @@ def test_demo_calculator_calls_the_tool_on_policy(tmp_path):
     build_tiny_model(tmp_path / "runs/demo/init")
     cfg = yaml.safe_load((CONFIGS / "demo_calculator_sft.yaml").read_text())
     cfg["trainer"].update(max_steps=50, enable_progress_bar=False, logger=False)
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "sft.yaml"))], cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    s = fit(multiturn_config(tmp_path / "runs/demo/calculator_sft/model", tmp_path / "rl", steps=6,
-                             config="demo_calculator.yaml"))
+    rl = multiturn_config(tmp_path / "runs/demo/calculator_sft/model", tmp_path / "rl", steps=6,
+                          config="demo_calculator.yaml")
+    # the warm start, then RL from it, in one process (e2e_utils.cli_each): one start of Lightning, not two
+    runs = cli_each({"sft": (["fit", "--config", str(write_config(cfg, tmp_path / "sft.yaml"))], tmp_path),
+                     "rl": (["fit", "--config", str(rl)], None)}, timeout=1500)
+    for res in runs.values():
+        assert res.returncode == 0, res.stderr[-4000:]
+    s = scalars(rl.parent)
     ess, calls = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/tool_calls"]]
     assert len(ess) == 6 and min(ess) >= 0.9999, ess
     assert min(calls) > 0 and max(calls) <= 2, calls          # max_calls 1: a second call ends the episode, counted
@@ -237,11 +241,17 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
     outside the engine; vLLM's seeded sampling across a resume: test_e2e.py::test_kill_and_resume_matches_uninterrupted."""
     env = {"env": {"class_path": "e2e_utils.FlakyRetry", "init_args": {"max_tries": 3}}, "max_turns": 3, "max_episode_tokens": 96}
     ref_dir, run_dir, steps = tmp_path / "ref", tmp_path / "killed", 4
-    ref = fit(multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0,
-                               engine=HF))
+    ref_cfg = multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0,
+                               engine=HF)
     cfg = multiturn_config(warm_start, run_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0, engine=HF)
     kill_after_checkpoint(cfg, run_dir / "ckpt", 2)
-    got = fit(cfg, "--ckpt_path", "last")
+    # the resume, then the uninterrupted run, in one process (e2e_utils.cli_each): one start of Lightning fewer;
+    # the resume first, in a fresh process as a user's, so nothing the uninterrupted run left behind can help it
+    runs = cli_each({"resumed": (["fit", "--config", str(cfg), "--ckpt_path", "last"], None),
+                     "ref": (["fit", "--config", str(ref_cfg)], None)}, timeout=1200)
+    for res in runs.values():
+        assert res.returncode == 0, res.stderr[-4000:]
+    got, ref = scalars(run_dir), scalars(ref_dir)
     lines = (run_dir / "prompts.jsonl").read_text().splitlines()
     assert sum('"step": 0,' in ln for ln in lines) == 1               # really resumed, not started again
     for tag in ("train/loss", "train/ess", "rollout/reward_mean", "rollout/turns", "rollout/env_tokens",

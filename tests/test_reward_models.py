@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from e2e_utils import cli, rl_config, scalars, write_config
+from e2e_utils import cli, cli_each, rl_config, scalars, write_config
 from lit_ess.engines import LLMJudge
 from lit_ess.reward_model import RewardModel
 from lit_ess.rewards import Reward, RewardError, RewardScorer
@@ -295,10 +295,11 @@ def test_fit_with_a_reward_model(tiny_model_dir, rm_dir, tmp_path):
         "reward": {"class_path": "lit_ess.reward_model.RewardModel",
                    "init_args": {"path": rm_dir, "chat_template": False, "batch_size": 3}}})
     path = write_config(cfg, tmp_path / "x.yaml")
-    shown = cli(["fit", "--config", str(path), "--print_config"], cwd=tmp_path)
+    # printed, then run, in one process (e2e_utils.cli_each): one start of Lightning, not two
+    shown, res = cli_each({"print": (["fit", "--config", str(path), "--print_config"], tmp_path),
+                           "fit": (["fit", "--config", str(path)], tmp_path)}).values()
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "class_path: lit_ess.reward_model.RewardModel" in shown.stdout and "batch_size: 3" in shown.stdout
-    res = cli(["fit", "--config", str(path)], cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     got = scalars(tmp_path)
     rm = [v for _, v in got["train/reward/reward_model"]]
