@@ -84,6 +84,7 @@ def test_own_task_page_blocks_build_as_a_config(tiny_model_dir, tmp_path, monkey
     (tmp_path / "my_reward.py").write_text(re.findall(r"```python\n(.*?)```", page, re.S)[0])
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_reward", raising=False)    # another test's my_reward.py (docs/rewards.md's)
     monkeypatch.setenv("WANDB_MODE", "offline")
     demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     for i, block in enumerate(blocks):

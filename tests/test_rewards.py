@@ -4,6 +4,7 @@ beside the config. Unit checks with hand-computed values, then `lit-ess fit` run
 from __future__ import annotations
 
 import asyncio
+import sys
 import json
 import math
 import time
@@ -226,6 +227,7 @@ def test_the_docs_reward_file_scores_as_the_page_says(tmp_path, monkeypatch):
     code, config = re.findall(r"```python\n(.*?)```", page, re.S)[0], re.findall(r"```yaml\n(.*?)```", page, re.S)[0]
     (tmp_path / "my_reward.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_reward", raising=False)    # another test's my_reward.py (docs/own-task.md's)
     rewards = [Reward(**r) for r in yaml.safe_load(config)["data"]["init_args"]["reward"]]
     s = RewardScorer(rewards, columns=["prompt", "answer", "difficulty"])
     rows = [{"prompt": "p", "answer": "42", "difficulty": "3"}] * 2

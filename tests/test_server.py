@@ -1285,7 +1285,10 @@ def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_m
     import agent_fns
 
     from lit_ess.datamodules.prompts import Arithmetic
+    from functools import partial
+
     from lit_ess.envs import EnvConfig, collate_episodes, make_runner
+    from lit_ess.envs.agent import Agent
     from lit_ess.logprobs import sequence_logprobs
 
     server.load_weights(hf_model.state_dict().items(), version=0)     # the module's earlier tests pushed others
@@ -1297,8 +1300,8 @@ def test_an_agents_episodes_are_what_the_server_sampled(server, hf_model, tiny_m
     examples = Arithmetic(digits=2, size=3, seed=0).examples
     for fn, t in (("two_completions", tok), ("two_chats", chat)):
         agent_fns.ANSWERS.clear()
-        runner = make_runner(EnvConfig(env="lit_ess.envs.agent:Agent", kwargs={"function": f"agent_fns:{fn}"},
-                                       max_turns=2, step_timeout=120), t, max_error_rate=0.0)
+        runner = make_runner(EnvConfig(env=partial(Agent, function=f"agent_fns:{fn}"), max_turns=2, step_timeout=120),
+                             t, max_error_rate=0.0)
         t0 = time.perf_counter()
         eps = runner.run(server, examples, 2, s, call_seed=1)
         print(f"{fn}: {len(eps)} episodes of 2 calls in {time.perf_counter() - t0:.1f} s")

@@ -66,6 +66,7 @@ import asyncio
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -365,7 +366,10 @@ class VLLMServerEngine(RolloutEngine, PoolOwner):
     def where(self, url: str) -> str:
         if self.server is None or self.server.url != url:
             return f"vLLM server {url}" + (f" (launched by rank 0; server log: {self.server_log})" if self.server_log else "")
-        rc = self.server.proc.poll()
+        try:                        # a server killed a moment ago resets its connections before it can be reaped
+            rc = self.server.proc.wait(0.5)
+        except subprocess.TimeoutExpired:
+            rc = None
         exited = "" if rc is None else f" (exited with code {rc})"
         return f"vLLM server {url}{exited}; server log: {self.server.log_file}"
 
