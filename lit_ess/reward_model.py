@@ -96,9 +96,10 @@ class RewardModel(ModelReward):
         scores, cut = [], 0
         for i in range(0, len(texts), self.batch_size):
             batch = texts[i:i + self.batch_size]
-            cut += sum(len(ids) > limit for ids in tok(batch, add_special_tokens=not self.chat_template)["input_ids"])
-            enc = tok(batch, return_tensors="pt", padding=True, truncation=True, max_length=limit,
-                      add_special_tokens=not self.chat_template).to(model.device)
+            ids = tok(batch, add_special_tokens=not self.chat_template)["input_ids"]      # tokenized once
+            cut += sum(len(x) > limit for x in ids)
+            enc = tok.pad({"input_ids": [x[-limit:] for x in ids]}, padding=True,       # left truncation: the end,
+                          return_tensors="pt").to(model.device)                          # pooled, stays
             logits = model(**enc).logits                          # [B, 1]
             scores += logits[:, 0].float().tolist()
         if cut:
