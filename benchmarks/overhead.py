@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from lit_ess.settings import Optim
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = (2, 4)
@@ -41,7 +42,7 @@ def lightning_steps(model_dir: str, batch, steps: int, **module_kwargs) -> list[
     from benchmarks.step import _Same, _Timer
     from lit_ess.module import PolicyModule
 
-    module = PolicyModule(model_dir, lr=1e-5, **module_kwargs)
+    module = PolicyModule(model_dir, optim=Optim(lr=1e-5), **module_kwargs)
     timer = _Timer()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])

@@ -406,7 +406,7 @@ class LitESSCLI(LightningCLI):
             return
         dm = self.datamodule
         error = dm.engine_config.adapter_error(lora.rank)
-        if error is None and Placement.of(dm.mode, dm.placement, self.trainer.world_size).shares_servers(dm.engine_config):
+        if error is None and Placement.of(dm.schedule.mode, dm.schedule.placement, self.trainer.world_size).shares_servers(dm.engine_config):
             error = SHARED_ADAPTERS
         if error is not None:
             raise ValueError(error)

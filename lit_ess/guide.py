@@ -48,7 +48,7 @@ The lit-ess knobs:
   --print_config                    the whole config with every value (after --config and other flags)
   --output_dir DIR                  the run's folder: checkpoints/, logs/, model/ (--ckpt_path last resumes
                                     a run there, --overwrite true starts it over)
-  --model.init_args.KEY VALUE       set one, e.g. --model.init_args.lr 1e-4, --data.init_args.reward KEY
+  --model.init_args.KEY VALUE       set one, e.g. --model.init_args.optim.lr 1e-4, --data.init_args.reward KEY
 Lightning's Trainer flags (--trainer.*) follow below; the lit-ess knobs are under --model and --data."""
 
 # the one-line help of each subcommand in `lit-ess --help` (Lightning's are the Trainer methods' docstrings)
@@ -58,11 +58,11 @@ SUMMARY = {"fit": "train (RL or SFT) as the config says; --ckpt_path last resume
 VALIDATE_HELP = """\
 Held-out metrics (val/pass@k, val/reward_mean) of a checkpoint: --config CONFIG --ckpt_path CKPT, or --ckpt_path
 last for the newest checkpoint of the config's output_dir (the run's folder); the prompts come from
-data.val_source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
+data.validation.source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
 
 NOT_OFFERED = {
     "test": "`lit-ess test` is not offered (the policy has no test step): held-out metrics come from "
-            "`lit-ess validate --config CONFIG --ckpt_path CKPT` with data.val_source",
+            "`lit-ess validate --config CONFIG --ckpt_path CKPT` with data.validation.source",
     "predict": "`lit-ess predict` is not offered: export the policy (`lit-ess-export CKPT DIR`) and sample from DIR "
                "with vLLM or transformers, or run `lit-ess validate --config CONFIG --ckpt_path CKPT`",
 }

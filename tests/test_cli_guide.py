@@ -74,7 +74,7 @@ def test_fit_help_starts_with_the_lit_ess_knobs(read):
 def test_print_config_still_prints_the_config(read):
     res = read["print_config"]
     assert res.returncode == 0, res.stderr[-2000:]
-    assert yaml.safe_load(res.stdout)["model"]["init_args"]["lr"] == 2.0e-4
+    assert yaml.safe_load(res.stdout)["model"]["init_args"]["optim"]["lr"] == 2.0e-4
 
 
 @pytest.mark.parametrize("command", ["test", "predict"])
@@ -86,7 +86,7 @@ def test_test_and_predict_are_refused_in_one_line(read, command):
 
 
 @pytest.mark.parametrize("case, says", [
-    ("file typo", "Option 'lrr' is not accepted; did you mean model.init_args.lr?"),
+    ("file typo", "Option 'lrr' is not accepted; did you mean model.init_args.optim.lr?"),
     ("trainer typo", "did you mean trainer.max_steps?"),
     ("nested typo", "did you mean data.init_args.sampling.temperature?"),
     ("objective typo", "did you mean model.init_args.objective.init_args.clip_eps?"),
