@@ -53,7 +53,7 @@ def test_a_resume_with_other_knobs_is_refused_for_a_path_and_last(p3o_run):
     res = cli(["fit", "--config", str(write_config(memory, tmp / "mbs.yaml")), "--ckpt_path", str(first)], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     saved = torch.load(next((tmp / "ckpt").glob("*step=3.ckpt")), weights_only=False)["hyper_parameters"]
-    assert saved["micro_batch"].size == 8 and saved["optim"].lr == 1e-3
+    assert saved["micro_batch"]["size"] == 8 and saved["optim"]["lr"] == 1e-3
 
 
 @pytest.mark.e2e
