@@ -16,7 +16,7 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     remedies_*   issue 39's remedies where P3O breaks (stress_s, multiturn, stress_k k = 48), against P3O and GRPO
     inflight     async on vLLM's server, S = 2: weights pushed in flight against drained, P3O and GRPO (eps 0.2)
 
-Held-out evaluation samples at T = 1.0 in every run (`val_sampling`), one ruler for every cell; the
+Held-out evaluation samples at T = 1.0 in every run (`validation.sampling`), one ruler for every cell; the
 temperature cells also get a final evaluation at their own temperature (`Cell.own_val`).
 """
 from __future__ import annotations

@@ -414,7 +414,7 @@ class PolicyModule(L.LightningModule):
                            f"are anchored at the proximal policy of step {batch.proximal.step} ({type(self.objective).__name__}"
                            f".kl_anchor: behavior_at_train_temperature): the trainer no longer holds their behaviour "
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
-                           f"max_staleness > steps_per_rollout - 1); warned once")
+                           f"data.schedule.max_staleness > data.batch.steps_per_rollout - 1); warned once")
         sampling = batch.sampling
         mbs, passes = self.rank_passes(batch)
         counts = self._step_counts(mbs)
@@ -567,7 +567,7 @@ class PolicyModule(L.LightningModule):
         lag = step - batch.versions.float()
         if float(lag.max()) > batch.max_staleness:
             raise RuntimeError(f"step {step} got rows sampled at step {int(batch.versions.min())}, older than "
-                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
+                               f"data.schedule.max_staleness={batch.max_staleness}: the batch was assembled before the previous "
                                f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
         return lag
 

@@ -37,7 +37,8 @@ def read(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guide")
     cfg = yaml.safe_load(open(DEMO))
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
-    cfg["model"]["init_args"]["lrr"] = cfg["model"]["init_args"].pop("lr")           # a typo in the file
+    optim = cfg["model"]["init_args"]["optim"]
+    optim["lrr"] = optim.pop("lr")                                                   # a typo in the file
     typo = write_config(cfg, tmp / "typo.yaml")
     demo = ["--config", DEMO, "--model.init_args.model_path", tiny_model_dir]
     cases = {

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_apply_sets_dotted_keys():
     cfg = {"data": {"init_args": {"sampling": {"temperature": 1.0}}}}
     apply(cfg, {"data.init_args.sampling.temperature": 0.6, "model.init_args.optim.lr": 1e-3})
-    assert cfg == {"data": {"init_args": {"sampling": {"temperature": 0.6}}}, "model": {"init_args": {"lr": 1e-3}}}
+    assert cfg == {"data": {"init_args": {"sampling": {"temperature": 0.6}}}, "model": {"init_args": {"optim": {"lr": 1e-3}}}}
 
 
 def test_a_runs_config_shares_no_list_with_its_cell(tmp_path):

@@ -1199,7 +1199,8 @@ def test_two_ranks_async_on_the_dedicated_server_rank_0_launches(tiny_model_dir,
     log = tmp_path / "server.log"
     engine = {"class_path": "lit_ess.engines.VLLMServerConfig",
               "init_args": {"max_model_len": 256, "log_file": str(log), "heartbeat_seconds": None}}
-    data = {"engine": engine, "mode": "async", "placement": "dedicated", "max_staleness": 1, "worker_timeout": 300}
+    data = {"engine": engine,
+            "schedule": {"mode": "async", "placement": "dedicated", "max_staleness": 1, "worker_timeout": 300}}
     got = _fit(_config(tiny_model_dir, tmp_path, 2, "ddp", max_steps=4, steps_per_rollout=2, extra_data=data), tmp_path)
     assert len(got["train/loss"]) == 4 and max(v for _, v in got["train/policy_lag_max"]) <= 1
     text = log.read_text()
