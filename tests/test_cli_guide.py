@@ -87,7 +87,7 @@ def test_test_and_predict_are_refused_in_one_line(read, command):
 
 
 @pytest.mark.parametrize("case, says", [
-    ("file typo", "Option 'lrr' is not accepted; did you mean model.init_args.optim.lr?"),
+    ("file typo", "Group 'optim' does not accept option 'lrr'; did you mean model.init_args.optim.lr?"),
     ("trainer typo", "did you mean trainer.max_steps?"),
     ("nested typo", "did you mean data.init_args.sampling.temperature?"),
     ("objective typo", "did you mean model.init_args.objective.init_args.clip_eps?"),
