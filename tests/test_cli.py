@@ -55,6 +55,22 @@ GROUP_REFUSALS = [
     ("model.init_args.optim.lr", "-1"), ("model.init_args.micro_batch.tokens", "0"),
     ("model.init_args.compute.logprob_chunk", "0"), ("model.init_args.ess_alarm.threshold", "2"),
 ]
+# a class_path of a field that also takes a name (env: str | class, advantage: Literal | class): the class's
+# reason under the field's full key, not 'Parser key "env": Expected a <class 'str'>'; an environment's
+# required argument missing: its full key
+CLASS_REFUSALS = [
+    ("env", '{"env": {"class_path": "lit_ess.envs.RetryArithmetc"}}',
+     "data.init_args.env.env: Type typing.Callable[[], lit_ess.envs.base.Environment] expects a function or a "
+     "callable class: module 'lit_ess.envs' has no attribute 'RetryArithmetc'"),
+    ("advantage", '{"class_path": "lit_ess.advantages.RLOOO"}',
+     "data.init_args.advantage: Problem with given class_path 'lit_ess.advantages.RLOOO': module "
+     "'lit_ess.advantages' has no attribute 'RLOOO'"),
+    ("source", '{"class_path": "lit_ess.datamodules.Arithmetc"}',      # validation.source is one too: the one quoted
+     "data.init_args.source: Problem with given class_path 'lit_ess.datamodules.Arithmetc': module "
+     "'lit_ess.datamodules' has no attribute 'Arithmetc'"),
+    ("env", '{"env": {"class_path": "lit_ess.envs.Agent"}}',
+     "data.init_args.env.env.init_args.function is required (lit_ess.envs.Agent has no default for it)"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +87,11 @@ def read_in_one_process(tiny_model_dir, tmp_path_factory):
     cases[("max_grad_norm",)] = (_demo_args(tiny_model_dir, "--model.init_args.optim.max_grad_norm", "-1"), None)
     for key, value in GROUP_REFUSALS:
         cases[("group", key)] = (_demo_args(tiny_model_dir, f"--{key}", value), None)
+    for key, value, _ in CLASS_REFUSALS:
+        cases[("class", key, value)] = (_demo_args(tiny_model_dir, f"--data.init_args.{key}", value), None)
+    files[("class file",)] = _demo_config(tmp / "class_file", tiny_model_dir,
+                                          **{"data.init_args.env": {"env": {"class_path": "lit_ess.envs.Agent"}}})
+    cases[("class file",)] = (["fit", "--config", files[("class file",)]], tmp / "class_file")
     for args, _ in UNKNOWN_ARGS[1:]:
         cases[("unknown", *args)] = (_demo_args(tiny_model_dir, *args), None)
     for i, (key, value, _) in enumerate(UNKNOWN_FILES[1:]):
@@ -218,6 +239,18 @@ def test_max_grad_norm_minus_one_is_refused_on_one_line(read_in_one_process):
     res, _ = read_in_one_process[("max_grad_norm",)]
     line = _one_error_line(res)
     assert line == "lit-ess: error: model.optim.max_grad_norm must be > 0 or null, got -1.0: use null for no clipping", line
+
+
+@pytest.mark.parametrize("key, value, says", CLASS_REFUSALS)
+def test_a_class_path_refused_says_the_class_reason_and_a_missing_argument_its_full_key(read_in_one_process, key,
+                                                                                         value, says):
+    line = _one_error_line(read_in_one_process[("class", key, value)][0])
+    assert line == f"lit-ess: error: {says}", line
+
+
+def test_a_missing_environment_argument_in_a_config_file_is_named_by_its_full_key(read_in_one_process):
+    line = _one_error_line(read_in_one_process[("class file",)][0])
+    assert "data.init_args.env.env.init_args.function is required" in line, line
 
 
 def test_missing_model_folder_says_how_to_make_one(tmp_path):
