@@ -16,7 +16,7 @@ from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, DecoupledPPO
 from lit_ess.rollout import RolloutBuffer
 from lit_ess.batch import Proximal
-from lit_ess.datamodules.settings import BatchShape
+from lit_ess.datamodules.settings import BatchShape, Schedule
 from lit_ess.settings import MicroBatch, Optim
 
 
@@ -143,7 +143,7 @@ def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model
     scored alike)."""
     check = CheckProximal()
     module = PolicyModule(tiny_model_dir, objective=DecoupledPPO(), micro_batch=MicroBatch(size=3), optim=Optim(lr=1e-2))
-    extra = {"schedule": {"mode": "async", "max_staleness": 2}} if mode == "async" else {}
+    extra = {"schedule": Schedule(mode="async", max_staleness=2)} if mode == "async" else {}
     fit(tiny_model_dir, module, [WeightSync(), check], steps=4, **extra)
     assert check.checked == 2
 
