@@ -114,7 +114,7 @@ class RewardLimits:
     def __post_init__(self):
         check("data.reward_limits.timeout", self.timeout, gt=0)
         check("data.reward_limits.max_error_rate", self.max_error_rate, ge=0, le=1)
-        if self.in_worker not in (None, True, False):
+        if self.in_worker is not None and not isinstance(self.in_worker, bool):
             raise ValueError(f"data.reward_limits.in_worker must be true, false or null, got {self.in_worker!r}")
 
 

@@ -45,7 +45,7 @@ from .batch import EvalResult, Proximal, RolloutBatch
 from .data import RolloutData
 from .health import ESSWatch, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
 from .knobs import check
-from .logprobs import DEFAULT_CHUNK, check_chunked_head, sequence_logprobs
+from .logprobs import check_chunked_head, sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path

@@ -257,7 +257,7 @@ def main(argv=None) -> dict:
             model_dir = build_model(Path(tmp) / "model", shape, getattr(torch, dtype), device)
             results["build_s"] = time.perf_counter() - t_start
             for label, name, kw in (("full_4k_chunked", "4k", {}), ("full_4k_unchunked", "4k", {"logprob_chunk": None}),
-                                    ("lora_4k_chunked", "4k", {"lora": None}), ("full_16k_chunked", "16k", {}),
+                                    ("lora_4k_chunked", "4k", {"lora": True}), ("full_16k_chunked", "16k", {}),
                                     ("full_16k_unchunked", "16k", {"logprob_chunk": None})):
                 rows, length = lengths[name]
                 batch = synthetic_batch(rows, length, shape["vocab"], device)
@@ -265,8 +265,11 @@ def main(argv=None) -> dict:
                 def case(kw=kw, rows=rows, batch=batch):
                     from lit_ess.lora import LoRA
 
-                    kw = {**kw, "lora": LoRA(rank=16)} if "lora" in kw else kw
-                    return train_steps(PolicyModule(model_dir, compute=Compute(dtype=dtype, gradient_checkpointing=True), micro_batch=MicroBatch(size=rows), **kw), batch, device, a.steps)
+                    lora = {"lora": LoRA(rank=16)} if "lora" in kw else {}
+                    chunk = {k: v for k, v in kw.items() if k == "logprob_chunk"}
+                    compute = Compute(dtype=dtype, gradient_checkpointing=True, **chunk)
+                    return train_steps(PolicyModule(model_dir, compute=compute, micro_batch=MicroBatch(size=rows), **lora),
+                                       batch, device, a.steps)
 
                 run_case(results, label, case, out)
                 del batch
@@ -282,9 +285,10 @@ def main(argv=None) -> dict:
         for name, (rows, length) in lengths.items():
             batch = synthetic_batch(rows, length, shape["vocab"], device)
             for label, c in (("chunked", chunk or "default"), ("unchunked", None)):
-                kw = {} if c == "default" else {"logprob_chunk": c}
+                head = {} if c == "default" else {"logprob_chunk": c}
                 run_case(results, f"train_{name}_{label}", lambda: train_steps(
-                    PolicyModule(model_dir, compute=Compute(dtype=dtype), micro_batch=MicroBatch(size=rows), **kw), batch, device, a.steps), out)
+                    PolicyModule(model_dir, compute=Compute(dtype=dtype, **head), micro_batch=MicroBatch(size=rows)),
+                    batch, device, a.steps), out)
         batch = synthetic_batch(*lengths["1k"], shape["vocab"], device)
 
         def fsdp2():

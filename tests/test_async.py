@@ -159,7 +159,7 @@ def test_a_batch_dropped_whole_admits_the_next_phase(tiny_model_dir, mode):
 
 
 def test_max_staleness_below_the_sync_lag_is_named(tiny_model_dir):
-    with pytest.raises(ValueError, match="max_staleness=0 is below steps_per_rollout - 1 = 1"):
+    with pytest.raises(ValueError, match="data.schedule.max_staleness=0 is below data.batch.steps_per_rollout - 1 = 1"):
         RolloutDataModule(model_path=tiny_model_dir, batch=BatchShape(steps_per_rollout=2), schedule=Schedule(max_staleness=0))
 
 
