@@ -361,3 +361,22 @@ def test_async_mode_loads_the_reward_model_in_the_worker_process(tiny_model_dir,
     assert math.isfinite(stats["train/reward/reward_model"]) and stats["train/reward/reward_model"] != 0
     assert stats["rollout/reward_mean"] == pytest.approx(stats["train/reward/reward_model"])
     assert reward_model._LOADED == {}
+
+
+def test_the_rollout_worker_loads_a_model_reward_before_the_first_phase(tiny_model_dir, rm_dir):
+    """The reward model is loaded (a judge's server launched) when the rank's rollout worker is built, not
+    inside the first phase, whose scoring time would then hold the load (a judge's launch: about a minute)."""
+    from fake_engine import FakeConfig
+
+    from lit_ess import reward_model
+    from lit_ess.rollout.worker import RolloutWorker, WorkerConfig
+    from lit_ess.sampling import SamplingConfig
+
+    reward_model._LOADED.clear()
+    rm = RewardModel(path=rm_dir, chat_template=False)
+    worker = RolloutWorker(WorkerConfig(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), samples_per_prompt=2,
+                                        sampling=SamplingConfig(max_new_tokens=3, seed=0), reward=rm))
+    try:
+        assert [key[0] for key in reward_model._LOADED] == [rm_dir]
+    finally:
+        worker.close()

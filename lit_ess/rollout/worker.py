@@ -145,6 +145,7 @@ class RolloutWorker:
                                       prompt_limit=c.prompt_limit)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
+        self.scorer.warm_up()        # a reward model or judge loaded now, not inside the first phase's timing
 
     @property
     def version(self) -> int:
