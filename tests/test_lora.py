@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
+from e2e_utils import cli, cli_each, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
 from lit_ess.module import PolicyModule
 
@@ -290,17 +290,20 @@ def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_mod
     """lora.sync: adapter with vLLM serving the pushed adapters: ESS 1 on every step. The same run with
     a sync that keeps handing the engine the first adapter (labelled as current) drops below 1, and the
     lag-0 ESS alarm (issue 18 item 6) warns once with the numbers and counts every such step."""
-    runs, alarms, console = {}, {}, {}
+    runs, alarms, console, cases = {}, {}, {}, {}
     for name, sync in (("adapter", "lit_ess.callbacks.WeightSync"), ("stale", "e2e_utils.StaleWeightSync")):
-        out = tmp_path / name
-        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+        cfg = rl_config(tiny_model_dir, tmp_path / name, max_steps=3, lr=2e-2,
+                        extra_model={"lora": {"rank": 4, "sync": "adapter"}},
                         extra_data={"engine": {"class_path": "lit_ess.engines.VLLMConfig",
                                                "init_args": {"max_lora_rank": 4}}})
         cfg["trainer"]["callbacks"][0] = {"class_path": sync}
-        res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
+        cases[name] = (["fit", "--config", str(write_config(cfg, tmp_path / name / "config.yaml"))], None)
+    # both runs in one process (e2e_utils.cli_each), each with its own vLLM engine: one start of Lightning and
+    # vLLM fewer (the stale run second: its warning is the process's first)
+    for name, res in cli_each(cases).items():
         assert res.returncode == 0, res.stderr[-4000:]
-        runs[name] = [v for _, v in scalars(out)["train/ess"]]
-        alarms[name] = [v for _, v in scalars(out)["train/ess_alarms"]]
+        runs[name] = [v for _, v in scalars(tmp_path / name)["train/ess"]]
+        alarms[name] = [v for _, v in scalars(tmp_path / name)["train/ess_alarms"]]
         console[name] = res.stderr
     assert len(runs["adapter"]) == 3 and min(runs["adapter"]) >= 0.9999, runs
     assert runs["stale"][0] >= 0.9999 and min(runs["stale"][1:]) < 0.999, runs
