@@ -144,7 +144,7 @@ class ModelReward:
     label = "model"
 
     def warm_up(self) -> None:
-        """Load what scoring needs (RewardScorer.warm_up calls it when the rank's rollout worker is built)."""
+        """Load what scoring needs (RewardScorer.warm_up calls it when the rank's rollout worker starts)."""
 
     def check_columns(self, columns: list[str]) -> None:
         """Refuse, in one line, what the dataset's `columns` cannot give (called by `bind` at start)."""
@@ -436,7 +436,10 @@ class RewardScorer:
             if there:
                 self._worker()
             elif isinstance(r.fn, ModelReward):
-                r.fn.warm_up()
+                try:
+                    r.fn.warm_up()
+                except Exception as e:           # a judge that did not launch, a checkpoint that did not load
+                    raise RewardError(f"reward {r.name!r} could not start: {e}") from None
 
     def _worker(self) -> ProcessPoolExecutor:
         """The worker process, started and warmed up (reward imported) before any completion is timed."""

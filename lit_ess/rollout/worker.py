@@ -146,11 +146,16 @@ class RolloutWorker:
                                                 prompt_limit=c.prompt_limit), c.samples_per_prompt, c.sampling)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
-        self.scorer.warm_up()        # a reward model or judge loaded now, not inside the first phase's timing
 
     @property
     def version(self) -> int:
         return self.engine.version
+
+    def warm_up(self) -> None:
+        """Load the model rewards (a judge's server launched) and start the reward worker, so the first phase's
+        reward time holds none of it. Sync: InlineExecutor.start; async: the worker process's scoring thread,
+        first, beside the first phase's sampling (after Ready: the trainer's weight transport waits for none of it)."""
+        self.scorer.warm_up()
 
     def counters(self) -> dict:
         """The cumulative failure counters, for checkpoints: the scorer's, and the environment's under "env"."""
