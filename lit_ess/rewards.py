@@ -144,7 +144,7 @@ class ModelReward:
     label = "model"
 
     def warm_up(self) -> None:
-        """Load what scoring needs (the data module calls it before the first phase is timed)."""
+        """Load what scoring needs (RewardScorer.warm_up calls it when the rank's rollout worker starts)."""
 
     def check_columns(self, columns: list[str]) -> None:
         """Refuse, in one line, what the dataset's `columns` cannot give (called by `bind` at start)."""
@@ -428,6 +428,18 @@ class RewardScorer:
         self.timeouts = 0
         self.last_error: str | None = None
         self.parts: dict[str, float] = {}        # the last call's mean of each reward, by label
+
+    def warm_up(self) -> None:
+        """Before the first phase is timed: each model reward's model loaded (a judge's server launched) in this
+        process, and the reward worker started with its rewards imported, if any runs there."""
+        for r, there in zip(self.rewards, self.in_worker):
+            if there:
+                self._worker()
+            elif isinstance(r.fn, ModelReward):
+                try:
+                    r.fn.warm_up()
+                except Exception as e:           # a judge that did not launch, a checkpoint that did not load
+                    raise RewardError(f"reward {r.name!r} could not start: {e}") from None
 
     def _worker(self) -> ProcessPoolExecutor:
         """The worker process, started and warmed up (reward imported) before any completion is timed."""

@@ -129,9 +129,9 @@ def cli_each(cases: dict, timeout: int = 600) -> dict:
     lit_ess.cli.main (the entry point of the command) with the case's folder as `python -m lit_ess.cli`
     has it (current, and first on sys.path) and its own fds 1 and 2: a config refused while it is read
     costs its check, not another start of Python, Lightning and lit-ess (10-25 s each on a loaded machine).
-    For runs that end while the config is read (refusals, --print_config), and short fits after them (at
-    most one with an in-process vLLM engine, which is never torn down): nothing here stops a run but
-    `timeout`, for all the cases together."""
+    For runs that end while the config is read (refusals, --print_config), and short fits after them (a
+    fit's in-process vLLM engine is dropped at its end, never torn down: the next fit starts its own, as
+    test_families' three do): nothing here stops a run but `timeout`, for all the cases together."""
     import json
     import tempfile
 

@@ -378,7 +378,7 @@ def test_the_data_modules_batches_from_an_agent_are_on_policy(tiny_model_dir):
     with torch.no_grad():
         lp, _ = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
     assert (lp - batch.behavior_logprobs)[batch.completion_mask].abs().max() < 1e-5
-    proxy = dm.executor.worker.runner.proxy
+    proxy = dm.executor.worker.samples.runner.proxy
     dm.executor.close()
     assert not proxy.loop.is_running()
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, trained_prompts, write_config
+from e2e_utils import cli_each, kill_after_checkpoint, rl_config, scalars, trained_prompts, write_config
 from lit_ess.report import read_histogram_tags
 
 pytestmark = pytest.mark.e2e
@@ -19,25 +19,29 @@ def config(model, out, S=None, mode="async", steps=4, k=1, ckpt_every=None, reco
     return cfg
 
 
-def run_ok(cfg, out, *extra):
-    res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml")), *extra])
-    assert res.returncode == 0, res.stderr[-4000:]
-    return scalars(out)
-
-
 S, STEPS = 2, 7
 
 
 @pytest.fixture(scope="module")
 def async_run(tiny_model_dir, tmp_path_factory):
-    """The uninterrupted async run (S = 2, 7 steps, a checkpoint every 3) that both tests below read: the
-    bound test reads its logs, the kill -9 test compares the killed and resumed run with it."""
-    out = tmp_path_factory.mktemp("async_run")
-    return run_ok(config(tiny_model_dir, out, S=S, steps=STEPS, ckpt_every=3), out), out
+    """The uninterrupted async run (S = 2, 7 steps, a checkpoint every 3) that both tests below read, and the
+    same run killed (kill -9) after its step-3 checkpoint, with phases generated ahead (S = 2) and in flight,
+    then resumed with --ckpt_path last: the resume, then the uninterrupted run, in one process
+    (e2e_utils.cli_each: one start of Lightning fewer), the resume first, as a user's. (scalars, folder) of
+    the uninterrupted run, and the resumed run's folder."""
+    root = tmp_path_factory.mktemp("async_run")
+    ref_dir, run_dir = root / "ref", root / "killed"
+    cfg = write_config(config(tiny_model_dir, run_dir, S=S, steps=STEPS, ckpt_every=3), run_dir / "config.yaml")
+    kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
+    ref = write_config(config(tiny_model_dir, ref_dir, S=S, steps=STEPS, ckpt_every=3), ref_dir / "config.yaml")
+    done = cli_each({"resumed": (["fit", "--config", str(cfg), "--ckpt_path", "last"], None),
+                     "ref": (["fit", "--config", str(ref)], None)})
+    assert done["ref"].returncode == 0, done["ref"].stderr[-4000:]
+    return scalars(ref_dir), ref_dir, (run_dir, done["resumed"])
 
 
 def test_async_run_stays_within_the_bound_and_logs_it(async_run):
-    s, out = async_run
+    s, out, _ = async_run
     lag_max = [v for _, v in s["train/policy_lag_max"]]
     assert max(lag_max) <= S and max(lag_max) >= 1, lag_max       # the worker really ran ahead
     ess = dict(s["train/ess"])
@@ -51,15 +55,11 @@ def test_async_run_stays_within_the_bound_and_logs_it(async_run):
     assert sorted(steps) == list(range(STEPS))
 
 
-def test_async_kill_and_resume_loses_and_duplicates_no_prompt(async_run, tiny_model_dir, tmp_path):
+def test_async_kill_and_resume_loses_and_duplicates_no_prompt(async_run):
     """kill -9 after the step-3 checkpoint, with phases generated ahead (S = 2) and in flight; then
     --ckpt_path last: every step trains the same prompts as the uninterrupted run, none twice, none lost,
     and no row is older than S."""
-    _, ref_dir = async_run
-    run_dir = tmp_path / "killed"
-    cfg = write_config(config(tiny_model_dir, run_dir, S=S, steps=STEPS, ckpt_every=3), run_dir / "config.yaml")
-    kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
-    res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
+    _, ref_dir, (run_dir, res) = async_run
     assert res.returncode == 0, res.stderr[-4000:]
     lines = (run_dir / "prompts.jsonl").read_text().splitlines()
     assert sum('"step": 0,' in ln for ln in lines) == 1            # really resumed, not started again

@@ -4,20 +4,10 @@ import re
 
 import pytest
 
-from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, write_config
+from e2e_utils import cli_each, kill_after_checkpoint, rl_config, scalars, write_config
 from lit_ess.report import read_histogram_tags
 
 pytestmark = pytest.mark.e2e
-
-
-def run_ok(cfg, tmp_path, *extra, console: list | None = None):
-    """Fit `cfg`; its TensorBoard scalars (and its stderr appended to `console` when given)."""
-    path = write_config(cfg, tmp_path / "config.yaml")
-    res = cli(["fit", "--config", str(path), *extra])
-    assert res.returncode == 0, res.stderr[-4000:]
-    if console is not None:
-        console.append(res.stderr)
-    return scalars(tmp_path)
 
 
 VAL = {"validation": {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
@@ -33,35 +23,73 @@ def shared_config(model_dir, out, **data):
     return cfg
 
 
+def unknown_objective_config(model_dir, out):
+    return rl_config(model_dir, out, objective="ppo9000")
+
+
+def four_steps_config(model_dir, out):
+    return rl_config(model_dir, out, engine="HFConfig", max_steps=8, steps_per_rollout=4, prompts=8, samples=4)
+
+
+def broken_sync_config(model_dir, out):
+    cfg = rl_config(model_dir, out, engine="HFConfig", max_steps=3, lr=2e-2, extra_model={"ess_alarm": {"error": True}})
+    cfg["trainer"]["callbacks"][0] = {"class_path": "e2e_utils.StaleWeightSync"}
+    return cfg
+
+
 @pytest.fixture(scope="module")
-def sync_run(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sync_run")
-    cfg = shared_config(tiny_model_dir, out)
-    console = []
-    return run_ok(cfg, out, console=console), out, cfg, console[0]
+def runs(tiny_model_dir, tmp_path_factory):
+    """The module's runs, {name: (folder, CompletedProcess)}, one after another in one process (cli_each: one
+    start of Python and Lightning instead of one each): the shared sync vLLM run that several tests read,
+    `validate` from its last checkpoint, the same config async with S = 0, the hf engine's on-policy run,
+    4 steps per rollout, a broken weight sync, an unknown objective."""
+    root = tmp_path_factory.mktemp("runs")
+    fits = {"sync": shared_config(tiny_model_dir, root / "sync"),
+            "async0": shared_config(tiny_model_dir, root / "async0", schedule={"mode": "async", "max_staleness": 0}),
+            "hf": rl_config(tiny_model_dir, root / "hf", engine="HFConfig"),
+            "four_steps": four_steps_config(tiny_model_dir, root / "four_steps"),
+            "broken_sync": broken_sync_config(tiny_model_dir, root / "broken_sync"),
+            "unknown_objective": unknown_objective_config(tiny_model_dir, root / "unknown_objective")}
+    cases = {k: (["fit", "--config", str(write_config(cfg, root / k / "config.yaml"))], None) for k, cfg in fits.items()}
+    # the run's config and last checkpoint; its TensorBoard scalars in a folder of their own (tb/validate),
+    # not among the run's, which the tests read
+    validate = ["validate", "--config", str(root / "sync" / "config.yaml"), "--ckpt_path",
+                str(root / "sync" / "ckpt" / "last.ckpt"), "--trainer.logger.init_args.version", "validate"]
+    cases = {"sync": cases.pop("sync"), "validate": (validate, None), **cases}
+    return {k: (root / k, res) for k, res in cli_each(cases, timeout=1800).items()}
+
+
+def ok(runs, name):
+    """A run of `runs` that exited 0: its TensorBoard scalars and its stderr."""
+    out, res = runs[name]
+    assert res.returncode == 0, res.stderr[-4000:]
+    return scalars(out), res.stderr
+
+
+@pytest.fixture(scope="module")
+def sync_run(runs):
+    """The shared sync vLLM run: its TensorBoard scalars and folder."""
+    return ok(runs, "sync")[0], runs["sync"][0]
 
 
 @pytest.mark.parametrize("engine", ["VLLMConfig", "HFConfig"])
-def test_on_policy_ess_is_one_every_step(engine, tiny_model_dir, tmp_path, sync_run):
-    console = [sync_run[3]] if engine == "VLLMConfig" else []
-    s = sync_run[0] if engine == "VLLMConfig" else run_ok(rl_config(tiny_model_dir, tmp_path, engine=engine), tmp_path,
-                                                           console=console)
+def test_on_policy_ess_is_one_every_step(engine, runs):
+    s, console = ok(runs, "sync" if engine == "VLLMConfig" else "hf")
     ess = [v for _, v in s["train/ess"]]
     assert len(ess) == 4 and min(ess) >= 0.9999, ess
     # the lag-0 ESS alarm (fp32 engine and trainer, T = 1) applies on every step and stays silent
-    assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 4 and "ess_alarm" not in console[0]
+    assert [v for _, v in s["train/ess_alarms"]] == [0.0] * 4 and "ess_alarm" not in console
     assert [v for _, v in s["train/policy_lag"]] == [0.0] * 4
     # the weights really moved (else ESS = 1 would prove nothing)
     assert min(v for _, v in s["train/grad_norm"]) > 0
     assert max(v for _, v in s["rollout/degenerate_frac"]) < 1
 
 
-def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
+def test_four_steps_per_rollout_go_off_policy(runs):
     """Steps 2-4 of each phase train on data the policy already moved away from. The hf engine: staleness is
     the trainer's own (the engine samples once per phase), and the hf engine's logprobs equal the trainer's
     as vLLM's do (test_on_policy_ess_is_one_every_step runs both)."""
-    s = run_ok(rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=8, steps_per_rollout=4, prompts=8,
-                         samples=4), tmp_path)
+    s, _ = ok(runs, "four_steps")            # four_steps_config
     ess = [v for _, v in s["train/ess"]]
     lag = [v for _, v in s["train/policy_lag"]]
     assert ess[0] >= 0.9999 and ess[4] >= 0.9999          # first step of each phase: fresh data
@@ -72,7 +100,7 @@ def test_four_steps_per_rollout_go_off_policy(tiny_model_dir, tmp_path):
 def test_dashboard_tags_and_histograms(sync_run):
     """P3O with an IcePop correction, 2 micro-batches: the dashboard's tags, and on-policy data keeps
     every token with weight 1 (pi_prox = pi_b)."""
-    s, out, _, _ = sync_run
+    s, out = sync_run
     for tag in ["train/ess", "train/loss", "train/kl_behavior", "train/ratio_max", "train/capped_frac",
                 "rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "rollout/degenerate_frac"]:
         assert tag in s, tag
@@ -81,9 +109,9 @@ def test_dashboard_tags_and_histograms(sync_run):
     assert {"ratio/log_ratio", "ratio/capped_weight"} <= read_histogram_tags(out / "tb" / "run")
 
 
-def test_async_with_staleness_zero_reproduces_the_sync_run(tiny_model_dir, tmp_path, sync_run):
+def test_async_with_staleness_zero_reproduces_the_sync_run(runs, sync_run):
     sync = sync_run[0]
-    asyn = run_ok(shared_config(tiny_model_dir, tmp_path, schedule={"mode": "async", "max_staleness": 0}), tmp_path)
+    asyn, _ = ok(runs, "async0")             # shared_config with schedule: {mode: async, max_staleness: 0}
     for tag in ("train/loss", "train/ess", "rollout/reward_mean", "train/grad_norm", "val/reward_mean", "val/pass@1"):
         assert [v for _, v in asyn[tag]] == pytest.approx([v for _, v in sync[tag]], abs=1e-6), tag
     assert [v for _, v in asyn["train/policy_lag_max"]] == [0.0] * 4
@@ -103,11 +131,15 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
         return cfg
 
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
-    ref = run_ok(config(ref_dir), ref_dir)
     cfg = write_config(config(run_dir), run_dir / "config.yaml")
     kill_after_checkpoint(cfg, run_dir / "ckpt", 3)
-    res = cli(["fit", "--config", str(cfg), "--ckpt_path", "last"])
-    assert res.returncode == 0, res.stderr[-4000:]
+    # the resume, then the uninterrupted run, in one process (e2e_utils.cli_each): one start of Lightning and
+    # vLLM fewer; the resume first, in a fresh process as a user's, so nothing the other run left can help it
+    done = cli_each({"resumed": (["fit", "--config", str(cfg), "--ckpt_path", "last"], None),
+                     "ref": (["fit", "--config", str(write_config(config(ref_dir), ref_dir / "config.yaml"))], None)})
+    for res in done.values():
+        assert res.returncode == 0, res.stderr[-4000:]
+    ref = scalars(ref_dir)
     lines = (run_dir / "prompts.jsonl").read_text().splitlines()
     assert sum('"step": 0,' in ln for ln in lines) == 1            # really resumed, not started again
     got = scalars(run_dir)
@@ -124,36 +156,32 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
     assert errors[-1] > errors[2] > 0                         # cumulative, also across the resume
 
 
-def test_unknown_objective_lists_valid_names(tiny_model_dir, tmp_path):
-    cfg = rl_config(tiny_model_dir, tmp_path, objective="ppo9000")
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))])
+def test_unknown_objective_lists_valid_names(runs):
+    res = runs["unknown_objective"][1]       # unknown_objective_config
     assert res.returncode == 2
     for name in ["P3O", "GRPO", "DAPO", "GSPO", "CISPO", "DecoupledPPO", "REINFORCE"]:
         assert name in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_validation_in_fit_and_validate_from_checkpoint(sync_run):
-    s, out, cfg, _ = sync_run
+def test_validation_in_fit_and_validate_from_checkpoint(sync_run, runs):
+    s, out = sync_run
     assert len(s["val/reward_mean"]) == 2 and 0 <= s["val/reward_mean"][0][1] <= 1       # every 2nd of 4 epochs
     passes = [s[f"val/pass@{k}"][-1][1] for k in (1, 2, 3)]
     assert 0 <= passes[0] <= passes[1] <= passes[2] <= 1 and "val/pass@4" not in s
-    res = cli(["validate", "--config", str(out / "config.yaml"), "--ckpt_path", str(out / "ckpt" / "last.ckpt")])
+    res = runs["validate"][1]                # lit-ess validate --config OUT/config.yaml --ckpt_path OUT/ckpt/last.ckpt
     assert res.returncode == 0, res.stderr[-4000:]
     assert "val/reward_mean" in res.stdout
 
 
-def test_a_broken_weight_sync_stops_the_run_with_ess_alarm_error(tiny_model_dir, tmp_path):
+def test_a_broken_weight_sync_stops_the_run_with_ess_alarm_error(runs):
     """A sync that keeps pushing the first weights (labelled as current): with model.ess_alarm.error the
     run stops at step 1, the first step whose engine lags, with one line that says what is wrong. The hf
     engine: the broken sync is the callback's, the alarm the module's; neither is the engine's."""
-    cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=3, lr=2e-2,
-                    extra_model={"ess_alarm": {"error": True}})
-    cfg["trainer"]["callbacks"][0] = {"class_path": "e2e_utils.StaleWeightSync"}
-    res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
+    out, res = runs["broken_sync"]           # broken_sync_config
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("lit-ess: error: "))
     assert re.search(r"^lit-ess: error: step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below model\.ess_alarm\.threshold=0\.999 "
                     r"on rows sampled by the trainer's current weights at its precision \(float32\) and temperature "
                     r"\(1\.0\), where it must be 1: .*\(check the weight sync\)$", line), line
-    assert len(scalars(tmp_path)["train/loss"]) == 1                        # step 0 (fresh weights) trained
+    assert len(scalars(out)["train/loss"]) == 1                        # step 0 (fresh weights) trained

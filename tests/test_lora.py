@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from e2e_utils import cli, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
+from e2e_utils import cli, cli_each, kill_after_checkpoint, pythonpath, rl_config, scalars, write_config
 from lit_ess.lora import LoRA, merged_weights
 from lit_ess.module import PolicyModule
 
@@ -78,13 +78,31 @@ def lora_config(model_dir, out):
 
 
 @pytest.fixture(scope="module")
-def lora_run(tiny_model_dir, tmp_path_factory):
+def lora_runs(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted LoRA run, "run": (folder, scalars), and the same run killed (kill -9) right after its
+    step-2 checkpoint, then resumed with --ckpt_path last, "killed": (folder, whether the kill came before
+    the last step, the resume's CompletedProcess). The resume, then the uninterrupted run, in one process
+    (e2e_utils.cli_each: one start of Lightning and vLLM fewer); the resume first, in a fresh process as a user's."""
+    root = tmp_path_factory.mktemp("lora_run")
+    out, run_dir = root / "run", root / "killed"
+    cfg = lora_config(tiny_model_dir, run_dir)
+    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
+                                        "init_args": {"path": str(run_dir / "prompts.jsonl")}})
+    path = write_config(cfg, run_dir / "config.yaml")
+    kill_after_checkpoint(path, run_dir / "ckpt", 2)
+    before_end = not list((run_dir / "ckpt").glob("*step=4.ckpt"))
+    done = cli_each({"resumed": (["fit", "--config", str(path), "--ckpt_path", "last"], None),
+                     "run": (["fit", "--config", str(write_config(lora_config(tiny_model_dir, out),
+                                                                  out / "config.yaml"))], None)})
+    assert done["run"].returncode == 0, done["run"].stderr[-4000:]
+    return {"run": (out, scalars(out)), "killed": (run_dir, before_end, done["resumed"])}
+
+
+@pytest.fixture(scope="module")
+def lora_run(lora_runs):
     """(run folder, scalars) of the uninterrupted LoRA run, shared by the tests that read its logs or
     its checkpoints."""
-    out = tmp_path_factory.mktemp("lora_run")
-    res = cli(["fit", "--config", str(write_config(lora_config(tiny_model_dir, out), out / "config.yaml"))])
-    assert res.returncode == 0, res.stderr[-4000:]
-    return out, scalars(out)
+    return lora_runs["run"]
 
 
 def adapted_policy(model_dir, ckpt):
@@ -114,19 +132,13 @@ def test_lora_run_is_on_policy_and_saves_adapters_only(lora_run, tiny_model_dir)
 
 
 @pytest.mark.e2e
-def test_kill_9_and_resume_last_equals_the_uninterrupted_run(lora_run, tiny_model_dir, tmp_path):
+def test_kill_9_and_resume_last_equals_the_uninterrupted_run(lora_runs):
     """SIGKILL of the whole run right after its step-2 checkpoint (adapters only), then `--ckpt_path
     last`: every step's loss, ESS and gradient norm equal the uninterrupted run's, the resumed engine
     samples from the resumed adapters (ESS 1), and steps 0-1 are not trained again."""
-    full = lora_run[1]
-    run_dir = tmp_path / "killed"
-    cfg = lora_config(tiny_model_dir, run_dir)
-    cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
-                                        "init_args": {"path": str(run_dir / "prompts.jsonl")}})
-    path = write_config(cfg, run_dir / "config.yaml")
-    kill_after_checkpoint(path, run_dir / "ckpt", 2)
-    assert not list((run_dir / "ckpt").glob("*step=4.ckpt")), "the run ended before the kill"
-    res = cli(["fit", "--config", str(path), "--ckpt_path", "last"])
+    full = lora_runs["run"][1]
+    run_dir, before_end, res = lora_runs["killed"]
+    assert before_end, "the run ended before the kill"
     assert res.returncode == 0, res.stderr[-4000:]
     steps = [json.loads(ln)["step"] for ln in (run_dir / "prompts.jsonl").read_text().splitlines()]
     assert steps.count(0) == steps.count(1) == 1 and steps[-2:] == [2, 3], steps      # resumed, not restarted
@@ -290,17 +302,20 @@ def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_mod
     """lora.sync: adapter with vLLM serving the pushed adapters: ESS 1 on every step. The same run with
     a sync that keeps handing the engine the first adapter (labelled as current) drops below 1, and the
     lag-0 ESS alarm (issue 18 item 6) warns once with the numbers and counts every such step."""
-    runs, alarms, console = {}, {}, {}
+    runs, alarms, console, cases = {}, {}, {}, {}
     for name, sync in (("adapter", "lit_ess.callbacks.WeightSync"), ("stale", "e2e_utils.StaleWeightSync")):
-        out = tmp_path / name
-        cfg = rl_config(tiny_model_dir, out, max_steps=3, lr=2e-2, extra_model={"lora": {"rank": 4, "sync": "adapter"}},
+        cfg = rl_config(tiny_model_dir, tmp_path / name, max_steps=3, lr=2e-2,
+                        extra_model={"lora": {"rank": 4, "sync": "adapter"}},
                         extra_data={"engine": {"class_path": "lit_ess.engines.VLLMConfig",
                                                "init_args": {"max_lora_rank": 4}}})
         cfg["trainer"]["callbacks"][0] = {"class_path": sync}
-        res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])
+        cases[name] = (["fit", "--config", str(write_config(cfg, tmp_path / name / "config.yaml"))], None)
+    # both runs in one process (e2e_utils.cli_each), each with its own vLLM engine: one start of Lightning and
+    # vLLM fewer (the stale run second: its warning is the process's first)
+    for name, res in cli_each(cases).items():
         assert res.returncode == 0, res.stderr[-4000:]
-        runs[name] = [v for _, v in scalars(out)["train/ess"]]
-        alarms[name] = [v for _, v in scalars(out)["train/ess_alarms"]]
+        runs[name] = [v for _, v in scalars(tmp_path / name)["train/ess"]]
+        alarms[name] = [v for _, v in scalars(tmp_path / name)["train/ess_alarms"]]
         console[name] = res.stderr
     assert len(runs["adapter"]) == 3 and min(runs["adapter"]) >= 0.9999, runs
     assert runs["stale"][0] >= 0.9999 and min(runs["stale"][1:]) < 0.999, runs

@@ -145,18 +145,56 @@ def test_an_episode_budget_above_the_models_length_is_refused(tiny_model_dir):
 # e2e: configs/demo_multiturn.yaml, from a short warm start
 
 
+def warm_start_config(root: Path, config: str, steps: int) -> Path:
+    """configs/`config` (a warm start) cut to `steps`, run from ROOT (its model in ROOT/runs/demo/init)."""
+    cfg = yaml.safe_load((CONFIGS / config).read_text())
+    cfg["trainer"].update(max_steps=steps, enable_progress_bar=False, logger=False)
+    return write_config(cfg, root / config)
+
+
+S_ASYNC, N_ASYNC = 2, 4          # test_async_multiturn_stays_within_the_lag_bound: the bound, the steps
+
+
 @pytest.fixture(scope="module")
-def warm_start(tmp_path_factory):
-    """configs/demo_sft.yaml cut to 300 steps: a policy that answers in the arithmetic format, often wrong."""
+def runs(tmp_path_factory):
+    """The single-rank runs from warm starts, one after another in one process (e2e_utils.cli_each: one
+    start of Python and Lightning instead of one each), {name: folder}: configs/demo_sft.yaml cut to 300
+    steps ("warm": a policy that answers in the arithmetic format, often wrong), then from it
+    configs/demo_multiturn.yaml on vLLM ("on_policy", 6 steps) and async with S = 2 on the hf engine
+    ("async", 4 steps); configs/demo_calculator_sft.yaml cut to 50 steps, then configs/demo_calculator.yaml
+    from it on vLLM ("calculator", 6 steps)."""
     from lit_ess.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("warm")
-    build_tiny_model(root / "runs/demo/init")
-    cfg = yaml.safe_load((CONFIGS / "demo_sft.yaml").read_text())
-    cfg["trainer"].update(max_steps=300, enable_progress_bar=False, logger=False)
-    res = cli(["fit", "--config", str(write_config(cfg, root / "sft.yaml"))], cwd=root)
+    root = tmp_path_factory.mktemp("multiturn")
+    warm, calc = root / "warm", root / "calculator_sft"
+    for d in (warm, calc):
+        build_tiny_model(d / "runs/demo/init")
+    policy = warm / "runs/demo/sft/model"
+    cases = {"warm": (["fit", "--config", str(warm_start_config(warm, "demo_sft.yaml", 300))], warm),
+             "on_policy": multiturn_config(policy, root / "on_policy", steps=6),
+             "async": multiturn_config(policy, root / "async", steps=N_ASYNC,
+                                       schedule={"mode": "async", "max_staleness": S_ASYNC}, engine=HF),
+             "calculator_sft": (["fit", "--config", str(warm_start_config(calc, "demo_calculator_sft.yaml", 50))], calc),
+             "calculator": multiturn_config(calc / "runs/demo/calculator_sft/model", root / "calculator", steps=6,
+                                            config="demo_calculator.yaml")}
+    cases = {k: c if isinstance(c, tuple) else (["fit", "--config", str(c)], None) for k, c in cases.items()}
+    done = cli_each(cases, timeout=2400)
+    for name in ("warm", "calculator_sft"):
+        assert done[name].returncode == 0, done[name].stderr[-4000:]
+    return {k: (root / k, res) for k, res in done.items()}
+
+
+def ran(runs, name) -> Path:
+    """The folder of a run of `runs` that exited 0."""
+    out, res = runs[name]
     assert res.returncode == 0, res.stderr[-4000:]
-    return root / "runs/demo/sft/model"
+    return out
+
+
+@pytest.fixture(scope="module")
+def warm_start(runs):
+    """configs/demo_sft.yaml cut to 300 steps: a policy that answers in the arithmetic format, often wrong."""
+    return ran(runs, "warm") / "runs/demo/sft/model"
 
 
 def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None = None, devices: int = 1,
@@ -193,8 +231,8 @@ def fit(cfg: Path, *extra) -> dict:
 
 
 @pytest.mark.e2e
-def test_demo_multiturn_is_on_policy_over_several_turns(warm_start, tmp_path):
-    s = fit(multiturn_config(warm_start, tmp_path, steps=6))
+def test_demo_multiturn_is_on_policy_over_several_turns(runs):
+    s = scalars(ran(runs, "on_policy"))
     ess, turns = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/turns"]]
     assert len(ess) == 6 and min(ess) >= 0.9999, ess
     assert min(turns) > 1 and max(turns) <= 3, turns
@@ -207,22 +245,10 @@ def test_demo_multiturn_is_on_policy_over_several_turns(warm_start, tmp_path):
 
 
 @pytest.mark.e2e
-def test_demo_calculator_calls_the_tool_on_policy(tmp_path):
+def test_demo_calculator_calls_the_tool_on_policy(runs):
     """configs/demo_calculator_sft.yaml cut to 50 steps, then configs/demo_calculator.yaml for 6 steps on
     vLLM: the policy calls the calculator, the call turns stop at ')', and every step is on-policy."""
-    from lit_ess.tiny import build_tiny_model
-
-    build_tiny_model(tmp_path / "runs/demo/init")
-    cfg = yaml.safe_load((CONFIGS / "demo_calculator_sft.yaml").read_text())
-    cfg["trainer"].update(max_steps=50, enable_progress_bar=False, logger=False)
-    rl = multiturn_config(tmp_path / "runs/demo/calculator_sft/model", tmp_path / "rl", steps=6,
-                          config="demo_calculator.yaml")
-    # the warm start, then RL from it, in one process (e2e_utils.cli_each): one start of Lightning, not two
-    runs = cli_each({"sft": (["fit", "--config", str(write_config(cfg, tmp_path / "sft.yaml"))], tmp_path),
-                     "rl": (["fit", "--config", str(rl)], None)}, timeout=1500)
-    for res in runs.values():
-        assert res.returncode == 0, res.stderr[-4000:]
-    s = scalars(rl.parent)
+    s = scalars(ran(runs, "calculator"))
     ess, calls = [v for _, v in s["train/ess"]], [v for _, v in s["rollout/tool_calls"]]
     assert len(ess) == 6 and min(ess) >= 0.9999, ess
     assert min(calls) > 0 and max(calls) <= 2, calls          # max_calls 1: a second call ends the episode, counted
@@ -265,14 +291,13 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
 
 
 @pytest.mark.e2e
-def test_async_multiturn_stays_within_the_lag_bound(warm_start, tmp_path):
+def test_async_multiturn_stays_within_the_lag_bound(runs):
     """The hf engine in the worker process (async multi-turn on vLLM: the dedicated-server case below)."""
-    S, n = 2, 4
-    s = fit(multiturn_config(warm_start, tmp_path, steps=n, schedule={"mode": "async", "max_staleness": S},
-                             engine=HF))
+    S, n, out = S_ASYNC, N_ASYNC, ran(runs, "async")
+    s = scalars(out)
     lag_max = [v for _, v in s["train/policy_lag_max"]]
     assert 1 <= max(lag_max) <= S, lag_max                           # the worker really ran ahead
-    steps = trained_prompts(tmp_path / "prompts.jsonl")
+    steps = trained_prompts(out / "prompts.jsonl")
     assert sorted(steps) == list(range(n))
     assert all(step - v <= S for step, r in steps.items() for v in r["versions"])
     assert min(v for _, v in s["rollout/turns"]) > 1

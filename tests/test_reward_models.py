@@ -4,6 +4,7 @@ real server for the module, launched by the judge itself (about 70 s here); then
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import socket
 import subprocess
@@ -361,3 +362,32 @@ def test_async_mode_loads_the_reward_model_in_the_worker_process(tiny_model_dir,
     assert math.isfinite(stats["train/reward/reward_model"]) and stats["train/reward/reward_model"] != 0
     assert stats["rollout/reward_mean"] == pytest.approx(stats["train/reward/reward_model"])
     assert reward_model._LOADED == {}
+
+
+def test_the_rollout_worker_loads_a_model_reward_before_the_first_phase(tiny_model_dir, rm_dir, tmp_path):
+    """The reward model is loaded (a judge's server launched) when the rank's rollout worker starts, not inside
+    the first phase, whose scoring time would then hold the load (a judge's launch: about a minute); a model
+    reward that cannot start stops the start in one line naming it."""
+    from fake_engine import FakeConfig
+
+    from lit_ess import reward_model
+    from lit_ess.rollout import InlineExecutor, WorkerConfig
+    from lit_ess.sampling import SamplingConfig
+
+    def executor(reward):
+        return InlineExecutor(WorkerConfig(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0),
+                                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                                           reward=reward))
+
+    reward_model._LOADED.clear()
+    ex = executor(RewardModel(path=rm_dir, chat_template=False))
+    ex.start()
+    try:
+        assert [key[0] for key in reward_model._LOADED] == [rm_dir]
+    finally:
+        ex.close()
+    broken = RewardModel(path=rm_dir, chat_template=False)
+    shutil.rmtree(tmp_path / "gone", ignore_errors=True)
+    object.__setattr__(broken, "path", str(tmp_path / "gone"))      # its folder removed after the config was read
+    with pytest.raises(RewardError, match="reward 'RewardModel' could not start: "):
+        executor(broken).start()

@@ -43,7 +43,8 @@ DEFAULT_TEMPLATE = ("Rate how well the response answers the question, from 0 (wr
                     "Question: {prompt}\n\nReference answer: {answer}\n\nResponse: {completion}\n\n"
                     "End your reply with 'Score: N'.")
 
-_SERVERS: dict[JudgeServer, object] = {}    # launched judges of this process: settings -> (url, name, server) or the error
+# launched judges of this process: (model, settings) -> (url, served name, server), or the error its launch raised
+_SERVERS: dict[tuple[str, JudgeServer], tuple[str, str, object] | Exception] = {}
 _LOCK = threading.Lock()
 RANK_DEVICE_ENV = "LIT_ESS_RANK_DEVICE"     # a rollout worker process's rank's GPU, set by lit_ess/rollout/placement.py
 

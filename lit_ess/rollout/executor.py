@@ -86,7 +86,13 @@ class InlineExecutor:
         self.idle_seconds = self.busy_seconds = 0.0
 
     def start(self) -> None:
-        self.worker = RolloutWorker(self.config)
+        worker = RolloutWorker(self.config)
+        try:
+            worker.warm_up()
+        except BaseException:
+            worker.close()                     # the engine and the reward worker with it
+            raise
+        self.worker = worker
 
     def ready(self) -> bool:
         return self.worker is not None

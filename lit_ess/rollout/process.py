@@ -339,6 +339,15 @@ def _child_main(config: WorkerConfig, requests, results, stop, parent_pid: int, 
     clock = {"idle": 0.0, "busy": 0.0, "weights": 0.0}       # of the engine (main thread)
 
     def score_loop():
+        try:                                     # first: the rewards' models, beside the first phase's sampling
+            report("warming up the rewards (model rewards, the reward worker)")
+            worker.warm_up()
+        except RewardError as e:
+            results.put(Failed(-1, e))
+            return
+        except BaseException:
+            results.put(Failed(-1, traceback.format_exc()))
+            return
         while (item := to_score.get()) is not None:
             if stop.is_set():
                 continue                         # closing: nobody will read it

@@ -4,7 +4,7 @@ With an environment (`WorkerConfig.env`, lit_ess/envs) a sample is an episode: t
 environment take turns (lit_ess.envs.EpisodeRunner, token in, token out) and the episode's reward is
 what the environment's steps gave; a row is the whole episode, its environment tokens masked
 (`Row.mask`), its version the oldest turn's. Without one (the default) a sample is one completion
-scored by the reward, as it always was.
+scored by the reward. The worker asks either kind the same questions (lit_ess/rollout/samples.py).
 
 One `RolloutRequest` is one rollout *phase*: `P` prompts (chosen by the DataModule, which owns the
 prompt cursor) x `n` samples each, split into `steps_per_rollout` batches. With DAPO's dynamic sampling
@@ -40,12 +40,12 @@ import torch
 from lit_ess.advantages import Advantage, GroupMean, degenerate_groups
 from lit_ess.batch import EvalResult, RolloutBatch, Row, collate
 from lit_ess.engines import EngineConfig
-from lit_ess.envs import EnvConfig, Episode, episode_stats, make_runner, to_row
-from lit_ess.envs.base import Example
+from lit_ess.envs import EnvConfig, Episode, make_runner
 from lit_ess.rewards import RewardScorer
 from lit_ess.sampling import Completion, SamplingConfig, derive_seed
 
 from .dapo import METRICS, OverlongPenalty, overlong_penalty
+from .samples import Completions, Episodes, Samples, repeat, row_columns
 
 
 @dataclass
@@ -125,8 +125,9 @@ class WorkerConfig:
 
 
 class RolloutWorker:
-    """The engine, the reward scorer and the episode runner of one rank. Whoever holds it loads the
-    engine's weights: InlineExecutor (sync) directly, the worker process (async) through its transport."""
+    """The engine, the reward scorer and the phase's kind of sample (lit_ess/rollout/samples.py: completions, or
+    episodes of an environment) of one rank. Whoever holds it loads the engine's weights: InlineExecutor (sync)
+    directly, the worker process (async) through its transport."""
 
     def __init__(self, config: WorkerConfig):
         from transformers import AutoTokenizer
@@ -136,13 +137,13 @@ class RolloutWorker:
         self.pad_id = pad_token_id(self.tokenizer)
         self.scorer = RewardScorer(c.reward, c.reward_timeout, max_error_rate=c.max_reward_error_rate,
                                    in_worker=c.reward_in_worker)
-        self.runner = None
+        self.samples: Samples = Completions(self.tokenizer, self.scorer, c.samples_per_prompt, c.sampling)
         if c.env is not None:
             env, limit = c.env, c.engine.model_len(c.model_path)
             if env.max_episode_tokens is None and limit is not None:
                 env = replace(env, max_episode_tokens=limit[0])
-            self.runner = make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate,
-                                      prompt_limit=c.prompt_limit)
+            self.samples = Episodes(make_runner(env, self.tokenizer, max_error_rate=c.max_reward_error_rate,
+                                                prompt_limit=c.prompt_limit), c.samples_per_prompt, c.sampling)
         self.load_counters(c.reward_counters)
         self.engine = c.engine.build(c.model_path)
 
@@ -150,16 +151,21 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
+    def warm_up(self) -> None:
+        """Load the model rewards (a judge's server launched) and start the reward worker, so the first phase's
+        reward time holds none of it. Sync: InlineExecutor.start; async: the worker process's scoring thread,
+        first, beside the first phase's sampling (after Ready: the trainer's weight transport waits for none of it)."""
+        self.scorer.warm_up()
+
     def counters(self) -> dict:
         """The cumulative failure counters, for checkpoints: the scorer's, and the environment's under "env"."""
-        return {**self.scorer.state_dict(), **({"env": self.runner.state_dict()} if self.runner is not None else {})}
+        return {**self.scorer.state_dict(), **self.samples.counters()}
 
     def load_counters(self, state: dict) -> None:
         """A resumed run's counters (`counters`); {} leaves them at 0."""
         if state:
             self.scorer.load_state_dict(state)
-            if self.runner is not None:
-                self.runner.load_state_dict(state.get("env", {}))
+            self.samples.load_counters(state)
 
     def run(self, req: RolloutRequest) -> PhaseResult:
         return self.score(req, *self.sample(req))
@@ -170,30 +176,16 @@ class RolloutWorker:
         """Stage 1, the engine: n completions (or, with an environment, episodes) per prompt, their texts,
         the generation time (an episode's environment steps included) and the environment's cumulative
         failure counters once this phase's episodes ended (None without an environment)."""
-        c, n = self.config, self.config.samples_per_prompt
         t0 = time.perf_counter()
-        if self.runner is None:
-            groups = self.engine.generate(req.prompts, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
-            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
-            return groups, texts, time.perf_counter() - t0, None
-        examples = [Example(p, a, r) for p, a, r in zip(req.prompt_texts, req.answers, _rows(req.columns, len(req.answers)))]
-        eps = self.runner.run(self.engine, examples, n, c.sampling, call_seed=req.phase, prompt_keys=req.prompt_keys)
-        groups = [eps[i * n:(i + 1) * n] for i in range(len(req.prompts))]
-        return groups, [e.text() for e in eps], time.perf_counter() - t0, self.runner.state_dict()
+        groups, texts, env_counters = self.samples.sample(self.engine, req)
+        return groups, texts, time.perf_counter() - t0, env_counters
 
     def rewards(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[Episode]],
                 texts: list[str]) -> tuple[torch.Tensor, float]:
         """The rewards `[P, n]` of a phase's samples (an episode's are its environment's), and the seconds
         they took."""
-        n = self.config.samples_per_prompt
         t0 = time.perf_counter()
-        if self.runner is None:
-            rewards = self.scorer(texts, _repeat(req.answers, n), _repeat(req.prompt_texts, n),
-                                  _repeat(_rows(req.columns, len(groups)), n),
-                                  _repeat(req.conversations or [None] * len(groups), n))
-            rewards = torch.tensor(rewards, dtype=torch.float32).view(len(groups), n)
-        else:
-            rewards = torch.tensor([[e.reward for e in g] for g in groups], dtype=torch.float32).view(len(groups), n)
+        rewards = self.samples.rewards(req, groups, texts)
         return rewards, time.perf_counter() - t0
 
     def score(self, req: RolloutRequest, groups: list[list[Completion]] | list[list[Episode]], texts: list[str],
@@ -203,14 +195,7 @@ class RolloutWorker:
         left, `env_counters`, not the runner's now.)"""
         c, n = self.config, self.config.samples_per_prompt
         rewards, t_reward = self.rewards(req, groups, texts)
-        if self.runner is None:
-            lengths = torch.tensor([len(s.token_ids) for g in groups for s in g], dtype=torch.float32)
-            cut = sum(s.finish_reason == "length" for g in groups for s in g) / lengths.numel()
-        else:
-            # the policy's tokens of an episode; the share of its turns cut by max_new_tokens
-            lengths = torch.tensor([sum(e.mask) for g in groups for e in g], dtype=torch.float32)
-            reasons = [r for g in groups for e in g for r in e.finish_reasons]
-            cut = sum(r == "length" for r in reasons) / max(len(reasons), 1)
+        lengths, cut = self.samples.lengths(groups)
         shaped = rewards                                    # the rewards trained on: with DAPO's overlong penalty
         if c.overlong is not None:
             penalty = overlong_penalty(lengths, c.overlong.max_length, c.overlong.buffer, c.overlong.factor)
@@ -226,18 +211,8 @@ class RolloutWorker:
             restore = [g for g in range(len(groups)) if g not in keep]
             while len(keep) * n < c.steps_per_rollout:
                 keep.append(restore.pop(0))
-        if self.runner is None:
-            rows = [Row(prompt=req.prompts[g], completion=groups[g][j].token_ids, logprobs=groups[g][j].logprobs,
-                        advantage=float(adv[g, j]), reward=float(shaped[g, j]), version=groups[g][j].version,
-                        prompt_id=req.prompt_ids[g], prompt_text=req.prompt_texts[g], completion_text=texts[g * n + j],
-                        token_versions=groups[g][j].token_versions)
-                    for g in keep for j in range(n)]
-        else:
-            rows = [to_row(groups[g][j], float(adv[g, j]), req.prompt_ids[g], req.prompt_texts[g])
-                    for g in keep for j in range(n)]
-            if c.overlong is not None:
-                for r, (g, j) in zip(rows, [(g, j) for g in keep for j in range(n)]):
-                    r.reward = float(shaped[g, j])
+        rows = [self.samples.row(req, g, groups[g][j], texts[g * n + j], float(adv[g, j]), float(shaped[g, j]))
+                for g in keep for j in range(n)]
         # the environment's counters as this phase's sampling left them (the runner may be a phase ahead)
         counts = {**self.counters(), **({"env": dict(env_counters)} if env_counters is not None else {})}
 
@@ -262,10 +237,7 @@ class RolloutWorker:
         if c.overlong is not None:
             stats.update({"rollout/overlong_frac": float((penalty < 0).float().mean()),
                           "rollout/overlong_penalty": float(penalty.mean())})
-        if env_counters is not None:
-            stats.update(episode_stats([e for g in groups for e in g]), **{
-                "rollout/env_errors": float(env_counters["errors"]),
-                "rollout/env_timeouts": float(env_counters["timeouts"])})
+        stats.update(self.samples.stats(groups, env_counters))
         if c.filter_groups is not None:                     # a round: the data module assembles the phase
             return PhaseResult(req.phase, [], counts, t_gen, round=req.round, stats=stats,
                                groups=[rows[g * n:(g + 1) * n] for g in range(len(groups))], keep=signal.tolist())
@@ -288,18 +260,19 @@ class RolloutWorker:
                 [len(s.token_ids) for g in groups for s in g])
 
     def score_eval(self, req: EvalRequest, texts: list[str], lengths: list[int]) -> EvalResult:
-        rewards = self.scorer(texts, _repeat(req.answers, req.n), _repeat(req.prompt_texts or [""] * len(req.answers), req.n),
-                              _repeat(_rows(req.columns, len(req.answers)), req.n),
-                              _repeat(req.conversations or [None] * len(req.answers), req.n))
+        rewards = self.scorer(texts, repeat(req.answers, req.n),
+                              repeat(req.prompt_texts or [""] * len(req.answers), req.n),
+                              repeat(row_columns(req.columns, len(req.answers)), req.n),
+                              repeat(req.conversations or [None] * len(req.answers), req.n))
         return EvalResult(reward=torch.tensor(rewards, dtype=torch.float32).view(-1, req.n),
                           length=torch.tensor(lengths, dtype=torch.float32).view(-1, req.n))
 
     def close(self) -> None:
-        """Close the scorer, the episode runner and the engine (which removes what it wrote, e.g. vLLM's adapter folders). Every
-        executor ends here: InlineExecutor.close (sync), the worker process's exit (async)."""
+        """Close the scorer, the samples' episode runner and the engine (which removes what it wrote, e.g.
+        vLLM's adapter folders). Every executor ends here: InlineExecutor.close (sync), the worker process's
+        exit (async)."""
         self.scorer.close()
-        if self.runner is not None:
-            self.runner.close()
+        self.samples.close()
         self.engine.close()
 
 
@@ -318,12 +291,3 @@ def pad_token_id(tokenizer) -> int:
     """The id rows are padded with: the tokenizer's pad token, else its eos."""
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-
-def _repeat(xs: list, n: int) -> list:
-    """Per prompt -> per sample: each item n times, in order."""
-    return [x for x in xs for _ in range(n)]
-
-
-def _rows(columns: list[dict] | None, k: int) -> list[dict]:
-    """Each prompt's dataset row (empty for a request of earlier releases, or a source without columns)."""
-    return columns if columns is not None else [{}] * k
