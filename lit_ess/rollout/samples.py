@@ -16,7 +16,7 @@ the next phase's sampling. An episode's reward is what its environment's steps g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -26,22 +26,21 @@ from lit_ess.envs.base import Example
 from lit_ess.rewards import RewardScorer
 from lit_ess.sampling import Completion, SamplingConfig
 
-if TYPE_CHECKING:
-    from .worker import RolloutRequest
+from .requests import RolloutRequest
 
 
 class Samples(Protocol):
-    def sample(self, engine, req: "RolloutRequest") -> tuple[list[list], list[str], dict[str, int] | None]:
+    def sample(self, engine, req: RolloutRequest) -> tuple[list[list], list[str], dict[str, int] | None]:
         """n samples per prompt `[P][n]`, their texts `[P * n]`, and the environment's cumulative failure
         counters once this phase's samples were drawn (None: no environment)."""
 
-    def rewards(self, req: "RolloutRequest", groups: list[list], texts: list[str]) -> torch.Tensor:
+    def rewards(self, req: RolloutRequest, groups: list[list], texts: list[str]) -> torch.Tensor:
         """The samples' rewards `[P, n]`."""
 
     def lengths(self, groups: list[list]) -> tuple[torch.Tensor, float]:
         """The policy's tokens per sample `[P * n]`, and the share of its generations cut by max_new_tokens."""
 
-    def row(self, req: "RolloutRequest", g: int, sample, text: str, advantage: float, reward: float) -> Row:
+    def row(self, req: RolloutRequest, g: int, sample, text: str, advantage: float, reward: float) -> Row:
         """The batch row of prompt g's `sample`."""
 
     def stats(self, groups: list[list], env: dict[str, int] | None) -> dict[str, float]:
