@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 SERVER = yaml.safe_load((ROOT / "configs" / "demo_server.yaml").read_text())["data"]["init_args"]["engine"]
-MODES = {"sync": {"mode": "sync"}, "async colocated": {"mode": "async", "placement": "colocated", "max_staleness": 1},
-         "async dedicated": {"mode": "async", "placement": "dedicated", "max_staleness": 1, "engine": SERVER}}
+MODES = {"sync": {"schedule": {"mode": "sync"}},
+         "async colocated": {"schedule": {"mode": "async", "placement": "colocated", "max_staleness": 1}},
+         "async dedicated": {"schedule": {"mode": "async", "placement": "dedicated", "max_staleness": 1}, "engine": SERVER}}
 
 
 SPLIT = {"gen_s": "rollout/gen_seconds", "reward_s": "rollout/reward_seconds", "train_s": "perf/train_seconds",
@@ -71,7 +72,7 @@ def run(model: str, out: Path, mode: str, steps: int, reward: str, devices: int)
     cfg["output_dir"] = None            # every path of the run is set below
     cfg["model"]["init_args"]["model_path"] = model
     data = cfg["data"]["init_args"]
-    data.update({**MODES[mode], "reward": reward, "val_source": None})
+    data.update({**MODES[mode], "reward": reward, "validation": {"source": None}})
     times = out / f"{mode.replace(' ', '_')}.json"
     if devices > 1:
         cfg["trainer"]["strategy"] = "ddp"

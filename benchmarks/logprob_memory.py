@@ -14,7 +14,7 @@ logprobs (and the entropy), and backward. Each configuration runs in a fresh pro
          take turns, step by step (one warm-up step each, then `--steps` rounds, the order alternating):
          the ratio is the median of the rounds' paired ratios, robust to the load of a shared machine.
 
-Configurations: chunked (model.logprob_chunk, default lit_ess.logprobs.DEFAULT_CHUNK) against unchunked
+Configurations: chunked (model.compute.logprob_chunk, default lit_ess.logprobs.DEFAULT_CHUNK) against unchunked
 (logprob_chunk: null, the model's full logits of the completion span), each with activation
 checkpointing (gradient_checkpointing) off and on; then chunked and unchunked against the row length at
 the fixed chunk, and the chunk size at the benchmark's row length. Ratios are within one run.

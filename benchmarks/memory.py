@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from lit_ess.settings import Optim
 
 RESULTS = Path(__file__).parent / "results" / "memory.json"
 SMALL_25M = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=1536)
@@ -102,7 +103,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, rows: int, tokens:
     _release_freed()
     baseline = _status_kib("VmRSS")                     # runtime: interpreter, torch, transformers, gloo
 
-    module = PolicyModule(model_dir, lr=1e-4, weight_decay=0.01)
+    module = PolicyModule(model_dir, optim=Optim(lr=1e-4, weight_decay=0.01))
     module.configure_model()
     policy = module.policy
     if world > 1:

@@ -8,7 +8,7 @@
    Trainer. Goal: sync <= 0.10x the step.
 2. ESS pre-pass: P3O with `ess_scope: step` needs the step's ESS before any gradient, so when a step
    spans several micro-batches it runs a no-grad forward over them first. Step time with
-   `micro_batch_size` = rows / m (m = 2, 4) and `ess_scope: step`, against the same with
+   `micro_batch.size` = rows / m (m = 2, 4) and `ess_scope: step`, against the same with
    `ess_scope: micro` (no pre-pass). Goal: <= 1.40x (the pre-pass is one extra forward without
    autograd; a forward is about a third of forward + backward).
 
@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lit_ess.settings import MicroBatch, Optim
+
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = (2, 4)
 
@@ -41,7 +43,7 @@ def lightning_steps(model_dir: str, batch, steps: int, **module_kwargs) -> list[
     from benchmarks.step import _Same, _Timer
     from lit_ess.module import PolicyModule
 
-    module = PolicyModule(model_dir, lr=1e-5, **module_kwargs)
+    module = PolicyModule(model_dir, optim=Optim(lr=1e-5), **module_kwargs)
     timer = _Timer()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
@@ -80,7 +82,7 @@ def main(argv=None) -> dict:
         for r in range(a.rounds):
             for m in MICRO:
                 for scope in ("step", "micro") if r % 2 == 0 else ("micro", "step"):    # neither always first
-                    times[(m, scope)] += lightning_steps(model_dir, batch, a.steps, micro_batch_size=rows // m,
+                    times[(m, scope)] += lightning_steps(model_dir, batch, a.steps, micro_batch=MicroBatch(size=rows // m),
                                                          ess_scope=scope)
         for m in MICRO:
             s, u = statistics.median(times[(m, "step")]), statistics.median(times[(m, "micro")])

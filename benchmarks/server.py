@@ -51,8 +51,8 @@ def fit_step_seconds(model: str, out: Path, engine: dict, mode: str, steps: int,
     cfg["output_dir"] = None            # every path of the run is set below
     cfg["model"]["init_args"]["model_path"] = model
     cfg["data"]["init_args"]["sampling"]["max_new_tokens"] = new_tokens
-    cfg["data"]["init_args"].update({"engine": engine, "mode": mode, "reward": LATENCY_BOUND, "val_source": None,
-                                     **({"max_staleness": 1} if mode == "async" else {})})
+    cfg["data"]["init_args"].update({"engine": engine, "reward": LATENCY_BOUND, "validation": {"source": None},
+                                     "schedule": {"mode": mode, **({"max_staleness": 1} if mode == "async" else {})}})
     times = out / "times.json"
     logger = {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
               "init_args": {"save_dir": str(out), "name": "tb", "version": "run"}}

@@ -39,7 +39,8 @@ def main(argv=None):
             cfg = yaml.safe_load((ROOT / "configs" / "demo_async.yaml").read_text())
             cfg["output_dir"] = None            # every path of the run is set below
             cfg["model"]["init_args"]["model_path"] = str(Path(a.model).resolve())
-            cfg["data"]["init_args"].update({"max_staleness": S, "val_source": None})
+            cfg["data"]["init_args"]["schedule"]["max_staleness"] = S
+            cfg["data"]["init_args"]["validation"] = {"source": None}
             cfg["trainer"].update({"max_steps": a.steps, "enable_checkpointing": False, "enable_progress_bar": False,
                                    "callbacks": [{"class_path": "lit_ess.callbacks.WeightSync"}],
                                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",

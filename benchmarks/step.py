@@ -29,6 +29,7 @@ from lit_ess.module import PolicyModule
 from lit_ess.objectives import P3O
 from lit_ess.batch import RolloutBatch
 from lit_ess.tiny import build_tiny_model
+from lit_ess.settings import Optim
 
 
 def make_batch(vocab: int, B=64, P=8, T=56, seed=0) -> RolloutBatch:
@@ -68,7 +69,7 @@ class _Timer(L.Callback):
 
 
 def lightning_steps(model_dir, batch, steps):
-    module = PolicyModule(model_dir, lr=1e-5)
+    module = PolicyModule(model_dir, optim=Optim(lr=1e-5))
     timer = _Timer()
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])

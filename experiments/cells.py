@@ -16,7 +16,7 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     remedies_*   issue 39's remedies where P3O breaks (stress_s, multiturn, stress_k k = 48), against P3O and GRPO
     inflight     async on vLLM's server, S = 2: weights pushed in flight against drained, P3O and GRPO (eps 0.2)
 
-Held-out evaluation samples at T = 1.0 in every run (`val_sampling`), one ruler for every cell; the
+Held-out evaluation samples at T = 1.0 in every run (`validation.sampling`), one ruler for every cell; the
 temperature cells also get a final evaluation at their own temperature (`Cell.own_val`).
 """
 from __future__ import annotations
@@ -61,8 +61,8 @@ def objective(name: str, **init_args) -> dict:
 
 TEMPERATURE = "data.init_args.sampling.temperature"
 CALLBACKS = [{"class_path": "lit_ess.callbacks.WeightSync"}]
-OFF_POLICY = {"data.init_args.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
-K, S = "data.init_args.steps_per_rollout", "data.init_args.max_staleness"
+OFF_POLICY = {"data.init_args.batch.steps_per_rollout": 4}       # 4 optimizer steps per rollout: lag 0..3
+K, S = "data.init_args.batch.steps_per_rollout", "data.init_args.schedule.max_staleness"
 
 # The stress experiments' methods: label -> overrides. The corrections and decoupled PPO take pi_prox
 # recomputed by the trainer once per phase (PolicyModule.score_phase), as verl and TRL do: the
@@ -124,7 +124,7 @@ def stress(axis: str) -> list[Cell]:
     for level in (K_LEVELS if axis == "k" else S_LEVELS):
         for lr in (LR, HIGH_LR):
             for m, over in METHODS.items():
-                over = {**over, "model.init_args.lr": lr}
+                over = {**over, "model.init_args.optim.lr": lr}
                 if axis == "k":
                     cells.append(Cell(f"{m}_{lr_tag(lr)}_k{level}", {**over, K: level}, m, level))
                 else:
@@ -183,7 +183,7 @@ EXPERIMENTS = {e.name: e for e in [
         "staleness", "Asynchronous rollouts, staleness bound S",
         "With the engine generating ahead in its own process (lag up to S optimizer steps), how do P3O, GRPO "
         "and decoupled PPO cope as S grows?",
-        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.mode": "async", "data.init_args.max_staleness": s})
+        [Cell(f"{m}_S{s}", {**objective(cls), "data.init_args.schedule.mode": "async", "data.init_args.schedule.max_staleness": s})
          for m, cls in (("p3o", "P3O"), ("grpo", "GRPO"), ("decoupled", "DecoupledPPO")) for s in (0, 1, 2, 4)]),
     Experiment(
         "ablations", "P3O ablations, off-policy (4 steps per rollout)",
@@ -191,7 +191,7 @@ EXPERIMENTS = {e.name: e for e in [
         [Cell("p3o", objective("P3O")), Cell("p3o_no_kl", objective("P3O", adaptive_kl=False)),
          Cell("p3o_no_cap", objective("P3O", ess_cap=False)),
          Cell("p3o_ess_micro", {**objective("P3O"), "model.init_args.ess_scope": "micro",
-                                "model.init_args.micro_batch_size": 16})],
+                                "model.init_args.micro_batch.size": 16})],
         common=OFF_POLICY),
     Experiment(
         "stress_k", "Stress: steps per rollout k",
@@ -227,7 +227,7 @@ EXPERIMENTS = {e.name: e for e in [
         "mechanism_stress", "Where P3O breaks: staleness S, per-step traces",
         "stress_s's cells at the high learning rate where P3O falls below GRPO (eps 0.2), S = 8 and 24, "
         "traced step by step: what goes wrong first?",
-        [Cell(f"{m}_S{s}", {**METHODS[m], "model.init_args.lr": HIGH_LR, S: s}, m, s)
+        [Cell(f"{m}_S{s}", {**METHODS[m], "model.init_args.optim.lr": HIGH_LR, S: s}, m, s)
          for s in (8, 24) for m in ("p3o", "grpo_eps0.2")], traces=TRACES),
     Experiment(
         "mechanism_multiturn", "Where P3O breaks: multi-turn, per-step traces",
@@ -244,7 +244,7 @@ EXPERIMENTS = {e.name: e for e in [
         "stress_s's cells at the high learning rate (S = 4, 8, 24): does P3O with its KL term estimated on "
         "the sampler's tokens (`kl_estimator: k3_sampled`, and `k3_sampled_capped` with its weight capped at e_B) hold where "
         "P3O falls below GRPO (eps 0.2)?",
-        [Cell(f"{m}_{lr_tag(HIGH_LR)}_S{s}", {**over, "model.init_args.lr": HIGH_LR, S: s}, m, s,
+        [Cell(f"{m}_{lr_tag(HIGH_LR)}_S{s}", {**over, "model.init_args.optim.lr": HIGH_LR, S: s}, m, s,
               same_as=None if m in REMEDIES else f"stress_s/{m}_{lr_tag(HIGH_LR)}_S{s}")
          for s in S_LEVELS for m, over in {**REMEDIES, **REMEDY_REFERENCES}.items()]),
     Experiment(
@@ -258,7 +258,7 @@ EXPERIMENTS = {e.name: e for e in [
         "stress_k's k = 48 cells (the whole run trains on the warm start's samples): the authors' P4O (a second "
         "ESS against the phase's proximal policy, the KL toward the mixture of both anchors) and P3O with the "
         "KL estimated on the sampler's tokens, against P3O and GRPO (eps 0.2).",
-        [Cell(f"{m}_{lr_tag(lr)}_k48", {**over, "model.init_args.lr": lr, K: 48}, m, 48,
+        [Cell(f"{m}_{lr_tag(lr)}_k48", {**over, "model.init_args.optim.lr": lr, K: 48}, m, 48,
               same_as=None if m in REMEDIES_K else f"stress_k/{m}_{lr_tag(lr)}_k48")
          for lr in (LR, HIGH_LR) for m, over in {**REMEDIES_K, **REMEDY_REFERENCES}.items()],
         batch_per_step=True),
@@ -270,7 +270,7 @@ EXPERIMENTS = {e.name: e for e in [
         "Does either update hurt P3O or GRPO (eps 0.2) at the same bound S = 2?",
         [Cell(f"{m}_{w}", {**METHODS[m], **server_engine(w)}) for w in ("in_flight", "drain")
          for m in ("p3o", "grpo_eps0.2")],
-        common={"data.init_args.mode": "async", S: INFLIGHT_S}),
+        common={"data.init_args.schedule.mode": "async", S: INFLIGHT_S}),
 ]}
 
 
@@ -297,19 +297,19 @@ def base_config(model_path: str, out_dir: str, seed: int, scale: Scale) -> dict:
     return {
         "seed_everything": seed,
         "model": {"class_path": "lit_ess.module.PolicyModule",
-                  "init_args": {"model_path": model_path, "lr": LR, "max_grad_norm": 1.0,
+                  "init_args": {"model_path": model_path, "optim": {"lr": LR, "max_grad_norm": 1.0},
                                 "objective": {"class_path": OBJ + "P3O"}}},
         "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": {
             "source": {"class_path": "lit_ess.datamodules.Arithmetic",
                        "init_args": {"digits": 2, "ops": "+", "size": 10000, "seed": 0, "split": "train"}},
             "engine": {"class_path": "lit_ess.engines.VLLMConfig", "init_args": {"dtype": "float32"}},
             "sampling": {"temperature": 1.0, "max_new_tokens": 8, "seed": seed},
-            "reward": "exact_match", "prompts_per_rollout": scale.prompts, "samples_per_prompt": scale.samples,
-            "steps_per_epoch": 1, "seed": seed,
-            "val_source": {"class_path": "lit_ess.datamodules.Arithmetic",
-                           "init_args": {"digits": 2, "ops": "+", "size": scale.val_prompts, "seed": 1,
-                                         "split": "test"}},
-            "val_prompts": scale.val_prompts, "val_samples": 4, "val_sampling": {"temperature": 1.0}}},
+            "reward": "exact_match", "seed": seed,
+            "batch": {"prompts_per_rollout": scale.prompts, "samples_per_prompt": scale.samples, "steps_per_epoch": 1},
+            "validation": {"source": {"class_path": "lit_ess.datamodules.Arithmetic",
+                                      "init_args": {"digits": 2, "ops": "+", "size": scale.val_prompts, "seed": 1,
+                                                    "split": "test"}},
+                           "prompts": scale.val_prompts, "samples": 4, "sampling": {"temperature": 1.0}}}},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": scale.steps,
                     "check_val_every_n_epoch": scale.val_every, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_checkpointing": False,
@@ -331,7 +331,7 @@ def base_folder(temp: float) -> str:
 
 
 def cell_lr(cell: Cell) -> float:
-    return float(cell.overrides.get("model.init_args.lr", LR))
+    return float(cell.overrides.get("model.init_args.optim.lr", LR))
 
 
 def apply(cfg: dict, overrides: dict) -> dict:

@@ -793,7 +793,7 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
         f"at least {scale.seeds} seed(s) per cell (the seeds column says how many). Held out: {scale.val_prompts} "
         f"sums that no training prompt contains "
         f"(`Arithmetic(split: test)`), 4 samples each, every {scale.val_every} steps, sampled at T = 1.0 in "
-        f"every run (`val_sampling`: one ruler, whatever the run samples with); pass@1 is the unbiased "
+        f"every run (`validation.sampling`: one ruler, whatever the run samples with); pass@1 is the unbiased "
         f"estimator. The warm start's held-out pass@1 at T = 1.0: **{base:.3f}**. Cells sampled at another "
         f"temperature are also evaluated once more after training at their own temperature, against the "
         f"warm start at it. A seed *collapsed* when its final held-out pass@1 (T = 1.0) is more than "

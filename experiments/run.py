@@ -143,7 +143,7 @@ def base_dir(out: Path, temp: float) -> Path:
 
 def validate(model: Path, d: Path, scale: Scale, temp: float, threads: int | None = None) -> None:
     """Held-out metrics of `model` (`lit-ess validate`) sampled at `temp`, into `d/metrics.csv`."""
-    cfg = apply(base_config(str(model), str(d), 0, scale), {TEMPERATURE: temp, "data.init_args.val_sampling": None})
+    cfg = apply(base_config(str(model), str(d), 0, scale), {TEMPERATURE: temp, "data.init_args.validation.sampling": None})
     res = lit_ess(["validate", "--config", str(write_yaml(cfg, d / "config.yaml"))], d / "log.txt", threads)
     if res.returncode != 0:
         raise RuntimeError(f"validation failed: see {d / 'log.txt'}")
@@ -228,7 +228,7 @@ def cell_config(exp_name: str, cell, seed: int, sft: Path, d: Path, scale: Scale
     scale = exp.sized(scale)
     cfg = apply(apply(base_config(str(sft), str(d), seed, scale), exp.common), cell.overrides)
     if exp.batch_per_step:        # the same rows per optimizer step at every k: the rollout grows with k
-        cfg["data"]["init_args"]["prompts_per_rollout"] = scale.prompts * int(cell.overrides.get(K, 1))
+        cfg["data"]["init_args"]["batch"]["prompts_per_rollout"] = scale.prompts * int(cell.overrides.get(K, 1))
     if temperature(cell) != 1.0:  # its weights, for the evaluation at its own temperature
         cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.ExportHF",
                                             "init_args": {"dirpath": str(d / "final")}})

@@ -335,13 +335,14 @@ def saved_settings(ckpt_path: str | None) -> dict | None:
 
 def resume_changes(saved: dict, now: dict, free: frozenset[str] = frozenset(), prefix: str = "model") -> list[str]:
     """'model.KNOB OLD -> NEW' for each hyper-parameter in `now` (the module's, from the config) that differs
-    from its value in `saved` (the checkpoint's `hyper_parameters`); the knobs in `free`, Lightning's own
-    (`_...`) and those the checkpoint does not hold are left out. A dataclass knob of the same class (an
-    objective) is compared field by field."""
+    from its value in `saved` (the checkpoint's `hyper_parameters`); the knobs in `free` (a key, or a field of
+    a group: "compute.logprob_chunk"), Lightning's own (`_...`) and those the checkpoint does not hold are left
+    out. A dataclass knob of the same class (an objective, a group of settings) is compared field by field."""
     out = []
     for key in sorted(now):
         if not key.startswith("_") and key not in free and key in saved:
-            out += _differences(f"{prefix}.{key}", saved[key], now[key])
+            out += [d for d in _differences(f"{prefix}.{key}", saved[key], now[key])
+                    if not any(d.startswith(f"{prefix}.{f} ") or d.startswith(f"{prefix}.{f}.") for f in free)]
     return out
 
 

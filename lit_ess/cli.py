@@ -51,6 +51,7 @@ import atexit
 import gc
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -83,7 +84,7 @@ from lit_ess.engines.vllm_server import SHARED_ADAPTERS  # noqa: E402
 from lit_ess.model_path import check_checkpoint  # noqa: E402
 from lit_ess.objectives import Objective  # noqa: E402
 from lit_ess.output_dir import MARKER, OUTPUT_DIR_HELP, OVERWRITE_HELP, follow, follow_callbacks, refusal, run_of  # noqa: E402
-from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, not_offered, parser_kwargs, wrap_up  # noqa: E402
+from lit_ess.guide import SUMMARY, did_you_mean, flat_inputs, full_key, not_offered, parser_kwargs, wrap_up  # noqa: E402
 from lit_ess.health import ESSAlarmError, NonFiniteError  # noqa: E402
 from lit_ess.lifetime import Peers, alive, die_with_parent, node_rank  # noqa: E402
 from lit_ess.rewards import add_search_folders  # noqa: E402
@@ -102,7 +103,8 @@ class _Parser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if os.environ.get("LIT_ESS_TRACEBACK"):
             return super().error(message, ex)
-        _fail(did_you_mean(_explain(ex, message), flat_inputs(read_inputs(_Parser.args))))
+        inputs = flat_inputs(read_inputs(_Parser.args))
+        _fail(did_you_mean(full_key(_explain(ex, message), inputs), inputs))
 
 
 def _explain(error: BaseException | None, message: str = "") -> str:
@@ -110,14 +112,44 @@ def _explain(error: BaseException | None, message: str = "") -> str:
     (`Parser key "sampling.temperature":`), and why, in the words of the code that raised first.
     jsonargparse chains each wrapper (nested keys, the alternatives of a union) to the error it wraps
     with `raise ... from`, so the innermost cause is the check that failed: a dataclass's __post_init__
-    or a constructor, which names its own field, or jsonargparse's own type check."""
-    while error is not None and error.__cause__ is not None:
+    or a constructor, which names its own field, or jsonargparse's own type check. A union (a field that
+    takes a name or a class: `env`, `advantage`) given a class_path chains only to its plain branch
+    ("Expected a <class 'str'>"): the reason is the class branch's, read from the union's list of errors."""
+    why = ""
+    while error is not None:
+        text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+        if why := _class_branch(text):
+            break
+        if error.__cause__ is None:
+            why = _first_line(text)
+            break
         error = error.__cause__
     where = _first_line(message)
-    why = "" if error is None else _first_line(error.args[0] if error.args and isinstance(error.args[0], str) else str(error))
     if why and why not in where:
         return f"{where} {why}".strip()
     return where or "invalid arguments"
+
+
+def _class_branch(text: str) -> str:
+    """The reason of a union's class branch when a class_path (a mapping) failed them all, on one line:
+    jsonargparse lists each branch's error under "Errors:" as "- ...", continued on indented lines; the
+    plain branches say "Expected a <class 'str'>" or "Expected a typing.Literal[...]". "" when `text` is
+    not such a union error."""
+    if not text.startswith("Does not validate against any of the Union subtypes") or \
+            "Given value type: <class 'dict'>" not in text:
+        return ""
+    items, inside = [], False
+    for line in text.splitlines():
+        if line.startswith("Errors:"):
+            inside = True
+        elif inside and line.startswith("  - "):
+            items.append(line[4:].strip())
+        elif inside and line.startswith("    ") and items:
+            items[-1] += " " + line.strip()
+        elif inside:
+            break
+    reasons = [i for i in items if not re.match(r"Expected a (<class '|typing\.Literal\[)", i)]
+    return reasons[0].partition(". Got value:")[0] if reasons else ""
 
 
 def _first_line(text: str) -> str:
@@ -406,7 +438,7 @@ class LitESSCLI(LightningCLI):
             return
         dm = self.datamodule
         error = dm.engine_config.adapter_error(lora.rank)
-        if error is None and Placement.of(dm.mode, dm.placement, self.trainer.world_size).shares_servers(dm.engine_config):
+        if error is None and Placement.of(dm.schedule.mode, dm.schedule.placement, self.trainer.world_size).shares_servers(dm.engine_config):
             error = SHARED_ADAPTERS
         if error is not None:
             raise ValueError(error)

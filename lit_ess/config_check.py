@@ -6,7 +6,8 @@ for an objective or engine named by a class lit-ess does not have (`objective: P
 stops with one line that names the value and lists the classes there are; jsonargparse would say
 "Expected a dot import path string: grpo". A config file that YAML cannot scan or parse is one line
 naming the file, the line and the cause (a tab in the indentation by name), where jsonargparse says
-`Problems parsing config: while scanning a plain scalar`.
+`Problems parsing config: while scanning a plain scalar`. A flat key of the data module or the policy that
+moved into a group (`data.prompts_per_rollout`, `model.lr`) is one line naming its new place (MOVED).
 """
 from __future__ import annotations
 
@@ -23,17 +24,69 @@ FIELDS = {"objective": ("lit_ess.objectives", OBJECTIVE_CLASSES),
           "engine": ("lit_ess.engines", (VLLMConfig, VLLMServerConfig, HFConfig))}
 
 
+# The knobs of RolloutDataModule and PolicyModule that moved into a group (datamodules/settings.py,
+# lit_ess/settings.py): old flat key -> new key.
+MOVED = {
+    **{f"data.{k}": f"data.batch.{k}" for k in ("prompts_per_rollout", "samples_per_prompt", "steps_per_rollout",
+                                                "steps_per_epoch")},
+    **{f"data.{k}": f"data.schedule.{k}" for k in ("mode", "placement", "max_staleness", "worker_timeout")},
+    "data.reward_timeout": "data.reward_limits.timeout", "data.max_reward_error_rate": "data.reward_limits.max_error_rate",
+    "data.reward_in_worker": "data.reward_limits.in_worker",
+    **{f"data.val_{k}": f"data.validation.{k}" for k in ("source", "prompts", "samples", "sampling")},
+    **{f"model.{k}": f"model.optim.{k}" for k in ("lr", "weight_decay", "betas", "warmup_steps", "lr_schedule",
+                                                 "min_lr_ratio", "max_grad_norm")},
+    "model.micro_batch_size": "model.micro_batch.size", "model.micro_batch_tokens": "model.micro_batch.tokens",
+    "model.packing": "model.micro_batch.packing", "model.model_dtype": "model.compute.dtype",
+    **{f"model.{k}": f"model.compute.{k}" for k in ("gradient_checkpointing", "logprob_chunk", "disable_dropout")},
+    "model.ess_alarm": "model.ess_alarm.threshold", "model.ess_alarm_error": "model.ess_alarm.error",
+}
+# the classes whose flat keys moved: a key of another class (SFTModule's model.lr) is its own
+GROUPED = {"model": "PolicyModule", "data": "RolloutDataModule"}
+
+
 def check_inputs(args: list[str]) -> str | None:
-    """The first unknown objective or engine in the command line `args` or the config files they name, or
-    the first config file that is not YAML, as one line that says where it is and what to write instead;
-    None when there is none."""
+    """The first unknown objective or engine in the command line `args` or the config files they name, the
+    first flat key that moved into a group (`moved`), or the first config file that is not YAML, as one line
+    that says where it is and what to write instead; None when there is none."""
     try:
-        for where, key, value in _inputs(args):
-            problem = _check(key, value)
-            if problem:
-                return where + problem
+        inputs = list(_inputs(args))
     except ConfigSyntaxError as e:
         return str(e)
+    for where, key, value in inputs:
+        problem = _check(key, value)
+        if problem:
+            return where + problem
+    return moved(inputs)
+
+
+def moved(inputs: list[tuple[str, str, object]]) -> str | None:
+    """'data.prompts_per_rollout is now data.batch.prompts_per_rollout' for the first key of the inputs (as
+    `_inputs` yields them) that MOVED names, when the model or data class they configure is lit-ess's
+    PolicyModule or RolloutDataModule (or not named); None when there is none."""
+    keys: list[tuple[str, str, object]] = []
+
+    def walk(where: str, key: str, value) -> None:
+        keys.append((where, key, value))
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(where, f"{key}.{k}" if key else str(k), v)
+    for where, key, value in inputs:
+        walk(where, key.rstrip("+"), value)
+    classes = {}
+    for _, key, value in keys:              # the later one wins, as jsonargparse reads them
+        parts = key.split(".")
+        if parts[0] in GROUPED and (len(parts) == 1 and isinstance(value, str) or parts[1:] == ["class_path"]):
+            classes[parts[0]] = value
+    for where, key, value in keys:
+        parts = [p for p in key.split(".") if p != "init_args"]
+        short = ".".join(parts)
+        root = parts[0] if parts else ""
+        if short not in MOVED or str(classes.get(root, GROUPED.get(root))).rpartition(".")[2] != GROUPED.get(root):
+            continue
+        if short == "model.ess_alarm" and isinstance(value, dict):
+            continue                       # the group itself
+        dashes = "--" if where == "--" else ""
+        return f"{where if not dashes else ''}{dashes}{short} is now {dashes}{MOVED[short]}"
     return None
 
 

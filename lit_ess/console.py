@@ -74,7 +74,7 @@ HARMLESS_WARNINGS: tuple[str, ...] = (
     # a batch nor wraps them in a DistributedSampler (datamodules/rollout.py). The warning is about worker
     # processes (num_workers > 1) each yielding a copy of the data; these loaders read in the main process.
     r"Your `IterableDataset` has `__len__` defined",
-    # A run without held-out prompts (data.val_source: null) has no validation loader: on several ranks
+    # A run without held-out prompts (data.validation.source: null) has no validation loader: on several ranks
     # Lightning checks that the empty list is empty on every rank, and says so.
     r"Total length of `list` across ranks is zero",
 )

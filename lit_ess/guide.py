@@ -1,5 +1,6 @@
 """What `lit-ess` says to its user besides the run: its own `--help`, the pointer at the top of `fit --help`,
-the one line for `test`/`predict` (not offered), "did you mean" for a mistyped key or subcommand, and the
+the one line for `test`/`predict` (not offered), "did you mean" for a mistyped key or subcommand, the full
+key of a class_path refused or of a missing argument of its class (jsonargparse names the last part), and the
 block at the end of `fit` that says where the checkpoint, the exported model and the logs went.
 
 Lightning's stock text describes a generic Trainer tool and lists every Trainer flag first (`fit --help`
@@ -48,7 +49,7 @@ The lit-ess knobs:
   --print_config                    the whole config with every value (after --config and other flags)
   --output_dir DIR                  the run's folder: checkpoints/, logs/, model/ (--ckpt_path last resumes
                                     a run there, --overwrite true starts it over)
-  --model.init_args.KEY VALUE       set one, e.g. --model.init_args.lr 1e-4, --data.init_args.reward KEY
+  --model.init_args.KEY VALUE       set one, e.g. --model.init_args.optim.lr 1e-4, --data.init_args.reward KEY
 Lightning's Trainer flags (--trainer.*) follow below; the lit-ess knobs are under --model and --data."""
 
 # the one-line help of each subcommand in `lit-ess --help` (Lightning's are the Trainer methods' docstrings)
@@ -58,11 +59,11 @@ SUMMARY = {"fit": "train (RL or SFT) as the config says; --ckpt_path last resume
 VALIDATE_HELP = """\
 Held-out metrics (val/pass@k, val/reward_mean) of a checkpoint: --config CONFIG --ckpt_path CKPT, or --ckpt_path
 last for the newest checkpoint of the config's output_dir (the run's folder); the prompts come from
-data.val_source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
+data.validation.source. --model.help PolicyModule and --data.help RolloutDataModule list the knobs."""
 
 NOT_OFFERED = {
     "test": "`lit-ess test` is not offered (the policy has no test step): held-out metrics come from "
-            "`lit-ess validate --config CONFIG --ckpt_path CKPT` with data.val_source",
+            "`lit-ess validate --config CONFIG --ckpt_path CKPT` with data.validation.source",
     "predict": "`lit-ess predict` is not offered: export the policy (`lit-ess-export CKPT DIR`) and sample from DIR "
                "with vLLM or transformers, or run `lit-ess validate --config CONFIG --ckpt_path CKPT`",
 }
@@ -128,6 +129,34 @@ def did_you_mean(message: str, inputs: dict[str, object]) -> str:
     return message
 
 
+def full_key(message: str, inputs: dict[str, object]) -> str:
+    """`message` with the full key where jsonargparse names only the last part of a key inside a class
+    given by class_path: 'Parser key "env": WHY' as 'data.init_args.env.env: WHY' when one class_path
+    the user gave is under a key that ends so (or one that the message quotes), and argparse's "the following arguments are required: NAME" as
+    "KEY is required (CLASS has no default for it)" for an argument of such a class (an environment, a
+    prompt source). inputs: the user's keys with their values (`flat_inputs`)."""
+    if m := re.match(r'Parser key "([\w.]+)": ', message):
+        keys = [k for k in inputs if k.endswith(f".{m.group(1)}.class_path") and isinstance(inputs[k], str)]
+        keys = [k for k in keys if f"'{inputs[k]}'" in message] or keys       # the one the message quotes
+        return f"{keys[0].removesuffix('.class_path')}: {message[m.end():]}" if len(keys) == 1 else message
+    m = re.fullmatch(r"the following arguments are required: ([\w, ]+)", message.strip())
+    if m is None:
+        return message
+    names = [n.strip() for n in m.group(1).split(",")]
+    for key, value in inputs.items():
+        prefix, _, last = key.rpartition(".")
+        if last != "class_path" or not isinstance(value, str):
+            continue
+        try:
+            params = inspect.signature(_import(value)).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for p in params:
+            if p.name in names and p.default is p.empty and f"{prefix}.init_args.{p.name}" not in inputs:
+                return f"{prefix}.init_args.{p.name} is required ({value} has no default for it)"
+    return message
+
+
 def _close(word: str, choices) -> str | None:
     found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return found[0] if found else None
@@ -152,7 +181,7 @@ def flat_inputs(sources: list[tuple[str, object]]) -> dict[str, object]:
 
 ROOTS = {"trainer": "lightning.pytorch.Trainer"}
 SHORT = ("lit_ess.module", "lit_ess.sft", "lit_ess.datamodules", "lit_ess.callbacks", "lit_ess.objectives",
-         "lit_ess.engines", "lightning.pytorch.callbacks", "lightning.pytorch.loggers")
+         "lit_ess.engines", "lit_ess.envs", "lit_ess.advantages", "lightning.pytorch.callbacks", "lightning.pytorch.loggers")
 
 
 def _class_at(path: str, inputs: dict[str, object]):

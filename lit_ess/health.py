@@ -1,4 +1,4 @@
-"""The lag-0 ESS alarm: a health check of the weight sync (PolicyModule.ess_alarm).
+"""The lag-0 ESS alarm: a health check of the weight sync (model.ess_alarm, lit_ess.settings.ESSAlarm).
 
 Rows sampled by the weights the trainer holds (policy lag 0), by an engine whose logprobs are the
 trainer's own at the same precision and temperature, have rho_t = pi_theta / pi_b = 1 on every token,
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .knobs import check
+from .settings import ESSAlarm
 
 # Lightning's "*-true" precisions: the whole forward in one dtype ("32-true": the weights' stored dtype)
 TRUE_PRECISIONS = {"bf16-true": "bfloat16", "16-true": "float16", "64-true": "float64"}
@@ -40,7 +41,7 @@ class StepFacts:
     engine_dtype        the dtype in which the engine's logprobs equal the trainer's (EngineConfig.exact_dtype,
                         carried by the batch); None: never (raw or quantized logprobs, an engine that does not say)
     precision           Lightning's trainer.precision ("32-true", "bf16-true", "bf16-mixed", ...)
-    model_dtype         the dtype the policy's weights are stored in (PolicyModule.model_dtype)
+    model_dtype         the dtype the policy's weights are stored in (model.compute.dtype)
     cast_dtype          the dtype a sharding callback casts the forward to (FSDP2's param_dtype), else None
     lora                LoRA adapters (peft keeps them in fp32 whatever the base's dtype)
     dropout             the trainer's forward drops units at random
@@ -116,16 +117,15 @@ class SkippedSteps:
 
 
 class ESSAlarmError(RuntimeError):
-    """The lag-0 ESS alarm with model.ess_alarm_error: true."""
+    """The lag-0 ESS alarm with model.ess_alarm.error: true."""
 
 
-class ESSAlarm:
-    """Counts the steps whose ESS must be 1 (`exact_on_policy`) and is below `threshold` (in (0, 1]; None =
-    off); warns once, or raises with `error`."""
+class ESSWatch:
+    """Counts the steps whose ESS must be 1 (`exact_on_policy`) and is below `alarm.threshold` (None = off);
+    warns once, or raises with `alarm.error` (lit_ess.settings.ESSAlarm, model.ess_alarm)."""
 
-    def __init__(self, threshold: float | None = 0.999, error: bool = False):
-        check("ess_alarm", threshold, gt=0, le=1, null=True)
-        self.threshold, self.error = threshold, error
+    def __init__(self, alarm: ESSAlarm = ESSAlarm()):
+        self.threshold, self.error = alarm.threshold, alarm.error
         self.count = 0                    # cumulative, kept in checkpoints by PolicyModule
         self.warned = False
 
@@ -136,7 +136,7 @@ class ESSAlarm:
             return None
         self.count += 1
         ratio = "n/a" if ratio_mean is None else f"{ratio_mean:.3g}"
-        message = (f"step {step}: ESS {ess:.6f} (mean ratio pi_theta/pi_b {ratio}) below ess_alarm={self.threshold} on "
+        message = (f"step {step}: ESS {ess:.6f} (mean ratio pi_theta/pi_b {ratio}) below model.ess_alarm.threshold={self.threshold} on "
                    f"rows sampled by the trainer's current weights at its precision ({facts.trainer_dtype}) and "
                    f"temperature ({facts.train_temperature}), where it must be 1: the engine is likely not sampling "
                    f"with the trainer's weights (check the weight sync)")
@@ -145,4 +145,4 @@ class ESSAlarm:
         if self.warned:
             return None
         self.warned = True
-        return message + "; counted in train/ess_alarms, warned once (model.ess_alarm_error: true stops the run)"
+        return message + "; counted in train/ess_alarms, warned once (model.ess_alarm.error: true stops the run)"

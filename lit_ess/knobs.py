@@ -2,7 +2,7 @@
 
     check("GRPO.clip_eps", 0.2, gt=0)            passes
     check("GRPO.clip_eps", -0.5, gt=0)           ValueError: GRPO.clip_eps must be > 0, got -0.5
-    check("model.micro_batch_size", None, ge=1, integer=True, null=True)     passes (None has a meaning)
+    check("model.micro_batch.size", None, ge=1, integer=True, null=True)     passes (None has a meaning)
 
 NaN and inf are refused everywhere, booleans too; `null=True` accepts None, which the knob's docstring
 must give a meaning.

@@ -160,7 +160,7 @@ def score_positions(model, inputs: dict, hidden_at: Tensor, targets: Tensor, tem
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (get_output_embeddings() is None): "
-                         f"chunked log-probabilities need the LM head; set model.logprob_chunk: null")
+                         f"chunked log-probabilities need the LM head; set model.compute.logprob_chunk: null")
     calls = []
 
     def forward(hidden: Tensor) -> Tensor:               # [R, c, H], what the model hands its LM head
@@ -179,7 +179,7 @@ def score_positions(model, inputs: dict, hidden_at: Tensor, targets: Tensor, tem
             head.forward = own
     if len(calls) != 1 or out.dim() != 2:
         raise ValueError(f"{type(model).__name__}'s forward does not call its LM head (get_output_embeddings()) once "
-                         f"and return its output: chunked log-probabilities cannot score it; set model.logprob_chunk: null")
+                         f"and return its output: chunked log-probabilities cannot score it; set model.compute.logprob_chunk: null")
     return out[:, 0], (out[:, 1] if with_entropy else None)
 
 
@@ -222,8 +222,8 @@ def check_chunked_head(model, chunk: int, where: str = "model_path") -> None:
     mask, comp = torch.ones_like(ids), torch.arange(8, device=model.device).unsqueeze(0) >= 3
     head = model.get_output_embeddings()
     if head is None:
-        raise ValueError(f"model.logprob_chunk={chunk}: {where}'s {type(model).__name__} has no output embeddings "
-                         f"(get_output_embeddings() is None); set model.logprob_chunk: null")
+        raise ValueError(f"model.compute.logprob_chunk={chunk}: {where}'s {type(model).__name__} has no output embeddings "
+                         f"(get_output_embeddings() is None); set model.compute.logprob_chunk: null")
     seen = []
     hook = head.register_forward_hook(lambda mod, args, out: seen.append(out))
     training = model.training
@@ -244,4 +244,4 @@ def check_chunked_head(model, chunk: int, where: str = "model_path") -> None:
     if not same or not diff <= (1e-3 if logits.dtype == torch.float32 else 5e-2):
         why = "changes its LM head's output before returning logits" if not same else \
             f"gives other log-probabilities chunked (they differ by {diff:.3g})"
-        raise ValueError(f"model.logprob_chunk={chunk}: {where}'s {type(model).__name__} {why}; set model.logprob_chunk: null")
+        raise ValueError(f"model.compute.logprob_chunk={chunk}: {where}'s {type(model).__name__} {why}; set model.compute.logprob_chunk: null")

@@ -3,7 +3,7 @@
 Manual optimization: a step's batch (one `RolloutBatch`) is split into micro-batches, each
 is forwarded and back-propagated, then gradients are clipped and the optimizer steps once. Token-mean
 losses are normalised by the token count of the *whole step* (all micro-batches, all ranks), so the
-update does not depend on how the step is cut (`micro_batch_size` or `micro_batch_tokens`).
+update does not depend on how the step is cut (`micro_batch.size` or `micro_batch.tokens`).
 
 The ESS of P3O is taken over the whole step as well (`ess_scope: step`): with several micro-batches a
 no-grad pre-pass collects its statistics first (for P4O those of pi_theta / pi_prox too).
@@ -25,7 +25,7 @@ no grad, when its first batch is trained; that batch uses its own gradient pass'
 weights, same forward). The waiting batches come from the data side (lit_ess.data.RolloutData), which
 RolloutDataModule hands over at setup (`attach_rollouts`).
 
-Health check (`ess_alarm`): a step at policy lag 0 whose engine samples at the trainer's precision and
+Health check (`ess_alarm`, lit_ess.settings.ESSAlarm): a step at policy lag 0 whose engine samples at the trainer's precision and
 temperature must have ESS 1; below the threshold it warns once and counts (lit_ess/health.py, which
 decides from the facts the step declares: `step_facts`).
 """
@@ -43,18 +43,19 @@ from torchmetrics import MeanMetric
 
 from .batch import EvalResult, Proximal, RolloutBatch
 from .data import RolloutData
-from .health import ESSAlarm, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
+from .health import ESSWatch, NonFiniteError, SkippedSteps, StepFacts, first_nonfinite
 from .knobs import check
-from .logprobs import DEFAULT_CHUNK, check_chunked_head, sequence_logprobs
+from .logprobs import check_chunked_head, sequence_logprobs
 from .lora import LoRA, adapter_state, adapter_weights, base_fingerprint, is_adapter_key, merged_weights
 from .metrics import PassAtK, accumulate, finish_token_means, reduce_over_ranks
 from .model_path import check_model_path
 from .objectives import P3O, ESSStats, Objective, ess_stats, ratio_metrics
 from .packing import check_packed_forward, packed_logprobs, plan_micro_batches, plan_ranks
 from .sampling import SamplingConfig
+from .settings import Compute, ESSAlarm, MicroBatch, Optim
 from .step import build_optimizer, clip_gradients, disable_dropout, finite_mask, full_weights, has_dropout, lr_factor
 
-PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3"}   # model.packing's attention
+PACKED_ATTENTION = {"sdpa", "eager", "flash_attention_2", "flash_attention_3"}   # model.micro_batch.packing's attention
 
 __all__ = ["PolicyModule", "StepCounts", "full_weights", "full_state_dict", "disable_dropout"]
 
@@ -74,136 +75,64 @@ class PolicyModule(L.LightningModule):
         objective: the objective and its hyper-parameters, a class of lit_ess.objectives: P3O (default),
             P4O, GRPO, DAPO, GSPO, CISPO, DecoupledPPO, REINFORCE. ref_kl_coef > 0 loads a frozen reference.
         ref_model_path: reference model for ref_kl_coef; default model_path.
-        lr: AdamW learning rate, > 0.
-        weight_decay: AdamW weight decay, >= 0 (0 = none).
-        betas: AdamW betas, each in [0, 1).
-        warmup_steps: linear warm-up steps, >= 0 (0 = none).
-        lr_schedule: "constant", "cosine" or "linear" decay to min_lr_ratio * lr at trainer.max_steps.
-        min_lr_ratio: final learning rate as a fraction of lr, in [0, 1] (0 = decay to 0).
-        max_grad_norm: clip the global gradient norm to this value, > 0; None = no clipping (0 and -1,
-            "off" in some frameworks, are refused: clip_grad_norm_ would zero or negate every gradient).
-            A step whose gradient norm is not finite is skipped and counted in `train/skipped_steps`.
+        optim: AdamW and its schedule (lit_ess.settings.Optim: lr, weight_decay, betas, warmup_steps,
+            lr_schedule, min_lr_ratio, max_grad_norm).
         max_consecutive_skipped_steps: stop the run (one line, exit 1) after this many consecutive skipped
             steps (>= 1). A transient overflow skips a step or two; ten in a row with finite weights is a
             run that no longer learns. Non-finite weights stop the run at once, naming the tensor: they are
             checked when the run starts (policy, reference, a resumed checkpoint's) and at a skipped step.
-        micro_batch_size: rows per forward/backward, >= 1 (None = the whole step at once).
-        micro_batch_tokens: instead of micro_batch_size, the most tokens one forward/backward holds, >= 1,
-            counted as a trimmed micro-batch holds them: rows x its longest row (prompt + completion).
-            Rows are grouped by length, longest first (lit_ess.packing.plan_micro_batches), so short rows
-            are no longer padded to the step's longest; a row longer than the budget gets a micro-batch
-            of its own. The ESS pre-pass, the proximal scoring and the reference model use the same
-            micro-batches, and the update is the same as with one micro-batch. On several data-parallel
-            ranks the step's rows are gathered and dealt to the ranks by token count (lit_ess.packing.plan_ranks:
-            ranks within one row's length of each other, the same number of passes).
-            None (default) = micro_batch_size decides.
-        packing: padding-free forwards (lit_ess.packing.packed_logprobs): the rows of each micro-batch laid
-            end to end in lines as wide as its longest row, position ids restarting at every row, so the
-            MLPs and projections see (almost) only tokens and attention is block-diagonal (transformers
-            builds that mask from the position ids for sdpa and eager, varlen for flash-attention; no
-            row attends to another). Lines, not one [1, N] line: sdpa and eager hold a dense mask, whose
-            attention costs N^2 against the padded b T^2. Rows longer than half the longest share no line,
-            so lengths within a factor 2 gain nothing. Logprobs and entropies come back as [b, T]: the
-            objectives, the ESS pre-pass, the proximal scoring and the reference model are unchanged, and
-            loss, gradient and ESS equal the padded forward's. With micro_batch_tokens the budget counts
-            the rows' tokens (their sum) instead of rows x longest row. Needs attn_implementation sdpa,
-            eager or flash_attention_2/3. False (default): padded [b, T] forwards.
+        micro_batch: how a step is cut into forward/backward passes (lit_ess.settings.MicroBatch: size,
+            tokens, packing); the update is the same however it is cut.
         ess_scope: "step" (ESS over all micro-batches and ranks) or "micro" (per micro-batch).
         train_temperature: temperature of the trainer's log-probs, > 0; None = the rollout's (on-policy).
-        gradient_checkpointing: trade compute for memory in the policy.
-        logprob_chunk: tokens per LM-head chunk of every scoring forward (gradient pass, ESS pre-pass,
-            proximal and reference scoring, packed or padded), >= 1 (lit_ess.logprobs): the hidden states of
-            the completion tokens go through the LM head this many at a time, each chunk reduced to the
-            sampled token's log-probability (and entropy) and recomputed in the backward, so no
-            [rows, tokens, vocabulary] logits exist; peak memory grows with logprob_chunk x vocabulary
-            (1,024 x 151,936 fp32 = 0.62 GB per copy). null = the plain path: the model's full logits of the
-            completion span (what a model whose forward post-processes its logits needs; such a model is
-            refused at start with chunking on).
-        model_dtype: dtype the policy weights are loaded in (mixed precision comes from the Trainer).
-        disable_dropout: set every dropout probability of the base model to 0 (TRL's `disable_dropout`).
-            With dropout on, the trainer scores tokens with a random sub-network: on-policy ESS is not 1
-            and the ESS pre-pass and the gradient pass see different masks. LoRA's own dropout
-            (lora.dropout, 0 by default) is an explicit choice and stays: it warns instead.
+        compute: the policy's dtype and its forward's memory trade-offs (lit_ess.settings.Compute: dtype,
+            gradient_checkpointing, logprob_chunk, disable_dropout).
         lora: low-rank adapters (lit_ess.lora.LoRA: rank, alpha, dropout, target_modules) trained on a
             frozen base; None = full fine-tuning. The engine receives the merged weights (lora.sync: merged)
             or the adapters alone (lora.sync: adapter, vLLM serving them); checkpoints hold the adapters
             and their optimizer state only. With ref_kl_coef > 0 and no
             ref_model_path, the reference is the base model (the adapters switched off): no second copy.
-        ess_alarm: health check of the weight sync. A step whose rows were all sampled by the trainer's
-            current weights (policy lag 0), by an engine whose logprobs match the trainer's precision
-            (engine dtype = the trainer's: FSDP2's param_dtype, else model_dtype under a "32-true"
-            Trainer; never under mixed precision, quantized or raw engine logprobs) at the train
-            temperature, with no dropout in the trainer's forward (disable_dropout, lora.dropout 0) and
-            no fp32 LoRA adapters on a 16-bit base, must have ESS 1. Below this threshold lit-ess warns
-            once with the numbers (ESS, mean ratio, step) and counts the step in `train/ess_alarms`. None = off. GPU kernels
-            of engine and trainer differ in bf16: lower it there if a healthy run warns.
-        ess_alarm_error: stop the run at the first such step instead of warning (the engine is then
-            almost surely not sampling with the trainer's weights: check the weight sync).
+        ess_alarm: the lag-0 ESS health check of the weight sync (lit_ess.settings.ESSAlarm: threshold, error).
     """
 
     # knobs a resume may change (the CLI refuses a resume whose other knobs differ from the checkpoint's):
     # how a step is split in memory, and the alarms; what a step computes stays the checkpoint's run's. `lora`
     # is judged by check_checkpoint_settings (its shape must match; `sync` is only how weights travel)
-    RESUME_FREE = frozenset({"micro_batch_size", "micro_batch_tokens", "packing", "gradient_checkpointing",
-                             "logprob_chunk", "ess_alarm", "ess_alarm_error", "max_consecutive_skipped_steps", "lora"})
+    RESUME_FREE = frozenset({"micro_batch", "compute.gradient_checkpointing", "compute.logprob_chunk", "ess_alarm",
+                             "max_consecutive_skipped_steps", "lora"})
 
     def __init__(
         self,
         model_path: str,
         objective: Objective = P3O(),
         ref_model_path: str | None = None,
-        lr: float = 1e-5,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        lr_schedule: Literal["constant", "cosine", "linear"] = "constant",
-        min_lr_ratio: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        micro_batch_size: int | None = None,
-        micro_batch_tokens: int | None = None,
-        packing: bool = False,
+        optim: Optim = Optim(),
+        micro_batch: MicroBatch = MicroBatch(),
         ess_scope: Literal["step", "micro"] = "step",
         train_temperature: float | None = None,
-        gradient_checkpointing: bool = False,
-        logprob_chunk: int | None = DEFAULT_CHUNK,
-        model_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
-        disable_dropout: bool = True,
+        compute: Compute = Compute(),
         lora: LoRA | None = None,
-        ess_alarm: float | None = 0.999,
-        ess_alarm_error: bool = False,
+        ess_alarm: ESSAlarm = ESSAlarm(),
         max_consecutive_skipped_steps: int = 10,
     ):
         super().__init__()
-        check("model.lr", lr, gt=0)
-        check("model.weight_decay", weight_decay, ge=0)
-        for i, beta in enumerate(betas):
-            check(f"model.betas[{i}]", beta, ge=0, lt=1)
-        check("model.warmup_steps", warmup_steps, ge=0, integer=True)
-        check("model.min_lr_ratio", min_lr_ratio, ge=0, le=1)
-        check("model.max_grad_norm", max_grad_norm, gt=0, null=True, hint=": use null for no clipping")
-        check("model.micro_batch_size", micro_batch_size, ge=1, integer=True, null=True)
-        check("model.micro_batch_tokens", micro_batch_tokens, ge=1, integer=True, null=True)
-        if micro_batch_size is not None and micro_batch_tokens is not None:
-            raise ValueError(f"model.micro_batch_size={micro_batch_size} and model.micro_batch_tokens={micro_batch_tokens} "
-                             f"are alternatives: set one of them (or neither, for the whole step at once)")
-        if not isinstance(packing, bool):
-            raise ValueError(f"model.packing must be true or false, got {packing!r}")
+        for name, group, kind in (("optim", optim, Optim), ("micro_batch", micro_batch, MicroBatch),
+                                  ("compute", compute, Compute), ("ess_alarm", ess_alarm, ESSAlarm)):
+            if not isinstance(group, kind):
+                raise ValueError(f"model.{name} must be a lit_ess.settings.{kind.__name__}, got {group!r}")
         check("model.train_temperature", train_temperature, gt=0, null=True)
-        check("model.logprob_chunk", logprob_chunk, ge=1, integer=True, null=True,
-              hint=": tokens per LM-head chunk, or null for the full logits")
         self.save_hyperparameters()
         check_model_path(model_path)
         if ref_model_path is not None:
             check_model_path(ref_model_path, "ref_model_path")
         if ess_scope not in ("step", "micro"):
             raise ValueError(f"ess_scope={ess_scope!r} is not one of ('step', 'micro')")
-        if lr_schedule not in ("constant", "cosine", "linear"):
-            raise ValueError(f"lr_schedule={lr_schedule!r} is not one of ('constant', 'cosine', 'linear')")
         if not isinstance(objective, Objective):
             raise ValueError(f"objective must be an Objective (e.g. lit_ess.objectives.P3O()), got {objective!r}")
         if lora is not None and not isinstance(lora, LoRA):
             raise ValueError(f"lora must be a lit_ess.lora.LoRA or null, got {lora!r}")
-        self.ess_alarm = ESSAlarm(ess_alarm, ess_alarm_error)        # validates the threshold
+        self.optim, self.micro_batch, self.compute = optim, micro_batch, compute
+        self.ess_watch = ESSWatch(ess_alarm)
         self.skip_guard = SkippedSteps(max_consecutive_skipped_steps)   # validates the bound
         self.cast_dtype: str | None = None         # forward dtype when a sharding callback casts (cast_forward)
         self._has_dropout: bool | None = None      # the policy's forward has dropout (found at the first step)
@@ -228,17 +157,17 @@ class PolicyModule(L.LightningModule):
             return
         from transformers import AutoModelForCausalLM
 
-        dtype = getattr(torch, self.hparams.model_dtype)
+        dtype = getattr(torch, self.compute.dtype)
         self.policy = AutoModelForCausalLM.from_pretrained(self.hparams.model_path, dtype=dtype).train()
         self._check_packing(self.policy, "model_path")
-        if self.hparams.logprob_chunk is not None:
-            check_chunked_head(self.policy, self.hparams.logprob_chunk, "model_path")
-        if self.hparams.disable_dropout:
+        if self.compute.logprob_chunk is not None:
+            check_chunked_head(self.policy, self.compute.logprob_chunk, "model_path")
+        if self.compute.disable_dropout:
             disable_dropout(self.policy)
-        if self.hparams.gradient_checkpointing:
+        if self.compute.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.lora is not None:
-            if self.hparams.gradient_checkpointing:
+            if self.compute.gradient_checkpointing:
                 self.policy.enable_input_require_grads()   # the frozen embeddings' output must carry grad
             self.policy = self.lora.apply(self.policy)
             if self.lora.dropout > 0:
@@ -249,8 +178,8 @@ class PolicyModule(L.LightningModule):
         if self.objective.ref_kl_coef and (self.lora is None or self.hparams.ref_model_path):
             ref = AutoModelForCausalLM.from_pretrained(self.hparams.ref_model_path or self.hparams.model_path, dtype=dtype)
             self._check_packing(ref, "ref_model_path")
-            if self.hparams.logprob_chunk is not None:
-                check_chunked_head(ref, self.hparams.logprob_chunk, "ref_model_path")
+            if self.compute.logprob_chunk is not None:
+                check_chunked_head(ref, self.compute.logprob_chunk, "ref_model_path")
             self.ref_policy = ref.eval().requires_grad_(False)
 
     def _check_packing(self, model, where: str) -> None:
@@ -259,10 +188,10 @@ class PolicyModule(L.LightningModule):
         packed forward is not its padded forward (lit_ess.packing.check_packed_forward): rows would attend
         to each other."""
         impl = model.config._attn_implementation
-        if self.hparams.packing and impl not in PACKED_ATTENTION:
-            raise ValueError(f"model.packing=true needs attn_implementation in {sorted(PACKED_ATTENTION)} ({where}'s "
-                             f"model uses {impl!r}): packed rows would attend to each other; set model.packing=false")
-        if self.hparams.packing:
+        if self.micro_batch.packing and impl not in PACKED_ATTENTION:
+            raise ValueError(f"model.micro_batch.packing=true needs attn_implementation in {sorted(PACKED_ATTENTION)} ({where}'s "
+                             f"model uses {impl!r}): packed rows would attend to each other; set model.micro_batch.packing=false")
+        if self.micro_batch.packing:
             check_packed_forward(model, where)
 
     def policy_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -281,13 +210,13 @@ class PolicyModule(L.LightningModule):
     def configure_optimizers(self):
         """AdamW (lit_ess.step.build_optimizer) with the learning-rate schedule of lit_ess.step.lr_factor,
         stepped once per optimizer step; the decay ends at trainer.max_steps."""
-        h = self.hparams
-        opt = build_optimizer(self.policy, h.lr, h.betas, h.weight_decay)
+        o = self.optim
+        opt = build_optimizer(self.policy, o.lr, o.betas, o.weight_decay)
         trainer = self._trainer                      # None when used without a Trainer (benchmarks, notebooks)
         total = trainer.max_steps if trainer is not None and trainer.max_steps and trainer.max_steps > 0 else None
 
         def factor(step: int) -> float:
-            return lr_factor(step, h.warmup_steps, h.lr_schedule, total, h.min_lr_ratio)
+            return lr_factor(step, o.warmup_steps, o.lr_schedule, total, o.min_lr_ratio)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -309,9 +238,9 @@ class PolicyModule(L.LightningModule):
         """
         T = sampling.temperature if self.hparams.train_temperature is None else self.hparams.train_temperature
         args = (model, mb.input_ids, mb.attention_mask, mb.completion_mask, T, sampling.top_k, sampling.top_p)
-        chunk = self.hparams.logprob_chunk
+        chunk = self.compute.logprob_chunk
         with torch.enable_grad() if with_grad else torch.no_grad():
-            if self.hparams.packing:        # lines as wide as the micro-batch's longest row (it is trimmed to it)
+            if self.micro_batch.packing:        # lines as wide as the micro-batch's longest row (it is trimmed to it)
                 return packed_logprobs(*args, with_entropy=with_entropy, width=mb.input_ids.shape[1], chunk=chunk)
             return sequence_logprobs(*args, with_entropy=with_entropy, chunk=chunk)
 
@@ -377,38 +306,38 @@ class PolicyModule(L.LightningModule):
 
     def micro_batches(self, batch: RolloutBatch) -> list[tuple[slice | list[int], RolloutBatch]]:
         """The step's micro-batches, each with the rows of `batch` it holds (a slice or row indices), each
-        trimmed to its longest row: micro_batch_tokens plans rows by their real length (attention-mask
+        trimmed to its longest row: micro_batch.tokens plans rows by their real length (attention-mask
         tokens) with lit_ess.packing.plan_micro_batches (cost rows x longest row, or with packing the sum of
-        lengths), else consecutive slices of micro_batch_size rows (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
+        lengths), else consecutive slices of micro_batch.size rows (None = one). The one place the step is cut: the ESS pre-pass, the gradient pass (and the
         reference model in it) and the proximal scoring all use these."""
-        budget = self.hparams.micro_batch_tokens
+        budget = self.micro_batch.tokens
         if budget is None:
-            size = batch.rows if self.hparams.micro_batch_size is None else self.hparams.micro_batch_size
+            size = batch.rows if self.micro_batch.size is None else self.micro_batch.size
             cuts = [slice(s, s + size) for s in range(0, batch.rows, size)]
         else:
-            cuts = plan_micro_batches(batch.attention_mask.sum(-1).tolist(), budget, packed=self.hparams.packing)
+            cuts = plan_micro_batches(batch.attention_mask.sum(-1).tolist(), budget, packed=self.micro_batch.packing)
         return [(rows, batch.select(rows)) for rows in cuts]
 
     def rank_passes(self, batch: RolloutBatch) -> tuple[list[RolloutBatch], list[tuple[RolloutBatch, float]]]:
         """This rank's micro-batches of the step, and its passes: (micro-batch, weight), the same count on every
         rank (weight 0: a repeat that only joins the collectives).
 
-            one rank, or micro_batch_size   `micro_batches` of this rank's rows, padded by `_same_count`
-            micro_batch_tokens, W ranks      every rank's rows gathered (tokens, masks, logprobs: small) and
+            one rank, or micro_batch.size   `micro_batches` of this rank's rows, padded by `_same_count`
+            micro_batch.tokens, W ranks      every rank's rows gathered (tokens, masks, logprobs: small) and
                                              dealt by lit_ess.packing.plan_ranks: longest first to the rank
                                              with the fewest tokens (ranks within one row's length of each
                                              other), each rank's micro-batches split until all ranks run as
                                              many passes; rank r trains plan[r]
 
         The update is the same either way: losses are normalised by the step's global counts."""
-        budget = self.hparams.micro_batch_tokens
+        budget = self.micro_batch.tokens
         if budget is None or not self._world():
             mbs = [mb for _, mb in self.micro_batches(batch)]
             return mbs, self._same_count(mbs)
         shares = [None] * dist.get_world_size()
         dist.all_gather_object(shares, batch.to("cpu"))
         step = RolloutBatch.cat(shares)
-        plan = plan_ranks(step.attention_mask.sum(-1).tolist(), budget, len(shares), packed=self.hparams.packing)
+        plan = plan_ranks(step.attention_mask.sum(-1).tolist(), budget, len(shares), packed=self.micro_batch.packing)
         mbs = [step.select(rows).to(self.device) for rows in plan[dist.get_rank()] if rows]
         pad = mbs[0] if mbs else step.select([0]).to(self.device)
         return mbs, [(mb, 1.0) for mb in mbs] + [(pad, 0.0)] * (len(plan[0]) - len(mbs))
@@ -468,8 +397,8 @@ class PolicyModule(L.LightningModule):
         step, step ESS e_B or None). Gradients accumulate in the parameters' .grad; the caller clips
         and steps.
 
-            micro-batches    `rank_passes`: `micro_batches` (micro_batch_size rows or micro_batch_tokens),
-                             the same count on every rank; with micro_batch_tokens on several ranks the
+            micro-batches    `rank_passes`: `micro_batches` (micro_batch.size rows or micro_batch.tokens),
+                             the same count on every rank; with micro_batch.tokens on several ranks the
                              step's rows dealt to the ranks by token count
             counts           N tokens and sequences of the whole step (`_step_counts`)
             ESS pre-pass     e_B over the whole step, when it spans several passes (`ess_prepass`)
@@ -485,7 +414,7 @@ class PolicyModule(L.LightningModule):
                            f"are anchored at the proximal policy of step {batch.proximal.step} ({type(self.objective).__name__}"
                            f".kl_anchor: behavior_at_train_temperature): the trainer no longer holds their behaviour "
                            f"weights, so the KL anchor is the newer policy at the train temperature (async mode, or "
-                           f"max_staleness > steps_per_rollout - 1); warned once")
+                           f"data.schedule.max_staleness > data.batch.steps_per_rollout - 1); warned once")
         sampling = batch.sampling
         mbs, passes = self.rank_passes(batch)
         counts = self._step_counts(mbs)
@@ -638,7 +567,7 @@ class PolicyModule(L.LightningModule):
         lag = step - batch.versions.float()
         if float(lag.max()) > batch.max_staleness:
             raise RuntimeError(f"step {step} got rows sampled at step {int(batch.versions.min())}, older than "
-                               f"max_staleness={batch.max_staleness}: the batch was assembled before the previous "
+                               f"data.schedule.max_staleness={batch.max_staleness}: the batch was assembled before the previous "
                                f"update (a prefetching data loader?). Use RolloutDataModule's own train_dataloader")
         return lag
 
@@ -690,20 +619,20 @@ class PolicyModule(L.LightningModule):
         stored dtype, FSDP2 cast, LoRA and dropout."""
         return StepFacts(lag_max=lag_max, engine_dtype=engine_dtype,
                          precision=str(self._trainer.precision) if self._trainer is not None else "32-true",
-                         model_dtype=self.hparams.model_dtype, cast_dtype=self.cast_dtype, lora=self.lora is not None,
+                         model_dtype=self.compute.dtype, cast_dtype=self.cast_dtype, lora=self.lora is not None,
                          dropout=self._dropout(), sample_temperature=sampling.temperature,
                          train_temperature=sampling.temperature if self.hparams.train_temperature is None
                          else self.hparams.train_temperature)
 
     def _check_ess(self, logs: dict[str, float], facts: StepFacts, step: int) -> None:
         """The lag-0 ESS alarm (lit_ess/health.py) on the step's reduced metrics, the same on every rank:
-        warns once (rank 0), or raises with ess_alarm_error; logs the cumulative count."""
-        if self.ess_alarm.threshold is None:
+        warns once (rank 0), or raises with ess_alarm.error; logs the cumulative count."""
+        if self.ess_watch.threshold is None:
             return
-        message = self.ess_alarm.check(step, logs.get("train/ess"), logs.get("train/ratio_mean"), facts)
+        message = self.ess_watch.check(step, logs.get("train/ess"), logs.get("train/ratio_mean"), facts)
         if message:
             rank_zero_warn(message)
-        logs["train/ess_alarms"] = float(self.ess_alarm.count)
+        logs["train/ess_alarms"] = float(self.ess_watch.count)
 
     def cast_forward(self, dtype: str | None) -> None:
         """A sharding callback casts the forward to `dtype` (lit_ess.callbacks.FSDP2's param_dtype; None: no
@@ -718,7 +647,7 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_ess"] = {"skipped_steps": self.skipped_steps,     # cumulative across resumes
-                                 "ess_alarms": self.ess_alarm.count}
+                                 "ess_alarms": self.ess_watch.count}
         if self.lora is not None:       # the state dict holds the adapters only (_adapters_only): name their base
             checkpoint["lit_ess"]["lora_base"] = base_fingerprint(self.hparams.model_path)
             checkpoint["lit_ess"]["lora"] = self.lora.shape()
@@ -728,7 +657,7 @@ class PolicyModule(L.LightningModule):
         self.check_checkpoint_settings(saved)
         self.check_shapes(checkpoint.get("state_dict") or {})
         self.skipped_steps = saved.get("skipped_steps", 0)
-        self.ess_alarm.count = saved.get("ess_alarms", 0)
+        self.ess_watch.count = saved.get("ess_alarms", 0)
         if self.lora is not None:
             ours = {f"policy.{n}" for n in adapter_state(self.policy)}
             keys = set(checkpoint.get("state_dict", ours))     # sharded: DCP loaded exactly our keys already
@@ -812,7 +741,7 @@ class PolicyModule(L.LightningModule):
 
     def _clip_and_norm(self) -> Tensor:
         """Clip the policy's global gradient norm to max_grad_norm; return the norm before clipping."""
-        return clip_gradients(self.policy.parameters(), self.hparams.max_grad_norm)
+        return clip_gradients(self.policy.parameters(), self.optim.max_grad_norm)
 
 
 def _adapters_only(module: PolicyModule, state: dict, prefix: str, local_metadata) -> None:

@@ -228,7 +228,7 @@ def check_packed_forward(model, where: str = "model_path") -> None:
     diff = float((padded - packed)[comp].abs().max())
     tol = 1e-4 if model.dtype == torch.float32 else 2e-2
     if not diff <= tol:
-        raise ValueError(f"model.packing=true: {where}'s {type(model).__name__} does not keep packed rows apart (its "
+        raise ValueError(f"model.micro_batch.packing=true: {where}'s {type(model).__name__} does not keep packed rows apart (its "
                          f"packed and padded log-probabilities differ by {diff:.3g}: its attention mask ignores "
-                         f"position_ids); set model.packing: false")
+                         f"position_ids); set model.micro_batch.packing: false")
 

@@ -5,7 +5,7 @@ One POST per phase (or validation batch) with a JSON body of lists, one item per
     {"prompts": [...], "completions": [...], "answers": [...], "<column>": [...], ...}
 
 answered with `{"rewards": [float, ...]}` (or the bare list), one number per completion. The request
-may take `reward_timeout` seconds per completion of the batch. A refused or failed request, a timeout,
+may take `data.reward_limits.timeout` seconds per completion of the batch. A refused or failed request, a timeout,
 an answer that is not JSON or not one finite number per completion scores those completions 0 and is
 counted in rollout/reward_errors (lit_ess.rewards.RewardScorer), like any failing reward.
 """
@@ -18,7 +18,7 @@ import urllib.request
 
 class RemoteReward:
     """A batched reward that posts the batch to `url`; `timeout` is seconds per completion (the scorer
-    sets it from data.reward_timeout)."""
+    sets it from data.reward_limits.timeout)."""
 
     batched = True
 

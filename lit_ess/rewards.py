@@ -407,9 +407,9 @@ class RewardScorer:
     def __init__(self, name: str | Reward | list = "exact_match", timeout: float = 5.0, in_worker: bool | None = None,
                  startup_timeout: float = 120.0, max_error_rate: float = 0.5, columns: list[str] | None = None):
         if timeout <= 0:
-            raise ValueError(f"reward_timeout must be > 0 seconds, got {timeout}")
+            raise ValueError(f"data.reward_limits.timeout must be > 0 seconds, got {timeout}")
         if not 0 <= max_error_rate <= 1:
-            raise ValueError(f"max_reward_error_rate must be in [0, 1], got {max_error_rate}")
+            raise ValueError(f"data.reward_limits.max_error_rate must be in [0, 1], got {max_error_rate}")
         self.max_error_rate = max_error_rate
         self.rewards = [bind(r, columns) for r in as_rewards(name)]
         for r in self.rewards:
@@ -419,8 +419,8 @@ class RewardScorer:
         self.fn = self.rewards[0].fn
         self.timeout, self.startup_timeout = timeout, startup_timeout
         if in_worker and (model := next((r for r in self.rewards if isinstance(r.fn, ModelReward)), None)):
-            raise ValueError(f"reward_in_worker: true with {model.name} (a model reward, its model or server loaded by "
-                             f"the process that scores): leave reward_in_worker null")
+            raise ValueError(f"data.reward_limits.in_worker: true with {model.name} (a model reward, its model or server loaded by "
+                             f"the process that scores): leave data.reward_limits.in_worker null")
         # the rewards run in the worker process, by position; a model reward never (a timeout would kill its model)
         self.in_worker = [r.name in IN_WORKER if in_worker is None else in_worker for r in self.rewards]
         self._pool: ProcessPoolExecutor | None = None
@@ -503,7 +503,7 @@ class RewardScorer:
                 self.last_error = err
             if n and len(errors) / n > self.max_error_rate:
                 raise RewardError(f"reward {reward.name!r} failed on {len(errors)} of {n} completions, more than "
-                                  f"max_reward_error_rate={self.max_error_rate}; first error: {errors[0]}. A reward "
+                                  f"data.reward_limits.max_error_rate={self.max_error_rate}; first error: {errors[0]}. A reward "
                                   f"must return a finite number for any completion (0.0 for one it cannot parse)")
             self.parts[reward.label] = sum(s for s, _ in results) / max(n, 1)
             totals = [t + reward.weight * s for t, (s, _) in zip(totals, results)]

@@ -5,7 +5,7 @@ A Qwen2.5-0.5B-shaped model (its config: 24 layers, width 896, 14 heads / 2 kv h
 lit-ess's own PolicyModule and hf engine. It measures, per optimizer step (forward + backward + AdamW):
 
   train     tokens/s and peak GPU memory (above what the case started with) at 1k-, 4k- and 16k-token rows (8k or 16k tokens a micro-batch), with the
-            chunked LM head (model.logprob_chunk, default) and without it (null);
+            chunked LM head (model.compute.logprob_chunk, default) and without it (null);
   fsdp2     the same step sharded by lit_ess.callbacks.FSDP2 over a 1-rank NCCL group (mixed precision
             bf16 params, fp32 reduce);
   lora      the step with LoRA adapters (rank 16, all linear layers) on the frozen base;
@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from lit_ess.settings import Compute, MicroBatch, Optim
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -193,7 +194,7 @@ def ess_steps(model_dir: str, device, dtype: str, steps: int, prompts: int, samp
     from lit_ess.step import build_optimizer
 
     engine = HFConfig(dtype=dtype, device=str(device), batch_size=prompts * samples).build(model_dir)
-    m = PolicyModule(model_dir, model_dtype=dtype, lr=1e-5)
+    m = PolicyModule(model_dir, compute=Compute(dtype=dtype), optim=Optim(lr=1e-5))
     m.configure_model()
     m.policy.to(device)
     opt = build_optimizer(m.policy, 1e-5)
@@ -256,7 +257,7 @@ def main(argv=None) -> dict:
             model_dir = build_model(Path(tmp) / "model", shape, getattr(torch, dtype), device)
             results["build_s"] = time.perf_counter() - t_start
             for label, name, kw in (("full_4k_chunked", "4k", {}), ("full_4k_unchunked", "4k", {"logprob_chunk": None}),
-                                    ("lora_4k_chunked", "4k", {"lora": None}), ("full_16k_chunked", "16k", {}),
+                                    ("lora_4k_chunked", "4k", {"lora": True}), ("full_16k_chunked", "16k", {}),
                                     ("full_16k_unchunked", "16k", {"logprob_chunk": None})):
                 rows, length = lengths[name]
                 batch = synthetic_batch(rows, length, shape["vocab"], device)
@@ -264,9 +265,11 @@ def main(argv=None) -> dict:
                 def case(kw=kw, rows=rows, batch=batch):
                     from lit_ess.lora import LoRA
 
-                    kw = {**kw, "lora": LoRA(rank=16)} if "lora" in kw else kw
-                    return train_steps(PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=rows,
-                                                    gradient_checkpointing=True, **kw), batch, device, a.steps)
+                    lora = {"lora": LoRA(rank=16)} if "lora" in kw else {}
+                    chunk = {k: v for k, v in kw.items() if k == "logprob_chunk"}
+                    compute = Compute(dtype=dtype, gradient_checkpointing=True, **chunk)
+                    return train_steps(PolicyModule(model_dir, compute=compute, micro_batch=MicroBatch(size=rows), **lora),
+                                       batch, device, a.steps)
 
                 run_case(results, label, case, out)
                 del batch
@@ -282,9 +285,10 @@ def main(argv=None) -> dict:
         for name, (rows, length) in lengths.items():
             batch = synthetic_batch(rows, length, shape["vocab"], device)
             for label, c in (("chunked", chunk or "default"), ("unchunked", None)):
-                kw = {} if c == "default" else {"logprob_chunk": c}
+                head = {} if c == "default" else {"logprob_chunk": c}
                 run_case(results, f"train_{name}_{label}", lambda: train_steps(
-                    PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=rows, **kw), batch, device, a.steps), out)
+                    PolicyModule(model_dir, compute=Compute(dtype=dtype, **head), micro_batch=MicroBatch(size=rows)),
+                    batch, device, a.steps), out)
         batch = synthetic_batch(*lengths["1k"], shape["vocab"], device)
 
         def fsdp2():
@@ -292,7 +296,7 @@ def main(argv=None) -> dict:
 
             mesh = one_rank_group(device)
             sharder = FSDP2(param_dtype=None if cpu else "bfloat16", reduce_dtype="float32")
-            m = PolicyModule(model_dir, model_dtype="float32", micro_batch_size=lengths["1k"][0])
+            m = PolicyModule(model_dir, compute=Compute(dtype="float32"), micro_batch=MicroBatch(size=lengths["1k"][0]))
             return train_steps(m, batch, device, a.steps, shard=lambda mod: sharder.shard(mod.policy, mesh))
 
         run_case(results, "fsdp2_1k", fsdp2, out)
@@ -300,7 +304,7 @@ def main(argv=None) -> dict:
         def lora():
             from lit_ess.lora import LoRA
 
-            return train_steps(PolicyModule(model_dir, model_dtype=dtype, micro_batch_size=lengths["1k"][0],
+            return train_steps(PolicyModule(model_dir, compute=Compute(dtype=dtype), micro_batch=MicroBatch(size=lengths["1k"][0]),
                                             lora=LoRA(rank=16)), batch, device, a.steps)
 
         run_case(results, "lora_1k", lora, out)

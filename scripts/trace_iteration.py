@@ -26,6 +26,8 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from lit_ess.datamodules.settings import BatchShape
+from lit_ess.settings import Optim
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = str(build_tiny_model(Path(tmp) / "model"))
         data = RolloutDataModule(model_path=model, engine=getattr(engines, args.engine)(),
                                  sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=500),
-                                 prompts_per_rollout=8, samples_per_prompt=4, steps_per_rollout=args.steps_per_rollout)
-        module = PolicyModule(model, objective=getattr(objectives, args.objective)(), lr=1e-3)
+                                 batch=BatchShape(prompts_per_rollout=8, samples_per_prompt=4, steps_per_rollout=args.steps_per_rollout))
+        module = PolicyModule(model, objective=getattr(objectives, args.objective)(), optim=Optim(lr=1e-3))
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.step + 2, log_every_n_steps=1,
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                             logger=TensorBoardLogger(tmp, name="tb"),

@@ -11,6 +11,7 @@ import lightning as L
 import yaml
 
 from lit_ess.callbacks import WeightSync
+from lit_ess.datamodules.settings import BatchShape
 from lit_ess.report import read_scalars
 
 
@@ -22,7 +23,8 @@ def digit_fraction(completion: str, answer: str) -> float:
 def rl_config(model_path: str, out: Path, *, engine="VLLMConfig", max_steps=4, steps_per_rollout=1, lr=1e-3,
               prompts=8, samples=4, ckpt_every=None, micro_batch_size=None, objective="P3O", extra_data=None,
               extra_model=None):
-    """A small RL config; `engine` and `objective` are class names of lit_ess.engines / lit_ess.objectives."""
+    """A small RL config; `engine` and `objective` are class names of lit_ess.engines / lit_ess.objectives.
+    extra_data / extra_model are laid over data's and model's init_args (their groups key by key)."""
     callbacks = [
         {"class_path": "lit_ess.callbacks.WeightSync"},
         {"class_path": "lit_ess.callbacks.RatioDashboard", "init_args": {"every_n_steps": 1}},
@@ -33,22 +35,28 @@ def rl_config(model_path: str, out: Path, *, engine="VLLMConfig", max_steps=4, s
                                         "every_n_train_steps": ckpt_every, "save_top_k": -1}})
     data = {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"digits": 2, "size": 500}},
             "engine": {"class_path": f"lit_ess.engines.{engine}"}, "sampling": {"temperature": 1.0, "max_new_tokens": 6, "seed": 0},
-            "prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout,
+            "batch": {"prompts_per_rollout": prompts, "samples_per_prompt": samples, "steps_per_rollout": steps_per_rollout},
             "reward": "e2e_utils:digit_fraction"}
-    data.update(extra_data or {})
+    model = {"model_path": model_path, "optim": {"lr": lr}, "objective": {"class_path": f"lit_ess.objectives.{objective}"},
+             "micro_batch": {"size": micro_batch_size}}
     return {
         "seed_everything": 0,
-        "model": {"class_path": "lit_ess.module.PolicyModule",
-                  "init_args": {"model_path": model_path, "lr": lr,
-                                "objective": {"class_path": f"lit_ess.objectives.{objective}"},
-                                "micro_batch_size": micro_batch_size, **(extra_model or {})}},
-        "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": data},
+        "model": {"class_path": "lit_ess.module.PolicyModule", "init_args": merged(model, extra_model or {})},
+        "data": {"class_path": "lit_ess.datamodules.RolloutDataModule", "init_args": merged(data, extra_data or {})},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "log_every_n_steps": 1,
                     "enable_progress_bar": False, "enable_checkpointing": bool(ckpt_every),
                     "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                                "init_args": {"save_dir": str(out), "name": "tb", "version": "run"}},
                     "callbacks": callbacks},
     }
+
+
+GROUPS = ("batch", "schedule", "reward_limits", "validation", "optim", "micro_batch", "compute", "ess_alarm")
+
+
+def merged(base: dict, extra: dict) -> dict:
+    """`base` with `extra` laid over it; a group of settings given in both (`batch`, `optim`) merged key by key."""
+    return {**base, **extra, **{k: {**base[k], **extra[k]} for k in GROUPS if k in base and k in extra}}
 
 
 def sampled_batch(model_dir: str):
@@ -58,7 +66,7 @@ def sampled_batch(model_dir: str):
     from lit_ess.engines import HFConfig
     from lit_ess.sampling import SamplingConfig
 
-    dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=4,
+    dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=4),
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
                            reward="e2e_utils:digit_fraction")
     dm.setup("fit")

@@ -20,6 +20,7 @@ from lit_ess.envs import Agent, AgentRunner, EnvConfig, EnvError, EpisodeRunner,
 from lit_ess.envs.agent import Call, assemble
 from lit_ess.envs.proxy import RequestError
 from lit_ess.envs.episodes import Episode
+from lit_ess.datamodules.settings import BatchShape
 
 S = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=0)
 
@@ -361,8 +362,7 @@ def test_the_data_modules_batches_from_an_agent_are_on_policy(tiny_model_dir):
     from lit_ess.logprobs import sequence_logprobs
 
     env = EnvConfig(env=partial(Agent, function="agent_fns:two_completions"), max_turns=2)
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50), prompts_per_rollout=4,
-                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50), batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=2), sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env)
     dm.setup("fit")
     (batch,) = dm.generate_phase()
     tok = dm.tokenizer
@@ -393,7 +393,7 @@ def test_episodes_whose_agent_failed_before_any_call_train_without_harm(tiny_mod
 
     cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, extra_data={
         "env": {"env": {"class_path": "lit_ess.envs.agent.Agent", "init_args": {"function": "agent_fns:raises_before_calling_on_odd_sums"}},
-                "max_turns": 2}, "max_reward_error_rate": 1.0})
+                "max_turns": 2}, "reward_limits": {"max_error_rate": 1.0}})
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))])
     assert res.returncode == 0, res.stderr[-4000:]
     s = scalars(tmp_path)

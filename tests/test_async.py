@@ -15,6 +15,7 @@ from fake_engine import FakeConfig
 from lit_ess.sampling import SamplingConfig
 from lit_ess.rollout import RolloutBuffer, WorkerError
 from lit_ess.batch import Row, collate
+from lit_ess.datamodules.settings import BatchShape, Schedule
 
 
 def weights(version: int):
@@ -22,9 +23,9 @@ def weights(version: int):
 
 
 def make_dm(model_dir, mode="async", S=None, k=1, latency=0.02, prompts=3, samples=2, setup=True,
-            reward="e2e_utils:digit_fraction", **kw):
-    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=latency), mode=mode, max_staleness=S,
-                           steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples,
+            reward="e2e_utils:digit_fraction", placement="colocated", **kw):
+    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=latency), schedule=Schedule(mode=mode, placement=placement, max_staleness=S),
+                           batch=BatchShape(steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples),
                            source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
                            reward=reward, **kw)
     if setup:
@@ -158,8 +159,8 @@ def test_a_batch_dropped_whole_admits_the_next_phase(tiny_model_dir, mode):
 
 
 def test_max_staleness_below_the_sync_lag_is_named(tiny_model_dir):
-    with pytest.raises(ValueError, match="max_staleness=0 is below steps_per_rollout - 1 = 1"):
-        RolloutDataModule(model_path=tiny_model_dir, steps_per_rollout=2, max_staleness=0)
+    with pytest.raises(ValueError, match="data.schedule.max_staleness=0 is below data.batch.steps_per_rollout - 1 = 1"):
+        RolloutDataModule(model_path=tiny_model_dir, batch=BatchShape(steps_per_rollout=2), schedule=Schedule(max_staleness=0))
 
 
 def test_worker_errors_reach_the_trainer_with_their_cause(tiny_model_dir):

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 def config(model, out, S=None, mode="async", steps=4, k=1, ckpt_every=None, record=True):
     cfg = rl_config(model, out, max_steps=steps, steps_per_rollout=k, ckpt_every=ckpt_every,
-                    extra_data={"mode": mode, "max_staleness": S})
+                    extra_data={"schedule": {"mode": mode, "max_staleness": S}})
     if record:
         cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                             "init_args": {"path": str(out / "prompts.jsonl")}})

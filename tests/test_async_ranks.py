@@ -125,7 +125,7 @@ def test_a_dead_worker_stops_both_ranks_with_its_cause(tiny_model_dir):
 def test_placement_dedicated_needs_the_server_engine(tiny_model_dir):
     """placement: dedicated is vLLM servers shared by every rank: another engine is refused at once, in one
     line naming the fix."""
-    with pytest.raises(ValueError, match=r"^placement: dedicated generates on vLLM servers .* not with FakeConfig: "
+    with pytest.raises(ValueError, match=r"^data.schedule.placement: dedicated generates on vLLM servers .* not with FakeConfig: "
                                          r"set data.engine to lit_ess.engines.VLLMServerConfig"):
         make_dm(tiny_model_dir, placement="dedicated", setup=False)
 

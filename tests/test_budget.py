@@ -14,10 +14,12 @@ from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import AGGREGATIONS, GRPO, OBJECTIVE_CLASSES, P3O
 from lit_ess.batch import Proximal, Row, collate
+from lit_ess.settings import MicroBatch
 
 BUDGET = 50        # rows x longest row (prompt + completion tokens) per micro-batch, on the batch below
-CUTS = {"rows": {"micro_batch_size": 2}, "budget": {"micro_batch_tokens": BUDGET}, "packed": {"packing": True},
-        "packed_budget": {"packing": True, "micro_batch_tokens": BUDGET}}     # against one padded batch
+CUTS = {"rows": {"micro_batch": MicroBatch(size=2)}, "budget": {"micro_batch": MicroBatch(tokens=BUDGET)},
+        "packed": {"micro_batch": MicroBatch(packing=True)},
+        "packed_budget": {"micro_batch": MicroBatch(packing=True, tokens=BUDGET)}}     # against one padded batch
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_the_budget_cuts_by_length(tiny_model_dir, stale_batch):
     differ (3 or more micro-batches), unlike micro_batch_size's equal slices."""
     lengths = stale_batch.attention_mask.sum(-1).tolist()
     assert len(set(lengths)) > 1
-    cuts = module(tiny_model_dir, GRPO(), micro_batch_tokens=BUDGET).micro_batches(stale_batch)
+    cuts = module(tiny_model_dir, GRPO(), micro_batch=MicroBatch(tokens=BUDGET)).micro_batches(stale_batch)
     assert len(cuts) >= 3 and len({len(rows) for rows, _ in cuts}) > 1
     assert sorted(r for rows, _ in cuts for r in rows) == list(range(stale_batch.rows))
     for rows, mb in cuts:
@@ -144,18 +146,18 @@ def test_reference_kl_uses_the_same_micro_batches(tiny_model_dir, stale_batch, c
 
 
 def test_the_two_knobs_are_alternatives(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"^model.micro_batch_size=2 and model.micro_batch_tokens=64 are alternatives"):
-        PolicyModule(tiny_model_dir, micro_batch_size=2, micro_batch_tokens=64)
-    with pytest.raises(ValueError, match=r"^model.micro_batch_tokens must be an integer >= 1 or null, got 0$"):
-        PolicyModule(tiny_model_dir, micro_batch_tokens=0)
+    with pytest.raises(ValueError, match=r"^model.micro_batch.size=2 and model.micro_batch.tokens=64 are alternatives"):
+        PolicyModule(tiny_model_dir, micro_batch=MicroBatch(size=2, tokens=64))
+    with pytest.raises(ValueError, match=r"^model.micro_batch.tokens must be an integer >= 1 or null, got 0$"):
+        PolicyModule(tiny_model_dir, micro_batch=MicroBatch(tokens=0))
 
 
 def test_packing_budget_counts_tokens(tiny_model_dir, stale_batch):
     """With packing the budget is the rows' tokens (sum of lengths), so fewer micro-batches than the
     padded budget's rows x longest row; every row once, each micro-batch trimmed to its longest row."""
     lengths = stale_batch.attention_mask.sum(-1).tolist()
-    cuts = module(tiny_model_dir, GRPO(), micro_batch_tokens=BUDGET, packing=True).micro_batches(stale_batch)
-    padded = module(tiny_model_dir, GRPO(), micro_batch_tokens=BUDGET).micro_batches(stale_batch)
+    cuts = module(tiny_model_dir, GRPO(), micro_batch=MicroBatch(tokens=BUDGET, packing=True)).micro_batches(stale_batch)
+    padded = module(tiny_model_dir, GRPO(), micro_batch=MicroBatch(tokens=BUDGET)).micro_batches(stale_batch)
     assert 1 < len(cuts) < len(padded)
     assert sorted(r for rows, _ in cuts for r in rows) == list(range(stale_batch.rows))
     for rows, mb in cuts:
@@ -169,7 +171,7 @@ def test_packed_rows_do_not_attend_to_each_other_in_the_module(tiny_model_dir, t
     from lit_ess.packing import pack
 
     batch = tailed_batch
-    m = module(tiny_model_dir, GRPO(entropy_coef=0.01), packing=True)
+    m = module(tiny_model_dir, GRPO(entropy_coef=0.01), micro_batch=MicroBatch(packing=True))
     p = pack(batch.input_ids, batch.attention_mask, width=batch.input_ids.shape[1])
     line = next(x for x in p.segment_ids if len(x[x >= 0].unique()) > 2)    # a line of several rows
     first = int(line[0])                                            # ... whose first row is changed below
@@ -195,13 +197,13 @@ def test_packing_knob_is_checked(tiny_model_dir, tmp_path):
     import json
     import shutil
 
-    with pytest.raises(ValueError, match=r"^model.packing must be true or false, got 'yes'$"):
-        PolicyModule(tiny_model_dir, packing="yes")
+    with pytest.raises(ValueError, match=r"^model.micro_batch.packing must be true or false, got 'yes'$"):
+        PolicyModule(tiny_model_dir, micro_batch=MicroBatch(packing="yes"))
     flex = shutil.copytree(tiny_model_dir, tmp_path / "flex")
     cfg = json.loads((flex / "config.json").read_text())
     (flex / "config.json").write_text(json.dumps({**cfg, "attn_implementation": "flex_attention"}))
-    with pytest.raises(ValueError, match=r"^model.packing=true needs attn_implementation in .*'flex_attention'"):
-        PolicyModule(str(flex), packing=True).configure_model()
+    with pytest.raises(ValueError, match=r"^model.micro_batch.packing=true needs attn_implementation in .*'flex_attention'"):
+        PolicyModule(str(flex), micro_batch=MicroBatch(packing=True)).configure_model()
     PolicyModule(str(flex)).configure_model()                    # without packing: no constraint
 
 
@@ -218,7 +220,7 @@ def test_packing_with_lora(tiny_model_dir, tailed_batch, objective):
     torch.manual_seed(0)
     g0, m0, e0 = run()
     torch.manual_seed(0)
-    g1, m1, e1 = run(packing=True, micro_batch_tokens=BUDGET)
+    g1, m1, e1 = run(micro_batch=MicroBatch(packing=True, tokens=BUDGET))
     assert g0.abs().sum() > 0 and torch.allclose(g1, g0, atol=1e-5, rtol=1e-4)
     for k in ("train/loss", "train/ess", "train/kl_ref"):
         assert m1[k] == pytest.approx(m0[k], rel=1e-5, abs=1e-6), k

@@ -15,6 +15,7 @@ from lit_ess.chat import ChatFormat
 from lit_ess.datamodules import HFPrompts, RolloutDataModule
 from lit_ess.datamodules.prompts import check_chat, encode_prompt
 from lit_ess.engines import HFConfig
+from lit_ess.datamodules.settings import BatchShape
 
 SYS = {"role": "system", "content": "Be brief."}
 ROWS = [{"prompt": [SYS, {"role": "user", "content": "1+1="}], "answer": "2"},
@@ -136,15 +137,14 @@ def test_chat_knobs_are_validated_in_one_line(kwargs, says):
 def test_a_model_without_a_chat_template_refuses_chat_rows_in_one_line(tmp_path, tiny_model_dir):
     """The byte-level tiny model has no chat template: its data module refuses at setup, before any engine."""
     src = HFPrompts(jsonl(tmp_path / "chat.jsonl", ROWS))
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=src, prompts_per_rollout=2,
-                           samples_per_prompt=2)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=src, batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2))
     with pytest.raises(ValueError) as e:
         dm.setup("fit")
     assert str(e.value).startswith(f"the prompts are chat messages, but the model {tiny_model_dir!r} has no chat "
                                    f"template: use a chat model") and "\n" not in str(e.value)
     text = HFPrompts(jsonl(tmp_path / "text.jsonl", ROWS[2:]))
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=text, chat=ChatFormat(system_prompt="x"),
-                           prompts_per_rollout=2, samples_per_prompt=2)
+                           batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2))
     with pytest.raises(ValueError, match="data.chat.system_prompt is set, but the model .* has no chat template"):
         dm.setup("fit")
 

@@ -9,6 +9,7 @@ from lit_ess.lora import LoRA
 from lit_ess.objectives import P3O
 from lit_ess.packing import packed_logprobs
 from lit_ess.batch import Row, collate
+from lit_ess.settings import Compute, MicroBatch
 
 CHUNK = 5
 SAMPLING = [dict(temperature=1.0, top_k=-1, top_p=1.0), dict(temperature=0.7, top_k=20, top_p=1.0),
@@ -110,14 +111,14 @@ def rollout_batch(vocab: int, rows: int = 6):
     return collate(out, pad_id=0, sampling=SamplingConfig(temperature=0.8, top_k=30, top_p=0.95, max_new_tokens=6))
 
 
-CUTS = {"rows": {"micro_batch_size": 2}, "packed": {"micro_batch_tokens": 20, "packing": True},
-        "lora": {"micro_batch_size": 3, "lora": LoRA(rank=4)}}
+CUTS = {"rows": {"micro_batch": MicroBatch(size=2)}, "packed": {"micro_batch": MicroBatch(tokens=20, packing=True)},
+        "lora": {"micro_batch": MicroBatch(size=3), "lora": LoRA(rank=4)}}
 
 
 def module(model_dir, chunk, cut):
     from lit_ess.module import PolicyModule
 
-    m = PolicyModule(model_dir, objective=P3O(ref_kl_coef=0.1, entropy_coef=0.01), logprob_chunk=chunk, **cut)
+    m = PolicyModule(model_dir, objective=P3O(ref_kl_coef=0.1, entropy_coef=0.01), compute=Compute(logprob_chunk=chunk), **cut)
     torch.manual_seed(0)                  # LoRA's A matrices start random: the same in both modules
     m.configure_model()
     return m
@@ -172,8 +173,8 @@ def test_a_family_that_changes_its_logits_is_refused(tiny_model_dir):
             return out
 
     check_chunked_head(load(tiny_model_dir), 8)              # the plain family passes
-    with pytest.raises(ValueError, match=r"^model.logprob_chunk=8: model_path's Scaled changes its LM head's output.*"
-                                         r"set model.logprob_chunk: null$"):
+    with pytest.raises(ValueError, match=r"^model.compute.logprob_chunk=8: model_path's Scaled changes its LM head's output.*"
+                                         r"set model.compute.logprob_chunk: null$"):
         check_chunked_head(Scaled.from_pretrained(tiny_model_dir), 8)
 
 
@@ -181,8 +182,8 @@ def test_a_family_that_changes_its_logits_is_refused(tiny_model_dir):
 def test_logprob_chunk_is_validated(tiny_model_dir, bad):
     from lit_ess.module import PolicyModule
 
-    with pytest.raises(ValueError, match=rf"^model.logprob_chunk must be an integer >= 1 or null, got {bad}"):
-        PolicyModule(tiny_model_dir, logprob_chunk=bad)
+    with pytest.raises(ValueError, match=rf"^model.compute.logprob_chunk must be an integer >= 1 or null, got {bad}"):
+        PolicyModule(tiny_model_dir, compute=Compute(logprob_chunk=bad))
 
 
 def test_hf_engine_behaviour_logprobs_equal_the_trainers(tiny_model_dir):

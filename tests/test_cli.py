@@ -36,7 +36,7 @@ def _demo_config(folder: Path, model_dir, **edits) -> str:
     return str(path)
 
 
-PRINTED = [(), ("--model.init_args.packing", "true", "--model.init_args.micro_batch_tokens", "512"),
+PRINTED = [(), ("--model.init_args.micro_batch.packing", "true", "--model.init_args.micro_batch.tokens", "512"),
            ("--data.init_args.engine", "HFConfig"), ("--data.init_args.advantage", "RLOO"),
            ("--data.init_args.env", '{"env": {"class_path": "RetryArithmetic", "init_args": {"max_tries": 2}}}')] + [("--model.init_args.objective", c.__name__) for c in OBJECTIVE_CLASSES]
 ENGINES = "choose one of VLLMConfig, VLLMServerConfig, HFConfig"
@@ -48,6 +48,31 @@ UNKNOWN_FILES = [
     ("model.init_args.objective", "grpo", "model.init_args.objective: 'grpo' is not a known objective; choose one of P3O"),
     ("data.init_args.engine", "vllm", f"data.init_args.engine: 'vllm' is not a known engine; {ENGINES}"),
 ]
+# one bad value per group of settings (lit_ess/settings.py, datamodules/settings.py): the line names its full key
+GROUP_REFUSALS = [
+    ("data.init_args.batch.samples_per_prompt", "0"), ("data.init_args.schedule.max_staleness", "-1"),
+    ("data.init_args.reward_limits.max_error_rate", "1.5"), ("data.init_args.validation.samples", "0"),
+    ("model.init_args.optim.lr", "-1"), ("model.init_args.micro_batch.tokens", "0"),
+    ("model.init_args.compute.logprob_chunk", "0"), ("model.init_args.ess_alarm.threshold", "2"),
+]
+# a class_path of a field that also takes a name (env: str | class, advantage: Literal | class): the class's
+# reason under the field's full key, not 'Parser key "env": Expected a <class 'str'>'; an environment's
+# required argument missing: its full key
+CLASS_REFUSALS = [
+    ("env", '{"env": {"class_path": "lit_ess.envs.RetryArithmetc"}}',
+     "data.init_args.env.env: Type typing.Callable[[], lit_ess.envs.base.Environment] expects a function or a "
+     "callable class: module 'lit_ess.envs' has no attribute 'RetryArithmetc'"),
+    ("advantage", '{"class_path": "lit_ess.advantages.RLOOO"}',
+     "data.init_args.advantage: Problem with given class_path 'lit_ess.advantages.RLOOO': module "
+     "'lit_ess.advantages' has no attribute 'RLOOO'"),
+    ("source", '{"class_path": "lit_ess.datamodules.Arithmetc"}',      # validation.source is one too: the one quoted
+     "data.init_args.source: Problem with given class_path 'lit_ess.datamodules.Arithmetc': module "
+     "'lit_ess.datamodules' has no attribute 'Arithmetc'"),
+    ("env", '{"env": {"class_path": "lit_ess.envs.Agent"}}',
+     "data.init_args.env.env.init_args.function is required (lit_ess.envs.Agent has no default for it)"),
+]
+
+
 @pytest.fixture(scope="module")
 def read_in_one_process(tiny_model_dir, tmp_path_factory):
     """`lit-ess fit` for each config below that ends while it is read (printed with --print_config, or
@@ -59,7 +84,14 @@ def read_in_one_process(tiny_model_dir, tmp_path_factory):
     for extra in PRINTED:
         cases[("print", *extra)] = (_demo_args(tiny_model_dir, *extra, "--print_config"), None)
     cases[("nccl",)] = (_demo_args(tiny_model_dir, "--data.init_args.engine.init_args.transport", "nccl"), None)
-    cases[("max_grad_norm",)] = (_demo_args(tiny_model_dir, "--model.init_args.max_grad_norm", "-1"), None)
+    cases[("max_grad_norm",)] = (_demo_args(tiny_model_dir, "--model.init_args.optim.max_grad_norm", "-1"), None)
+    for key, value in GROUP_REFUSALS:
+        cases[("group", key)] = (_demo_args(tiny_model_dir, f"--{key}", value), None)
+    for key, value, _ in CLASS_REFUSALS:
+        cases[("class", key, value)] = (_demo_args(tiny_model_dir, f"--data.init_args.{key}", value), None)
+    files[("class file",)] = _demo_config(tmp / "class_file", tiny_model_dir,
+                                          **{"data.init_args.env": {"env": {"class_path": "lit_ess.envs.Agent"}}})
+    cases[("class file",)] = (["fit", "--config", files[("class file",)]], tmp / "class_file")
     for args, _ in UNKNOWN_ARGS[1:]:
         cases[("unknown", *args)] = (_demo_args(tiny_model_dir, *args), None)
     for i, (key, value, _) in enumerate(UNKNOWN_FILES[1:]):
@@ -83,6 +115,70 @@ def test_print_config_lists_every_objective_hyper_parameter(read_in_one_process,
     assert objective["init_args"] == defaults             # every field, with its default
 
 
+def test_print_config_shows_the_groups_with_their_defaults(read_in_one_process):
+    """The data module's and the policy's knobs sit in their groups, each with its default or the demo's value."""
+    cfg = print_config(read_in_one_process)
+    data, model = cfg["data"]["init_args"], cfg["model"]["init_args"]
+    assert data["batch"] == {"prompts_per_rollout": 32, "samples_per_prompt": 8, "steps_per_rollout": 1,
+                             "steps_per_epoch": None}
+    assert data["schedule"] == {"mode": "sync", "placement": "colocated", "max_staleness": None, "worker_timeout": 1800.0}
+    assert data["reward_limits"] == {"timeout": 5.0, "max_error_rate": 0.5, "in_worker": None}
+    assert (data["validation"]["prompts"], data["validation"]["samples"], data["validation"]["sampling"]) == (128, 4, None)
+    assert data["validation"]["source"]["class_path"] == "lit_ess.datamodules.Arithmetic"
+    assert model["optim"]["lr"] == 2.0e-4 and model["optim"]["lr_schedule"] == "constant"
+    assert model["micro_batch"] == {"size": None, "tokens": None, "packing": False}
+    assert model["compute"] == {"dtype": "float32", "gradient_checkpointing": False, "logprob_chunk": 1024,
+                                "disable_dropout": True}
+    assert model["ess_alarm"] == {"threshold": 0.999, "error": False}
+    flat = ("prompts_per_rollout", "max_staleness", "val_source", "reward_timeout", "lr", "micro_batch_size",
+            "model_dtype", "ess_alarm_error")
+    assert not set(flat) & (set(data) | set(model))
+
+
+@pytest.mark.parametrize("key, value", GROUP_REFUSALS, ids=[k for k, _ in GROUP_REFUSALS])
+def test_a_bad_value_in_a_group_names_its_full_key(read_in_one_process, key, value):
+    res, _ = read_in_one_process[("group", key)]
+    line = res.stderr.strip().splitlines()[-2]
+    assert res.returncode == 2 and line.startswith(f"lit-ess: error: {key.replace('.init_args', '')} must be "), line
+
+
+def test_an_old_flat_key_names_its_new_place(tiny_model_dir, tmp_path):
+    """A key of the flat data module or policy (before the groups), in a config file or on the command line,
+    for the data module or the model: one line naming its new place, exit 2, before anything is built."""
+    old = _demo_config(tmp_path, tiny_model_dir)
+    cfg = yaml.safe_load(open(old))
+    cfg["data"]["init_args"]["prompts_per_rollout"] = 8
+    (tmp_path / "data.yaml").write_text(yaml.safe_dump(cfg))
+    cfg = yaml.safe_load(open(old))
+    cfg["model"]["init_args"]["lr"] = 1e-4
+    (tmp_path / "model.yaml").write_text(yaml.safe_dump(cfg))
+    said = {"file data": (["fit", "--config", str(tmp_path / "data.yaml")],
+                          f"{tmp_path / 'data.yaml'}: data.prompts_per_rollout is now data.batch.prompts_per_rollout"),
+            "file model": (["fit", "--config", str(tmp_path / "model.yaml")],
+                           f"{tmp_path / 'model.yaml'}: model.lr is now model.optim.lr"),
+            "line data": (_demo_args(tiny_model_dir, "--data.init_args.max_staleness", "2"),
+                          "--data.max_staleness is now --data.schedule.max_staleness"),
+            "line model": (_demo_args(tiny_model_dir, "--model.micro_batch_size", "4"),
+                           "--model.micro_batch_size is now --model.micro_batch.size"),
+            "alarm": (_demo_args(tiny_model_dir, "--model.init_args.ess_alarm", "0.99"),
+                      "--model.ess_alarm is now --model.ess_alarm.threshold")}
+    runs = cli_each({name: (args, tmp_path) for name, (args, _) in said.items()})
+    for name, (_, line) in said.items():
+        res = runs[name]
+        assert res.returncode == 2 and res.stderr.strip().splitlines() == [f"lit-ess: error: {line}"], (name, res.stderr)
+
+
+def test_the_old_key_table_leaves_other_modules_alone(tmp_path):
+    """SFTModule keeps its flat lr: the table judges the keys of PolicyModule and RolloutDataModule only."""
+    from lit_ess.config_check import check_inputs
+
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text("model:\n  class_path: lit_ess.sft.SFTModule\n  init_args: {lr: 1.0e-3}\n"
+                   "data:\n  class_path: lit_ess.datamodules.SFTDataModule\n  init_args: {val_prompts: 4}\n")
+    assert check_inputs(["--config", str(cfg), "--model.lr", "2e-3"]) is None
+    assert check_inputs(["--model", "PolicyModule", "--model.lr", "2e-3"]) == "--model.lr is now --model.optim.lr"
+
+
 def test_print_config_lists_the_run_folder(read_in_one_process):
     """output_dir (the demo's run folder, named once) and fit's --overwrite, with their defaults."""
     cfg = print_config(read_in_one_process)
@@ -91,12 +187,12 @@ def test_print_config_lists_the_run_folder(read_in_one_process):
 
 
 def test_print_config_lists_the_token_knobs(read_in_one_process):
-    """micro_batch_tokens and packing are in the printed config, with their defaults, and take a value."""
+    """micro_batch.tokens and packing are in the printed config, with their defaults, and take a value."""
     model = print_config(read_in_one_process)["model"]["init_args"]
-    assert model["micro_batch_tokens"] is None and model["packing"] is False
-    model = print_config(read_in_one_process, "--model.init_args.packing", "true",
-                         "--model.init_args.micro_batch_tokens", "512")["model"]["init_args"]
-    assert model["packing"] is True and model["micro_batch_tokens"] == 512
+    assert model["micro_batch"]["tokens"] is None and model["micro_batch"]["packing"] is False
+    model = print_config(read_in_one_process, "--model.init_args.micro_batch.packing", "true",
+                         "--model.init_args.micro_batch.tokens", "512")["model"]["init_args"]
+    assert model["micro_batch"]["packing"] is True and model["micro_batch"]["tokens"] == 512
 
 
 def test_print_config_lists_engine_settings(read_in_one_process):
@@ -142,7 +238,19 @@ def test_bad_value_is_named_first_on_one_line(tiny_model_dir):
 def test_max_grad_norm_minus_one_is_refused_on_one_line(read_in_one_process):
     res, _ = read_in_one_process[("max_grad_norm",)]
     line = _one_error_line(res)
-    assert line == "lit-ess: error: model.max_grad_norm must be > 0 or null, got -1.0: use null for no clipping", line
+    assert line == "lit-ess: error: model.optim.max_grad_norm must be > 0 or null, got -1.0: use null for no clipping", line
+
+
+@pytest.mark.parametrize("key, value, says", CLASS_REFUSALS)
+def test_a_class_path_refused_says_the_class_reason_and_a_missing_argument_its_full_key(read_in_one_process, key,
+                                                                                         value, says):
+    line = _one_error_line(read_in_one_process[("class", key, value)][0])
+    assert line == f"lit-ess: error: {says}", line
+
+
+def test_a_missing_environment_argument_in_a_config_file_is_named_by_its_full_key(read_in_one_process):
+    line = _one_error_line(read_in_one_process[("class file",)][0])
+    assert "data.init_args.env.env.init_args.function is required" in line, line
 
 
 def test_missing_model_folder_says_how_to_make_one(tmp_path):
@@ -187,7 +295,7 @@ def test_the_unknown_class_check_judges_only_lit_ess_fields(tmp_path):
 def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO, *extra):
     env = dict(os.environ, LIT_ESS_VERBOSE="1" if verbose else "0")
     res = cli(["fit", "--config", config, "--model.init_args.model_path", tiny_model_dir, "--trainer.max_steps", "2",
-               "--data.init_args.prompts_per_rollout", "8", "--data.init_args.samples_per_prompt", "4", *extra],
+               "--data.init_args.batch.prompts_per_rollout", "8", "--data.init_args.batch.samples_per_prompt", "4", *extra],
               cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     return res
@@ -196,7 +304,7 @@ def _run_demo_rl(tiny_model_dir, tmp_path, verbose: bool, config=DEMO, *extra):
 @pytest.mark.e2e
 def test_demo_console_is_quiet_and_verbose_brings_warnings_back(tiny_model_dir, tmp_path):
     quiet = _run_demo_rl(tiny_model_dir, tmp_path / "quiet", False, DEMO, "--trainer.check_val_every_n_epoch", "1",
-                         "--data.init_args.val_prompts", "16")
+                         "--data.init_args.validation.prompts", "16")
     console = quiet.stderr + quiet.stdout
     assert noisy_lines(console) == []
     assert "Total params" in console and "FLOPs" not in console      # the model summary, without uncounted FLOPs

@@ -37,7 +37,8 @@ def read(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guide")
     cfg = yaml.safe_load(open(DEMO))
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
-    cfg["model"]["init_args"]["lrr"] = cfg["model"]["init_args"].pop("lr")           # a typo in the file
+    optim = cfg["model"]["init_args"]["optim"]
+    optim["lrr"] = optim.pop("lr")                                                   # a typo in the file
     typo = write_config(cfg, tmp / "typo.yaml")
     demo = ["--config", DEMO, "--model.init_args.model_path", tiny_model_dir]
     cases = {
@@ -74,7 +75,7 @@ def test_fit_help_starts_with_the_lit_ess_knobs(read):
 def test_print_config_still_prints_the_config(read):
     res = read["print_config"]
     assert res.returncode == 0, res.stderr[-2000:]
-    assert yaml.safe_load(res.stdout)["model"]["init_args"]["lr"] == 2.0e-4
+    assert yaml.safe_load(res.stdout)["model"]["init_args"]["optim"]["lr"] == 2.0e-4
 
 
 @pytest.mark.parametrize("command", ["test", "predict"])
@@ -86,7 +87,7 @@ def test_test_and_predict_are_refused_in_one_line(read, command):
 
 
 @pytest.mark.parametrize("case, says", [
-    ("file typo", "Option 'lrr' is not accepted; did you mean model.init_args.lr?"),
+    ("file typo", "Group 'optim' does not accept option 'lrr'; did you mean model.init_args.optim.lr?"),
     ("trainer typo", "did you mean trainer.max_steps?"),
     ("nested typo", "did you mean data.init_args.sampling.temperature?"),
     ("objective typo", "did you mean model.init_args.objective.init_args.clip_eps?"),

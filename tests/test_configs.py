@@ -33,7 +33,6 @@ from lit_ess.rewards import resolve_reward
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GPU_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml")
                      if yaml.safe_load(p.read_text())["trainer"].get("accelerator", "cpu") != "cpu")
-SOURCES = ("source", "val_source")
 # a row the config's reward scores 1.0 with the completion beside it (the answer in the dataset's own format)
 ROWS = {"gsm8k": ("Natalia sold 48 clips in April and half as many in May. How many in all?",
                   "48 / 2 = 24 clips in May.\n48 + 24 = 72\n#### 72", "So she sold 72 clips.\n#### 72"),
@@ -61,7 +60,7 @@ def test_hardware_settings_agree(path):
     world = t["devices"] * t.get("num_nodes", 1)
     assert t["strategy"]["class_path"] == "lightning.pytorch.strategies.ModelParallelStrategy"
     assert t["strategy"]["init_args"] == {"data_parallel_size": world, "tensor_parallel_size": 1}
-    assert data["prompts_per_rollout"] % world == 0
+    assert data["batch"]["prompts_per_rollout"] % world == 0
     engine = data["engine"]["init_args"]
     assert engine["max_model_len"] >= data["max_prompt_tokens"] + data["sampling"]["max_new_tokens"]
     assert 0 < engine["gpu_memory_utilization"] < 0.5                      # colocated with the trainer
@@ -80,8 +79,7 @@ def _dry_config(path: Path, model_dir: str, tmp_path: Path) -> dict:
     data = cfg["data"]["init_args"]
     assert data["reward"] in ROWS, f"reward {data['reward']!r}: not a built-in reward with a sample row in ROWS"
     prompt, answer, _ = ROWS[data["reward"]]
-    for key in SOURCES:
-        src = data.get(key)
+    for key, src in (("source", data.get("source")), ("val_source", (data.get("validation") or {}).get("source"))):
         if src and src["class_path"] == "lit_ess.datamodules.HFPrompts":
             args = src["init_args"]
             rows = [{args.get("prompt_field", "prompt"): f"{prompt} ({i})", args.get("answer_field", "answer"): answer,
@@ -115,18 +113,19 @@ def test_config_builds_with_the_tiny_model(path, tiny_model_dir, tmp_path):
 
     model, dm, trainer = cli.model, cli.datamodule, cli.trainer
     assert isinstance(model, PolicyModule) and type(model.objective).__name__ == "P3O"
-    assert model.hparams.micro_batch_size == written["model"]["init_args"]["micro_batch_size"]
+    assert model.micro_batch.size == written["model"]["init_args"]["micro_batch"]["size"]
     model.configure_model()                                 # loads the (tiny) policy with the config's dtype
-    assert next(model.policy.parameters()).dtype.__str__() == f"torch.{model.hparams.model_dtype}"
+    assert next(model.policy.parameters()).dtype.__str__() == f"torch.{model.compute.dtype}"
 
     assert isinstance(dm, RolloutDataModule) and dm.model_path == tiny_model_dir     # linked from the model
-    assert (dm.prompts_per_rollout, dm.samples_per_prompt) == (data["prompts_per_rollout"], data["samples_per_prompt"])
+    assert (dm.batch.prompts_per_rollout, dm.batch.samples_per_prompt) == (data["batch"]["prompts_per_rollout"],
+                                                                       data["batch"]["samples_per_prompt"])
     assert dm.sampling.max_new_tokens == data["sampling"]["max_new_tokens"]
     assert isinstance(dm.engine_config, VLLMConfig)
     assert dm.engine_config.vllm_kwargs == data["engine"]["init_args"]["vllm_kwargs"]
     reward = resolve_reward(dm.reward_name)
     _, answer, completion = ROWS[dm.reward_name]
-    for src in (dm.source, dm.val_source):
+    for src in (dm.source, dm.validation.source):
         assert isinstance(src, HFPrompts) and len(src.examples) == 4 and src.skipped == 0
         ex = src.examples[0]
         assert ex.answer == answer and ex.prompt.startswith(ROWS[dm.reward_name][0])

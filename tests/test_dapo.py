@@ -18,6 +18,7 @@ from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.sampling import SamplingConfig
 from lit_ess.rollout import DynamicSampling, OverlongPenalty, overlong_penalty
 from lit_ess.rollout.dapo import merge_round_stats
+from lit_ess.datamodules.settings import BatchShape, Schedule
 
 COUNTS = ("rollout/refill_rounds", "rollout/batch_short", "rollout/dropped_groups", "rollout/surplus_groups")
 
@@ -83,13 +84,13 @@ def test_round_statistics_merge_as_over_all_samples():
 
 # ------------------------------------------------------------------------------------------------ with the fake engine
 def make_dm(model_dir, mode="sync", reward="e2e_utils:signal_if_even", max_rounds=4, prompts=4, samples=2, k=1,
-            length=3, max_new_tokens=3, setup=True, **kw):
+            length=3, max_new_tokens=3, setup=True, S=None, **kw):
     """The fake engine (completions of `length` tokens), 4 prompts x 2 samples; dynamic sampling with
     `max_rounds` (0: off)."""
     if max_rounds:
         kw["dynamic_sampling"] = DynamicSampling(enable=True, max_rounds=max_rounds)
-    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=0.0, length=length), mode=mode,
-                           steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples,
+    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=0.0, length=length), schedule=Schedule(mode=mode, max_staleness=S),
+                           batch=BatchShape(steps_per_rollout=k, prompts_per_rollout=prompts, samples_per_prompt=samples),
                            source=Arithmetic(size=400), sampling=SamplingConfig(max_new_tokens=max_new_tokens, seed=0),
                            reward=reward, **kw)
     if setup:
@@ -160,7 +161,7 @@ def test_refill_fills_the_phase_with_groups_that_carry_a_signal(tiny_model_dir, 
     rounds of 4 further prompts until 4 such groups are in, each phase trained full, every prompt drawn
     counted in some phase's rounds, none twice. Async runs up to 2 steps ahead, so phases' rounds interleave
     (test_async_refill_equals_sync covers async at the sync schedule)."""
-    dm, batches = run(tiny_model_dir, 6, mode=mode, max_staleness=S)
+    dm, batches = run(tiny_model_dir, 6, mode=mode, S=S)
     seen, drawn = [], 0
     for step, b in enumerate(batches):
         s = b.stats
@@ -197,7 +198,7 @@ def test_refill_stops_at_max_rounds_and_trains_short_counted(tiny_model_dir, mod
 
 def test_async_refill_equals_sync(tiny_model_dir):
     """Async with staleness 0 draws the same prompts in the same order as sync, refills included."""
-    got = {mode: run(tiny_model_dir, 4, mode=mode, max_staleness=0)[1] for mode in ("sync", "async")}
+    got = {mode: run(tiny_model_dir, 4, mode=mode, S=0)[1] for mode in ("sync", "async")}
     for a, b in zip(got["sync"], got["async"]):
         for f in ("input_ids", "behavior_logprobs", "advantages", "rewards", "versions", "prompt_ids"):
             assert torch.equal(getattr(a, f), getattr(b, f)), f

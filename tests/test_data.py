@@ -10,6 +10,7 @@ from lit_ess.advantages import RLOO, GroupMean, degenerate_groups, resolve_advan
 from lit_ess.engines import HFConfig
 from lit_ess.sampling import SamplingConfig
 from lit_ess.rewards import RewardScorer, exact_match, gsm8k, math_verify
+from lit_ess.datamodules.settings import BatchShape, RewardLimits, Validation
 
 
 def test_exact_match_and_gsm8k():
@@ -96,8 +97,7 @@ def test_local_jsonl_skips_and_counts_malformed_rows(tmp_path):
 
 @pytest.fixture(scope="module")
 def phase_dm(tiny_model_dir):
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=3,
-                           steps_per_rollout=2, sampling=SamplingConfig(max_new_tokens=5, seed=0),
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=3, steps_per_rollout=2), sampling=SamplingConfig(max_new_tokens=5, seed=0),
                            source=Arithmetic(size=50))
     dm.setup("fit")
     return dm
@@ -194,8 +194,7 @@ def test_drop_degenerate_keeps_a_row_for_every_step(tiny_model_dir, tmp_path):
     """4 prompts x 2 samples, 4 steps, 3 groups degenerate: 2 rows survive, so one dropped group is
     restored and every step gets a row."""
     src = HFPrompts(_prompt_file(tmp_path, [("1+1=", "const"), ("2+2=", "vary"), ("3+3=", "const"), ("4+4=", "const")]))
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=src, prompts_per_rollout=4,
-                           samples_per_prompt=2, steps_per_rollout=4, drop_degenerate=True,
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=src, batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=2, steps_per_rollout=4), drop_degenerate=True,
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), reward="e2e_utils:varies_unless_const")
     dm.setup("fit")
     batches = dm.generate_phase()
@@ -210,7 +209,7 @@ def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_p
     cumulative over the run and raised 'every prompt is longer' at phase ~125)."""
     rows = [(f"{i}+{i}=", str(2 * i)) for i in range(18)] + [("9" * 40 + "+1=", "x"), ("8" * 40 + "+1=", "y")]
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=HFPrompts(_prompt_file(tmp_path, rows)),
-                           prompts_per_rollout=8, samples_per_prompt=2, max_prompt_tokens=16,
+                           batch=BatchShape(prompts_per_rollout=8, samples_per_prompt=2), max_prompt_tokens=16,
                            sampling=SamplingConfig(max_new_tokens=1, seed=0))
     dm.setup("fit")
     for _ in range(150):
@@ -223,7 +222,7 @@ def test_long_prompts_skipped_over_many_phases_never_raise(tiny_model_dir, tmp_p
 def test_all_prompts_too_long_is_named(tiny_model_dir, tmp_path):
     rows = [("9" * 40 + f"+{i}=", "x") for i in range(5)]
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=HFPrompts(_prompt_file(tmp_path, rows)),
-                           prompts_per_rollout=2, samples_per_prompt=2, max_prompt_tokens=16,
+                           batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2), max_prompt_tokens=16,
                            sampling=SamplingConfig(max_new_tokens=1, seed=0))
     dm.setup("fit")
     with pytest.raises(ValueError, match="max_prompt_tokens=16"):
@@ -252,7 +251,7 @@ def test_sft_prompts_use_the_chat_template_as_rl_does(tiny_model_dir, tmp_path):
 
 def test_reward_counters_survive_a_checkpoint(tiny_model_dir):
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
-                           prompts_per_rollout=2, samples_per_prompt=2, reward="test_data:_boom", max_reward_error_rate=1.0,
+                           batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2), reward="test_data:_boom", reward_limits=RewardLimits(max_error_rate=1.0),
                            sampling=SamplingConfig(max_new_tokens=2, seed=0))
     dm.setup("fit")
     dm.generate_phase()
@@ -293,19 +292,18 @@ def test_every_rank_gets_the_same_number_of_validation_batches():
 
 
 def test_held_out_evaluation_samples_with_val_sampling(tiny_model_dir):
-    """val_sampling changes the training settings for held-out prompts only (here: a shorter limit; the
+    """validation.sampling changes the training settings for held-out prompts only (here: a shorter limit; the
     seed and the rest stay the training ones); an unknown setting is named."""
     held_out = [(i, f"{i}+{i}=", str(2 * i)) for i in range(4)]
     lengths = {}
     for name, val in (("train", None), ("val", {"max_new_tokens": 2})):
         dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=20),
-                               sampling=SamplingConfig(max_new_tokens=6, seed=0), val_samples=3, val_sampling=val,
-                               val_source=Arithmetic(size=8, split="test"))
+                               sampling=SamplingConfig(max_new_tokens=6, seed=0), validation=Validation(samples=3, sampling=val, source=Arithmetic(size=8, split="test")))
         dm.setup("validate")
         lengths[name] = dm.evaluate(held_out).length
         assert val is None or (dm.val_sampling.seed, dm.val_sampling.max_new_tokens) == (0, 2)
         dm.teardown("validate")
     assert lengths["val"].shape == (4, 3) and lengths["val"].max() == 2
     assert lengths["train"].max() > 2                        # the random model rarely stops within 2 tokens
-    with pytest.raises(ValueError, match=r"val_sampling: \['temp'\] are not sampling settings"):
-        RolloutDataModule(model_path=tiny_model_dir, val_sampling={"temp": 1.0})
+    with pytest.raises(ValueError, match=r"^data.validation.sampling: \['temp'\] are not sampling settings"):
+        RolloutDataModule(model_path=tiny_model_dir, validation=Validation(sampling={"temp": 1.0}))

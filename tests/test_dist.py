@@ -14,6 +14,7 @@ from e2e_utils import cli, kill_after_checkpoint, rl_config, scalars, spawn_rank
 from lit_ess.sampling import SamplingConfig
 from lit_ess.objectives import P3O, P4O, ess_stats
 from lit_ess.batch import Proximal, Row, collate
+from lit_ess.settings import Compute, MicroBatch
 
 pytestmark = pytest.mark.dist
 
@@ -54,16 +55,16 @@ class RecordingP3O(P3O):
 def _module(model_dir, ess_scope="step", cut=None):
     from lit_ess.module import PolicyModule
 
-    m = PolicyModule(model_dir, objective=RecordingP3O(), ess_scope=ess_scope, **(cut or {"micro_batch_size": 2}))
+    m = PolicyModule(model_dir, objective=RecordingP3O(), ess_scope=ess_scope, **(cut or {"micro_batch": MicroBatch(size=2)}))
     m.configure_model()
     return m
 
 
-CUTS = {"rows": {"micro_batch_size": 2}, "tokens": {"micro_batch_tokens": 20},
-        "packed": {"micro_batch_tokens": 20, "packing": True},
+CUTS = {"rows": {"micro_batch": MicroBatch(size=2)}, "tokens": {"micro_batch": MicroBatch(tokens=20)},
+        "packed": {"micro_batch": MicroBatch(tokens=20, packing=True)},
         # the LM head 3 tokens at a time (chunk boundaries inside rows), padded and packed
-        "chunked": {"micro_batch_size": 2, "logprob_chunk": 3},
-        "chunked_packed": {"micro_batch_tokens": 20, "packing": True, "logprob_chunk": 3}}
+        "chunked": {"micro_batch": MicroBatch(size=2), "compute": Compute(logprob_chunk=3)},
+        "chunked_packed": {"micro_batch": MicroBatch(tokens=20, packing=True), "compute": Compute(logprob_chunk=3)}}
 STEPS = {**{name: ("step", cut) for name, cut in CUTS.items()}, "micro": ("micro", CUTS["rows"])}   # (ess_scope, cut)
 
 
@@ -93,14 +94,14 @@ def _rank_main(rank, world, port, model_dir, out):
                 alone = ess_stats(lp - mb.behavior_logprobs, mb.completion_mask).value()
             got[name] = {"grads": grads, "metrics": metrics, "ess": ess, "seen": m.objective.seen, "alone": float(alone)}
 
-        m = PolicyModule(model_dir, objective=P4O(), micro_batch_size=2)        # both ESS all-reduced
+        m = PolicyModule(model_dir, objective=P4O(), micro_batch=MicroBatch(size=2))        # both ESS all-reduced
         m.configure_model()
         FSDP2().shard(m.policy, mesh)
         metrics, ess = m.accumulate_gradients(_p4o_batch().select([0, 1, 2, 3] if rank == 0 else [4, 5]))
         got["p4o"] = {"grads": {n: p.grad.full_tensor() for n, p in m.policy.named_parameters()},
                       "metrics": metrics, "ess": ess}
 
-        m = PolicyModule(model_dir, micro_batch_size=2)
+        m = PolicyModule(model_dir, micro_batch=MicroBatch(size=2))
         m.configure_model()
         FSDP2().shard(m.policy, mesh)
         waiting = [_batch().select([0, 1, 2, 3]), _batch().select([4, 5])] if rank == 0 else []
@@ -153,7 +154,7 @@ def test_fsdp2_p4o_step_equals_one_process(tiny_model_dir, two_ranks):
     from lit_ess.module import PolicyModule
 
     got = two_ranks["p4o"]
-    ref = PolicyModule(tiny_model_dir, objective=P4O(), micro_batch_size=2)
+    ref = PolicyModule(tiny_model_dir, objective=P4O(), micro_batch=MicroBatch(size=2))
     ref.configure_model()
     ref_metrics, ref_ess = ref.accumulate_gradients(_p4o_batch())
     assert ref_metrics["train/ess_b"] < 0.99 and ref_metrics["train/ess_prox"] < 0.99     # both anchors act
@@ -169,7 +170,7 @@ def test_fsdp2_proximal_scoring_with_a_rank_that_has_nothing_to_score(tiny_model
     got = two_ranks["proximal"]
     from lit_ess.module import PolicyModule
 
-    ref = PolicyModule(tiny_model_dir, micro_batch_size=2)
+    ref = PolicyModule(tiny_model_dir, micro_batch=MicroBatch(size=2))
     ref.configure_model()
     want = [_batch().select([0, 1, 2, 3]), _batch().select([4, 5])]
     ref.score_proximal(want, pad=want[0])
@@ -218,8 +219,8 @@ def test_two_ranks_train_the_one_rank_batch(tiny_model_dir, tmp_path):
     process; the ranks train different prompts; the sharded checkpoint exports the same weights and
     validates on one device. The held-out set is one chunk: each rank evaluates half of it (rank 1
     once got no chunk, and the other rank waited for it)."""
-    val = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
-           "val_prompts": 64, "val_samples": 2}
+    val = {"validation": {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
+                          "prompts": 64, "samples": 2}}
     runs = {}
     for name, world, strategy in (("one", 1, None), ("fsdp2", 2, "fsdp2"), ("ddp", 2, "ddp")):
         out = tmp_path / name

@@ -26,7 +26,7 @@ ENGINE = {"class_path": "lit_ess.engines.HFConfig", "init_args": {"batch_size": 
 
 
 def config(model_dir, out: Path, mode="async", placement="colocated", S=None, strategy="fsdp2", ckpt_every=None, steps=STEPS):
-    data = {"mode": mode, "placement": placement, "max_staleness": S, "worker_timeout": 120, "engine": ENGINE}
+    data = {"schedule": {"mode": mode, "placement": placement, "max_staleness": S, "worker_timeout": 120}, "engine": ENGINE}
     cfg = rl_config(model_dir, out, prompts=8, samples=4, max_steps=steps, steps_per_rollout=K, ckpt_every=ckpt_every,
                     extra_data=data)
     cfg["trainer"]["devices"] = 2

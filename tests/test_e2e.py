@@ -10,8 +10,8 @@ from lit_ess.report import read_histogram_tags
 pytestmark = pytest.mark.e2e
 
 
-VAL = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
-       "val_prompts": 16, "val_samples": 3}
+VAL = {"validation": {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 40, "seed": 7}},
+                      "prompts": 16, "samples": 3}}
 
 
 def shared_config(model_dir, out, **data):
@@ -32,7 +32,7 @@ def four_steps_config(model_dir, out):
 
 
 def broken_sync_config(model_dir, out):
-    cfg = rl_config(model_dir, out, engine="HFConfig", max_steps=3, lr=2e-2, extra_model={"ess_alarm_error": True})
+    cfg = rl_config(model_dir, out, engine="HFConfig", max_steps=3, lr=2e-2, extra_model={"ess_alarm": {"error": True}})
     cfg["trainer"]["callbacks"][0] = {"class_path": "e2e_utils.StaleWeightSync"}
     return cfg
 
@@ -45,7 +45,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     4 steps per rollout, a broken weight sync, an unknown objective."""
     root = tmp_path_factory.mktemp("runs")
     fits = {"sync": shared_config(tiny_model_dir, root / "sync"),
-            "async0": shared_config(tiny_model_dir, root / "async0", mode="async", max_staleness=0),
+            "async0": shared_config(tiny_model_dir, root / "async0", schedule={"mode": "async", "max_staleness": 0}),
             "hf": rl_config(tiny_model_dir, root / "hf", engine="HFConfig"),
             "four_steps": four_steps_config(tiny_model_dir, root / "four_steps"),
             "broken_sync": broken_sync_config(tiny_model_dir, root / "broken_sync"),
@@ -111,7 +111,7 @@ def test_dashboard_tags_and_histograms(sync_run):
 
 def test_async_with_staleness_zero_reproduces_the_sync_run(runs, sync_run):
     sync = sync_run[0]
-    asyn, _ = ok(runs, "async0")             # shared_config with mode: async, max_staleness: 0
+    asyn, _ = ok(runs, "async0")             # shared_config with schedule: {mode: async, max_staleness: 0}
     for tag in ("train/loss", "train/ess", "rollout/reward_mean", "train/grad_norm", "val/reward_mean", "val/pass@1"):
         assert [v for _, v in asyn[tag]] == pytest.approx([v for _, v in sync[tag]], abs=1e-6), tag
     assert [v for _, v in asyn["train/policy_lag_max"]] == [0.0] * 4
@@ -124,8 +124,8 @@ def test_kill_and_resume_matches_uninterrupted(tiny_model_dir, tmp_path):
 
     def config(out):
         cfg = rl_config(tiny_model_dir, out, max_steps=steps, steps_per_rollout=2, ckpt_every=3, lr=lr,
-                        extra_model={"warmup_steps": warmup},
-                        extra_data={"reward": "e2e_utils:flaky_digit_fraction", "max_reward_error_rate": 1.0})
+                        extra_model={"optim": {"warmup_steps": warmup}},
+                        extra_data={"reward": "e2e_utils:flaky_digit_fraction", "reward_limits": {"max_error_rate": 1.0}})
         cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordPrompts",
                                             "init_args": {"path": str(out / "prompts.jsonl")}})
         return cfg
@@ -175,13 +175,13 @@ def test_validation_in_fit_and_validate_from_checkpoint(sync_run, runs):
 
 
 def test_a_broken_weight_sync_stops_the_run_with_ess_alarm_error(runs):
-    """A sync that keeps pushing the first weights (labelled as current): with model.ess_alarm_error the
+    """A sync that keeps pushing the first weights (labelled as current): with model.ess_alarm.error the
     run stops at step 1, the first step whose engine lags, with one line that says what is wrong. The hf
     engine: the broken sync is the callback's, the alarm the module's; neither is the engine's."""
     out, res = runs["broken_sync"]           # broken_sync_config
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     line = next(ln for ln in res.stderr.splitlines() if ln.startswith("lit-ess: error: "))
-    assert re.search(r"^lit-ess: error: step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below ess_alarm=0\.999 "
+    assert re.search(r"^lit-ess: error: step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below model\.ess_alarm\.threshold=0\.999 "
                     r"on rows sampled by the trainer's current weights at its precision \(float32\) and temperature "
                     r"\(1\.0\), where it must be 1: .*\(check the weight sync\)$", line), line
     assert len(scalars(out)["train/loss"]) == 1                        # step 0 (fresh weights) trained

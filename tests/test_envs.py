@@ -85,7 +85,7 @@ def test_env_config_names_the_culprit():
     for knob, value in [("max_turns", 0), ("max_episode_tokens", 1), ("step_timeout", 0)]:
         with pytest.raises(ValueError, match=f"env.{knob} must be"):
             EnvConfig(**{knob: value})
-    with pytest.raises(ValueError, match="max_reward_error_rate must be"):
+    with pytest.raises(ValueError, match="data.reward_limits.max_error_rate must be"):
         EpisodeRunner(EnvConfig(), build_tokenizer(), max_error_rate=1.5)
     with pytest.raises(ValueError, match="RetryArithmetic.max_tries must be >= 1"):
         EnvConfig(env=partial(RetryArithmetic, max_tries=0)).make()
@@ -516,7 +516,7 @@ def test_more_failures_than_the_error_rate_raise_one_line(byte_tok):
     runner = EpisodeRunner(EnvConfig(env=f"{__name__}:Flaky"), byte_tok, max_error_rate=0.5)
     exs = [Example("q", h) for h in ["raise", "raise", "raise", "ok"]]
     with pytest.warns(UserWarning), pytest.raises(EnvError, match=r"failed in 3 of 4 episodes, more than "
-                                                                  r"max_reward_error_rate=0.5; first error: RuntimeError: tool"):
+                                                                  r"data.reward_limits.max_error_rate=0.5; first error: RuntimeError: tool"):
         runner.run(engine, exs, 1, S)
 
 

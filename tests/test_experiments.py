@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_apply_sets_dotted_keys():
     cfg = {"data": {"init_args": {"sampling": {"temperature": 1.0}}}}
-    apply(cfg, {"data.init_args.sampling.temperature": 0.6, "model.init_args.lr": 1e-3})
-    assert cfg == {"data": {"init_args": {"sampling": {"temperature": 0.6}}}, "model": {"init_args": {"lr": 1e-3}}}
+    apply(cfg, {"data.init_args.sampling.temperature": 0.6, "model.init_args.optim.lr": 1e-3})
+    assert cfg == {"data": {"init_args": {"sampling": {"temperature": 0.6}}}, "model": {"init_args": {"optim": {"lr": 1e-3}}}}
 
 
 def test_a_runs_config_shares_no_list_with_its_cell(tmp_path):
@@ -80,14 +80,15 @@ def test_multiturn_cells_are_the_demos_task_at_three_staleness_levels(tmp_path):
         cfg = cell_config("multiturn", c, 2, tmp_path / "sft", tmp_path / c.label, FULL)
         data = cfg["data"]["init_args"]
         assert cfg["model"]["init_args"]["objective"] == METHODS[c.method]["model.init_args.objective"]
-        assert data["env"] == MULTITURN_ENV and data["env"] is not MULTITURN_ENV and data[S.split(".")[-1]] == c.level
-        assert "mode" not in data and data.get("steps_per_rollout", 1) == 1          # sync, one step per rollout
+        assert data["env"] == MULTITURN_ENV and data["env"] is not MULTITURN_ENV and data["schedule"]["max_staleness"] == c.level
+        assert "schedule" not in data or "mode" not in data["schedule"]
+        assert data["batch"].get("steps_per_rollout", 1) == 1          # sync, one step per rollout
         assert cfg["model"]["init_args"]["model_path"] == str(tmp_path / "sft") and cfg["seed_everything"] == 2
-        assert data["reward"] == "exact_match" and data["val_sampling"] == {"temperature": 1.0}
-        assert (cfg["trainer"]["max_steps"], cfg["trainer"]["check_val_every_n_epoch"], data["prompts_per_rollout"],
-                data["samples_per_prompt"]) == (32, 8, 8, FULL.samples)             # sized down (exp.size)
+        assert data["reward"] == "exact_match" and data["validation"]["sampling"] == {"temperature": 1.0}
+        assert (cfg["trainer"]["max_steps"], cfg["trainer"]["check_val_every_n_epoch"], data["batch"]["prompts_per_rollout"],
+                data["batch"]["samples_per_prompt"]) == (32, 8, 8, FULL.samples)             # sized down (exp.size)
         quick = cell_config("multiturn", c, 0, tmp_path / "sft", tmp_path / c.label, QUICK)
-        assert (quick["trainer"]["max_steps"], quick["data"]["init_args"]["prompts_per_rollout"]) == \
+        assert (quick["trainer"]["max_steps"], quick["data"]["init_args"]["batch"]["prompts_per_rollout"]) == \
             (QUICK.steps, QUICK.prompts)                                              # a cap: --quick stays quick
 
 
@@ -114,7 +115,7 @@ def test_multiturn_configs_build(tiny_model_dir, tmp_path):
         assert dm.env.hparams() == {"env": {"class_path": "lit_ess.envs.arithmetic.RetryArithmetic",
                                             "init_args": MULTITURN_ENV["env"]["init_args"]},
                                     "max_turns": 3, "max_episode_tokens": 96, "step_timeout": 10.0}
-        assert dm.max_staleness == c.level and dm.mode == "sync"
+        assert dm.schedule.max_staleness == c.level and dm.schedule.mode == "sync"
         assert type(objective).__name__ == ("P3O" if c.method == "p3o" else "GRPO")
         tis = objective.correction
         assert (tis.level, tis.mode, tis.high) == ("token", "truncate", 2.0) if c.method == "grpo_tis" else tis is None
@@ -204,17 +205,18 @@ def test_quick_cells_not_trained_end_to_end_build(tiny_model_dir, tmp_path):
             obj = cfg["model"]["init_args"]["objective"]
             assert type(cli.model.objective).__name__ == obj["class_path"].rsplit(".", 1)[1], name
             assert all(getattr(cli.model.objective, k) == v for k, v in obj.get("init_args", {}).items()), name
-            assert cli.model.hparams.lr == cell_lr(cell) and cli.trainer.max_steps == QUICK.steps, name
+            assert cli.model.optim.lr == cell_lr(cell) and cli.trainer.max_steps == QUICK.steps, name
             dm = cli.datamodule
             k = int(cell.overrides.get(K, 1)) if exp.batch_per_step else 1      # stress_k: rows per step kept
-            assert (dm.prompts_per_rollout, dm.samples_per_prompt) == (QUICK.prompts * k, QUICK.samples), name
+            assert (dm.batch.prompts_per_rollout, dm.batch.samples_per_prompt) == (QUICK.prompts * k, QUICK.samples), name
             for key, value in {**exp.common, **cell.overrides}.items():     # k, S, mode, engine dtype, ...
                 *where, field = key.removeprefix("data.init_args.").split(".")
                 if key == "data.init_args.engine.class_path":                 # the engine's class (inflight)
                     assert f"{type(dm.engine_config).__module__.rsplit('.', 1)[0]}.{type(dm.engine_config).__name__}" \
                         == value, (name, key)
                 elif key.startswith("data."):
-                    target = {(): dm, ("engine", "init_args"): dm.engine_config, ("sampling",): dm.sampling}[tuple(where)]
+                    target = {(): dm, ("engine", "init_args"): dm.engine_config, ("sampling",): dm.sampling,
+                              ("batch",): dm.batch, ("schedule",): dm.schedule}[tuple(where)]
                     got = getattr(target, field)
                     if isinstance(value, dict) and hasattr(got, "__dataclass_fields__"):   # env: EnvConfig, by its
                         got = got.hparams()                                                # plain values

@@ -35,7 +35,7 @@ def runs(tmp_path_factory):
         for engine in ENGINES:
             out = root / family / engine
             cfg = rl_config(str(model), out, engine=engine, max_steps=2, prompts=4, samples=4,
-                            extra_model={"logprob_chunk": 7})
+                            extra_model={"compute": {"logprob_chunk": 7}})
             cfg["trainer"]["callbacks"].append({"class_path": "lit_ess.callbacks.ExportHF",
                                                 "init_args": {"dirpath": str(out / "export")}})
             configs[family, engine] = (out, write_config(cfg, out / "config.yaml"))

@@ -9,6 +9,7 @@ import torch
 from e2e_utils import cli, rl_config, write_config
 from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
 from lit_ess.rewards import RewardError, RewardScorer
+from lit_ess.datamodules.settings import BatchShape, Schedule
 
 NOT_A_FUNCTION = 3
 
@@ -100,15 +101,15 @@ def test_reward_and_group_size_are_checked_at_start():
     with pytest.raises(ValueError, match="reward .json:loads.: parameter .s. is neither prompt, completion, answer"):
         RolloutDataModule(reward="json:loads")
     with pytest.raises(ValueError, match="samples_per_prompt=1: the group advantage"):
-        RolloutDataModule(samples_per_prompt=1)
+        RolloutDataModule(batch=BatchShape(samples_per_prompt=1))
 
 
 def test_async_worker_stops_on_a_failing_reward_with_the_same_error(tiny_model_dir):
     from fake_engine import FakeConfig
     from lit_ess.sampling import SamplingConfig
 
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), mode="async",
-                           prompts_per_rollout=2, samples_per_prompt=2, source=Arithmetic(size=10),
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), schedule=Schedule(mode="async"),
+                           batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2), source=Arithmetic(size=10),
                            sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="test_faults_input:returns_inf")
     dm.setup("fit")
     try:
@@ -133,7 +134,7 @@ def test_fit_with_an_infinite_reward_stops_naming_it(tiny_model_dir, tmp_path):
 
 def test_validate_without_val_source_is_an_error(tiny_model_dir):
     """`lit-ess validate` used to evaluate nothing and exit 0; the CLI prints this error as one line."""
-    with pytest.raises(ValueError, match="validate needs held-out prompts: set data.val_source"):
+    with pytest.raises(ValueError, match="validate needs held-out prompts: set data.validation.source"):
         RolloutDataModule(model_path=tiny_model_dir).setup("validate")
 
 
@@ -141,7 +142,7 @@ def test_validate_with_a_truncated_checkpoint_names_it(tiny_model_dir, tmp_path)
     ckpt = _checkpoint(tiny_model_dir, tmp_path / "last.ckpt")
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig",
-                    extra_data={"val_source": {"class_path": "lit_ess.datamodules.Arithmetic"}})
+                    extra_data={"validation": {"source": {"class_path": "lit_ess.datamodules.Arithmetic"}}})
     line = one_line(cli(["validate", "--config", str(write_config(cfg, tmp_path / "c.yaml")), "--ckpt_path", str(ckpt)],
                         cwd=tmp_path))
     assert str(ckpt) in line and "torn or not a checkpoint" in line, line

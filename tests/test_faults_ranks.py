@@ -16,7 +16,7 @@ from e2e_utils import kill_session, pythonpath, rl_config, session_processes, wr
 def _two_rank_async(model_dir, out, **kw):
     """2 ranks (DDP, gloo), async rollouts with the hf engine, rewards in a reward worker process."""
     cfg = rl_config(model_dir, out, engine="HFConfig", max_steps=200, prompts=4, samples=2, **kw,
-                    extra_data={"mode": "async", "reward_in_worker": True})
+                    extra_data={"schedule": {"mode": "async"}, "reward_limits": {"in_worker": True}})
     cfg["trainer"]["devices"], cfg["trainer"]["strategy"] = 2, "ddp"
     return cfg
 

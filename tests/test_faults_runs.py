@@ -10,6 +10,7 @@ import pytest
 
 from e2e_utils import cli, kill_when_rewritten, rl_config, write_config
 from lit_ess.checkpoint import unreadable
+from lit_ess.datamodules.settings import BatchShape, RewardLimits, Schedule
 
 
 def _other_filesystem_tmpdir(than: Path) -> str | None:
@@ -92,9 +93,9 @@ def test_a_stalled_async_worker_stops_the_run_with_its_pid_and_stage(tiny_model_
     from test_async import weights
 
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0, hang_on_call=1 if fault == "engine hangs" else -1),
-                           mode="async", max_staleness=0, prompts_per_rollout=2, samples_per_prompt=2,
+                           schedule=Schedule(mode="async", max_staleness=0, worker_timeout=1.0), batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2),
                            source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
-                           reward="e2e_utils:digit_fraction", worker_timeout=1.0)
+                           reward="e2e_utils:digit_fraction")
     dm.setup("fit")
     try:
         dm.push_weights(weights(0), 0)
@@ -124,9 +125,8 @@ def test_a_custom_reward_that_hangs_times_out_in_the_worker(tiny_model_dir):
     from lit_ess.datamodules import Arithmetic, RolloutDataModule
     from lit_ess.sampling import SamplingConfig
 
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), prompts_per_rollout=2,
-                           samples_per_prompt=2, source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
-                           reward="hanging_rewards:digits_unless_five", reward_in_worker=True, reward_timeout=0.5)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.0), batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2), source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
+                           reward="hanging_rewards:digits_unless_five", reward_limits=RewardLimits(in_worker=True, timeout=0.5))
     dm.setup("fit")
     try:
         batch = dm.next_batch(0)
@@ -175,10 +175,9 @@ def test_a_long_training_step_is_not_a_stalled_worker(tiny_model_dir):
     from lit_ess.sampling import SamplingConfig
     from test_async import weights
 
-    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.05), mode="async", max_staleness=1,
-                           prompts_per_rollout=2, samples_per_prompt=2, source=Arithmetic(size=40),
-                           sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="e2e_utils:digit_fraction",
-                           worker_timeout=2.0)
+    dm = RolloutDataModule(model_path=tiny_model_dir, engine=FakeConfig(latency=0.05), schedule=Schedule(mode="async", max_staleness=1, worker_timeout=2.0),
+                           batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2), source=Arithmetic(size=40),
+                           sampling=SamplingConfig(max_new_tokens=3, seed=0), reward="e2e_utils:digit_fraction")
     dm.setup("fit")
     try:
         dm.push_weights(weights(0), 0)

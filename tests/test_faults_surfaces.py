@@ -35,25 +35,25 @@ def p3o_run(tiny_model_dir, tmp_path_factory):
 def test_a_resume_with_other_knobs_is_refused_for_a_path_and_last(p3o_run):
     """The config changed to GRPO and another lr: `--ckpt_path FILE` and `--ckpt_path last` both refuse in one
     line naming each knob with both values (main: the path trained P3O at the checkpoint's lr, exit 0; `last`
-    trained GRPO). A knob a resume may change (micro_batch_size) resumes, with the config's value."""
+    trained GRPO). A knob a resume may change (micro_batch.size) resumes, with the config's value."""
     cfg, tmp = p3o_run
     first = next((tmp / "ckpt").glob("*step=1.ckpt"))
     cfg = {**cfg, "trainer": {**cfg["trainer"], "max_steps": 3}}
-    changed = {**cfg, "model": {**cfg["model"], "init_args": {**cfg["model"]["init_args"], "lr": 5e-4,
+    changed = {**cfg, "model": {**cfg["model"], "init_args": {**cfg["model"]["init_args"], "optim": {"lr": 5e-4},
                "objective": {"class_path": "lit_ess.objectives.GRPO"}}}}
     path = str(write_config(changed, tmp / "grpo.yaml"))
     runs = cli_each({form: (["fit", "--config", path, "--ckpt_path", ckpt], tmp)
                      for form, ckpt in (("path", str(first)), ("last", "last"))}, timeout=600)
     for form, res in runs.items():
         line = fault_line(res, code=2)
-        assert "model.objective P3O -> GRPO" in line and "model.lr 0.001 -> 0.0005" in line, (form, line)
+        assert "model.objective P3O -> GRPO" in line and "model.optim.lr 0.001 -> 0.0005" in line, (form, line)
         assert str(first if form == "path" else tmp / "ckpt" / "last.ckpt") in line, (form, line)
     assert not list((tmp / "ckpt").glob("*step=3.ckpt"))
-    memory = {**cfg, "model": {**cfg["model"], "init_args": {**cfg["model"]["init_args"], "micro_batch_size": 8}}}
+    memory = {**cfg, "model": {**cfg["model"], "init_args": {**cfg["model"]["init_args"], "micro_batch": {"size": 8}}}}
     res = cli(["fit", "--config", str(write_config(memory, tmp / "mbs.yaml")), "--ckpt_path", str(first)], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     saved = torch.load(next((tmp / "ckpt").glob("*step=3.ckpt")), weights_only=False)["hyper_parameters"]
-    assert saved["micro_batch_size"] == 8 and saved["lr"] == 1e-3
+    assert saved["micro_batch"]["size"] == 8 and saved["optim"]["lr"] == 1e-3
 
 
 @pytest.mark.e2e
@@ -228,7 +228,7 @@ def test_a_long_first_observation_is_cut_to_max_prompt_tokens_and_counted(tiny_m
 
     env = {"env": {"class_path": "e2e_utils.LongFirstObservation", "init_args": {"length": 5000}}, "max_turns": 2}
     cfg = rl_config(tiny_model_dir, tmp_path, engine="HFConfig", max_steps=2, prompts=8, samples=2,
-                    extra_data={"env": env, "max_prompt_tokens": 64, "max_reward_error_rate": 1.0})
+                    extra_data={"env": env, "max_prompt_tokens": 64, "reward_limits": {"max_error_rate": 1.0}})
     cfg["trainer"]["callbacks"].append({"class_path": "e2e_utils.RecordRowLengths",
                                         "init_args": {"path": str(tmp_path / "rows.txt")}})
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "c.yaml"))], timeout=300)

@@ -5,7 +5,8 @@ import pytest
 
 from lit_ess.engines import HFConfig, VLLMConfig
 from lit_ess.sampling import SamplingConfig
-from lit_ess.health import ESSAlarm, StepFacts, exact_on_policy
+from lit_ess.health import ESSWatch, StepFacts, exact_on_policy
+from lit_ess.settings import Compute, ESSAlarm
 
 EXACT = StepFacts(lag_max=0, engine_dtype="float32", precision="32-true", model_dtype="float32", cast_dtype=None,
                   lora=False, dropout=False, sample_temperature=1.0, train_temperature=1.0)
@@ -18,14 +19,14 @@ def test_it_applies_only_where_the_ess_must_be_one():
     assert not exact_on_policy(replace(EXACT, engine_dtype=None))                          # the engine does not say
     assert not exact_on_policy(replace(EXACT, sample_temperature=1.5))                     # temperature mismatch
     assert not exact_on_policy(replace(EXACT, dropout=True))                               # random masks
-    assert ESSAlarm(None).check(1, 0.1, 0.01, EXACT) is None                               # off
+    assert ESSWatch(ESSAlarm(None)).check(1, 0.1, 0.01, EXACT) is None                               # off
 
 
 def test_warns_once_with_the_numbers_and_counts_every_step():
-    a = ESSAlarm(0.999)
+    a = ESSWatch(ESSAlarm(0.999))
     assert a.check(3, 0.9995, 1.0, EXACT) is None and a.count == 0
     first = a.check(4, 0.0213, 3e-7, EXACT)
-    assert first.startswith("step 4: ESS 0.021300 (mean ratio pi_theta/pi_b 3e-07) below ess_alarm=0.999")
+    assert first.startswith("step 4: ESS 0.021300 (mean ratio pi_theta/pi_b 3e-07) below model.ess_alarm.threshold=0.999")
     assert "check the weight sync" in first and "\n" not in first
     assert a.check(5, 0.5, 0.4, EXACT) is None and a.count == 2                    # counted, not warned again
     assert a.check(6, 0.5, 0.4, replace(EXACT, lag_max=2)) is None and a.count == 2  # lag 2: not a fault
@@ -33,8 +34,8 @@ def test_warns_once_with_the_numbers_and_counts_every_step():
 
 def test_the_switch_makes_it_an_error():
     with pytest.raises(RuntimeError, match=r"^step 1: ESS 0\.100000 .*\(check the weight sync\)$"):
-        ESSAlarm(0.999, error=True).check(1, 0.1, 0.01, EXACT)
-    with pytest.raises(ValueError, match="ess_alarm must be in"):
+        ESSWatch(ESSAlarm(0.999, error=True)).check(1, 0.1, 0.01, EXACT)
+    with pytest.raises(ValueError, match=r"^model.ess_alarm.threshold must be in"):
         ESSAlarm(1.5)
 
 
@@ -52,7 +53,7 @@ def test_the_trainers_dtype_follows_precision_and_fsdp2s_cast(tiny_model_dir):
 
     from lit_ess.module import PolicyModule
 
-    m = PolicyModule(tiny_model_dir, model_dtype="bfloat16")
+    m = PolicyModule(tiny_model_dir, compute=Compute(dtype="bfloat16"))
     m.configure_model()
 
     def trainer_dtype():
@@ -69,18 +70,18 @@ def test_the_trainers_dtype_follows_precision_and_fsdp2s_cast(tiny_model_dir):
 
 def test_dropout_or_fp32_adapters_on_a_16_bit_base_are_not_exact(tiny_model_dir):
     """A healthy lag-0 step under LoRA dropout (random masks) or with peft's fp32 adapters on a bf16 base
-    has ESS below 1: not counted, not warned (it was, and with ess_alarm_error stopped a healthy run)."""
+    has ESS below 1: not counted, not warned (it was, and with ess_alarm.error stopped a healthy run)."""
     from lit_ess.lora import LoRA
     from lit_ess.module import PolicyModule
 
     logs = {"train/ess": 0.99, "train/ratio_mean": 1.0, "train/policy_lag_max": 0.0}
     for kw, exact in (({}, True), ({"lora": LoRA(rank=4)}, True), ({"lora": LoRA(rank=4, dropout=0.1)}, False),
-                      ({"lora": LoRA(rank=4), "model_dtype": "bfloat16"}, False)):
-        m = PolicyModule(tiny_model_dir, ess_alarm_error=True, **kw)
+                      ({"lora": LoRA(rank=4), "compute": Compute(dtype="bfloat16")}, False)):
+        m = PolicyModule(tiny_model_dir, ess_alarm=ESSAlarm(error=True), **kw)
         m.configure_model()
-        facts = m.step_facts(SamplingConfig(temperature=1.0), m.hparams.model_dtype, 0.0)
+        facts = m.step_facts(SamplingConfig(temperature=1.0), m.compute.dtype, 0.0)
         if exact:
-            with pytest.raises(RuntimeError, match="below ess_alarm=0.999"):
+            with pytest.raises(RuntimeError, match="below model.ess_alarm.threshold=0.999"):
                 m._check_ess(dict(logs), facts, step=1)
         else:
             out = dict(logs)

@@ -10,6 +10,7 @@ from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.engines import HFConfig
 from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
+from lit_ess.datamodules.settings import BatchShape, Schedule
 
 PLAIN = (str, int, float, bool, type(None))
 
@@ -25,7 +26,7 @@ def _plain(x) -> bool:
 def test_mismatch_knobs_are_logged_hparams_and_checkpoints_hold_plain_values(tiny_model_dir, tmp_path):
     dm = RolloutDataModule(model_path=tiny_model_dir, source=Arithmetic(size=40), engine=HFConfig(dtype="bfloat16"),
                            sampling=SamplingConfig(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=3, seed=0),
-                           prompts_per_rollout=2, samples_per_prompt=2, steps_per_rollout=2, max_staleness=3,
+                           batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2, steps_per_rollout=2), schedule=Schedule(max_staleness=3),
                            reward="e2e_utils:digit_fraction")
     model = PolicyModule(tiny_model_dir, train_temperature=1.0)
     logger = TensorBoardLogger(tmp_path, name="tb", version="run")
@@ -39,7 +40,8 @@ def test_mismatch_knobs_are_logged_hparams_and_checkpoints_hold_plain_values(tin
     s = logged["sampling"]
     assert (s["temperature"], s["top_p"], s["top_k"]) == (0.7, 0.9, 20)
     assert logged["train_temperature"] == 1.0
-    assert (logged["mode"], logged["max_staleness"], logged["steps_per_rollout"]) == ("sync", 3, 2)
+    assert (logged["schedule"]["mode"], logged["schedule"]["max_staleness"], logged["batch"]["steps_per_rollout"]) == \
+        ("sync", 3, 2)
     assert list((tmp_path / "tb" / "run").glob("events.out.tfevents.*"))      # TensorBoard got them too
     ckpt = torch.load(next((tmp_path / "tb" / "run" / "checkpoints").glob("*.ckpt")), weights_only=False)
     dm_hp = ckpt["datamodule_hyper_parameters"]

@@ -12,6 +12,7 @@ from lit_ess.engines.vllm_server import span_versions
 from lit_ess.objectives import P3O
 from lit_ess.rollout import RolloutBuffer
 from lit_ess.batch import RolloutBatch, Row, collate
+from lit_ess.datamodules.settings import Schedule
 
 LN2 = math.log(2)
 
@@ -100,6 +101,6 @@ def test_weight_update_is_checked_and_needs_async(tiny_model_dir):
     assert VLLMServerConfig(weight_update="in_flight").updates_in_flight()
     assert not VLLMServerConfig().updates_in_flight()
     with pytest.raises(ValueError, match="mode: async") as e:
-        RolloutDataModule(model_path=tiny_model_dir, mode="sync", engine=VLLMServerConfig(weight_update="in_flight"))
+        RolloutDataModule(model_path=tiny_model_dir, schedule=Schedule(mode="sync"), engine=VLLMServerConfig(weight_update="in_flight"))
     assert "\n" not in str(e.value)
-    RolloutDataModule(model_path=tiny_model_dir, mode="async", engine=VLLMServerConfig(weight_update="in_flight"))
+    RolloutDataModule(model_path=tiny_model_dir, schedule=Schedule(mode="async"), engine=VLLMServerConfig(weight_update="in_flight"))

@@ -26,12 +26,13 @@ import lit_ess.callbacks
 from lit_ess.datamodules import RolloutDataModule
 from lit_ess.datamodules.sft import SFTDataModule
 from lit_ess.envs import EnvConfig, Environment
-from lit_ess.health import ESSAlarm
+from lit_ess.health import ESSWatch
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import CISPO, DAPO, GRPO, GSPO, DecoupledPPO
 from lit_ess.sft import SFTModule
+from lit_ess.settings import MicroBatch, Optim
 
-ROOTS = [PolicyModule, SFTModule, RolloutDataModule, SFTDataModule, ESSAlarm, EnvConfig, Environment,
+ROOTS = [PolicyModule, SFTModule, RolloutDataModule, SFTDataModule, ESSWatch, EnvConfig, Environment,
          *(getattr(lit_ess.callbacks, name) for name in lit_ess.callbacks.__all__)]
 
 # (class, knob, value) -> the phrase of the class's docstring that gives the value its meaning
@@ -39,24 +40,23 @@ DOCUMENTED = {
     ("Reward", "weight", 0): "0 = logged, not trained on",
     ("Reward", "weight", -1): "a negative weight = a penalty",
     ("Reward", "weight", -0.5): "a negative weight = a penalty",
-    ("PolicyModule", "weight_decay", 0): "weight_decay: AdamW weight decay, >= 0 (0 = none)",
-    ("PolicyModule", "betas[0]", 0): "betas: AdamW betas, each in [0, 1)",
-    ("PolicyModule", "betas[1]", 0): "betas: AdamW betas, each in [0, 1)",
-    ("PolicyModule", "warmup_steps", 0): "warmup_steps: linear warm-up steps, >= 0 (0 = none)",
-    ("PolicyModule", "min_lr_ratio", 0): "min_lr_ratio: final learning rate as a fraction of lr, in [0, 1] (0 = decay to 0)",
-    ("PolicyModule", "max_grad_norm", None): "None = no clipping",
-    ("PolicyModule", "micro_batch_size", None): "(None = the whole step at once)",
-    ("PolicyModule", "micro_batch_tokens", None): "None (default) = micro_batch_size decides",
+    ("Optim", "weight_decay", 0): "weight_decay: AdamW weight decay, >= 0 (0 = none)",
+    ("Optim", "betas[0]", 0): "betas: AdamW betas, each in [0, 1)",
+    ("Optim", "betas[1]", 0): "betas: AdamW betas, each in [0, 1)",
+    ("Optim", "warmup_steps", 0): "warmup_steps: linear warm-up steps, >= 0 (0 = none)",
+    ("Optim", "min_lr_ratio", 0): "min_lr_ratio: final learning rate as a fraction of lr, in [0, 1] (0 = decay to 0)",
+    ("Optim", "max_grad_norm", None): "None = no clipping",
+    ("MicroBatch", "size", None): "(None = the whole step at once)",
+    ("MicroBatch", "tokens", None): "None (default) = size decides",
     ("PolicyModule", "train_temperature", None): "None = the rollout's (on-policy)",
-    ("PolicyModule", "ess_alarm", None): "None = off",
-    ("PolicyModule", "logprob_chunk", None): "null = the plain path: the model's full logits of the completion span",
+    ("Compute", "logprob_chunk", None): "null = the plain path: the model's full logits of the completion span",
     ("SFTModule", "weight_decay", 0): "weight_decay: AdamW weight decay, >= 0 (0 = none)",
     ("SFTModule", "warmup_steps", 0): "then constant; >= 0 (0 = none)",
-    ("RolloutDataModule", "max_reward_error_rate", 0): "0.0: stop at the first failure",
-    ("RolloutDataModule", "max_staleness", 0): "(0 = on-policy, with steps_per_rollout 1)",
-    ("RolloutDataModule", "max_staleness", None): "None = steps_per_rollout - 1",
+    ("RewardLimits", "max_error_rate", 0): "0.0: stop at the first failure",
+    ("Schedule", "max_staleness", 0): "(0 = on-policy, with steps_per_rollout 1)",
+    ("Schedule", "max_staleness", None): "None = steps_per_rollout - 1",
     ("RolloutDataModule", "max_prompt_tokens", None): "None = the room the engine's model length leaves",
-    ("RolloutDataModule", "steps_per_epoch", None): "steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout",
+    ("BatchShape", "steps_per_epoch", None): "steps_per_epoch: batches per Lightning epoch (None = steps_per_rollout",
     ("RolloutDataModule", "seed", 0): "seed: prompt order and row shuffling (an integer >= 0)",
     ("SFTDataModule", "label_noise", 0): "(0 = none)",
     ("SFTDataModule", "seed", 0): "seed: shuffling and label noise (an integer >= 0)",
@@ -100,8 +100,8 @@ DOCUMENTED = {
     ("OverlongPenalty", "buffer", None): "None = a fifth of max_length",
     ("OverlongPenalty", "max_length", None): "None = sampling.max_new_tokens",
 }
-# knobs a message names as the user writes them: ESSAlarm(threshold) is built from PolicyModule's ess_alarm
-SPELLED = {("ESSAlarm", "threshold"): "ess_alarm"}
+# knobs a message names otherwise than the parameter (none since the groups: each names its full key)
+SPELLED: dict[tuple[str, str], str] = {}
 
 
 def _hints(cls) -> dict[str, object]:
@@ -281,10 +281,10 @@ def test_documented_table_has_no_stale_entries():
 def test_max_grad_norm_zero_or_minus_one_is_refused_not_a_wrong_update(tiny_model_dir):
     # clip_grad_norm_ scales every gradient by max_norm / norm: -1 flipped its sign (gradient ascent), 0 zeroed it
     for value in (-1, 0, -1.0):
-        with pytest.raises(ValueError, match=rf"^model.max_grad_norm must be > 0 or null, got {value}: use null for no "
+        with pytest.raises(ValueError, match=rf"^model.optim.max_grad_norm must be > 0 or null, got {value}: use null for no "
                                              rf"clipping$"):
-            PolicyModule(tiny_model_dir, max_grad_norm=value)
-    assert PolicyModule(tiny_model_dir, max_grad_norm=None).hparams.max_grad_norm is None
+            PolicyModule(tiny_model_dir, optim=Optim(max_grad_norm=value))
+    assert PolicyModule(tiny_model_dir, optim=Optim(max_grad_norm=None)).optim.max_grad_norm is None
 
 
 @pytest.mark.parametrize("cls, bad", [(GRPO, dict(clip_eps=-0.5)), (DAPO, dict(clip_high=-0.5)),
@@ -304,8 +304,8 @@ def test_empty_clip_ranges_and_bad_bounds_are_refused_at_construction(cls, bad):
 def test_zero_train_temperature_and_micro_batch_size_are_refused_not_read_as_unset(tiny_model_dir):
     with pytest.raises(ValueError, match=r"^model.train_temperature must be > 0 or null, got 0$"):
         PolicyModule(tiny_model_dir, train_temperature=0)
-    with pytest.raises(ValueError, match=r"^model.micro_batch_size must be an integer >= 1 or null, got 0$"):
-        PolicyModule(tiny_model_dir, micro_batch_size=0)
+    with pytest.raises(ValueError, match=r"^model.micro_batch.size must be an integer >= 1 or null, got 0$"):
+        PolicyModule(tiny_model_dir, micro_batch=MicroBatch(size=0))
 
 
 def test_seq_mean_token_sum_norm_refuses_a_zero_length():

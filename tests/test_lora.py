@@ -321,8 +321,8 @@ def test_adapter_sync_is_on_policy_and_a_stale_adapter_shows_in_the_ess(tiny_mod
     assert runs["stale"][0] >= 0.9999 and min(runs["stale"][1:]) < 0.999, runs
     assert alarms == {"adapter": [0.0, 0.0, 0.0], "stale": [0.0, 1.0, 2.0]}, alarms
     assert "ess_alarm" not in console["adapter"]
-    assert console["stale"].count("below ess_alarm=0.999") == 1, console["stale"][-3000:]
-    assert re.search(r"step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below ess_alarm=0\.999 .*"
+    assert console["stale"].count("below model.ess_alarm.threshold=0.999") == 1, console["stale"][-3000:]
+    assert re.search(r"step 1: ESS 0\.\d+ \(mean ratio pi_theta/pi_b [\d.e+-]+\) below model\.ess_alarm\.threshold=0\.999 .*"
                      r"check the weight sync", console["stale"]), console["stale"][-3000:]
 
 

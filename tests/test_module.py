@@ -11,6 +11,8 @@ from lit_ess.engines import HFConfig
 from lit_ess.sampling import SamplingConfig
 from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, GSPO, P3O
+from lit_ess.datamodules.settings import BatchShape
+from lit_ess.settings import Compute, MicroBatch, Optim
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def grads(tiny_model_dir, batch, objective=P3O, objective_kwargs=None, **kw):
 @pytest.mark.parametrize("objective", [P3O, GRPO, GSPO], ids=lambda c: c.__name__)
 def test_micro_batching_does_not_change_the_update(tiny_model_dir, stale_batch, objective):
     g_full, m_full, e_full = grads(tiny_model_dir, stale_batch, objective=objective)
-    g_micro, m_micro, e_micro = grads(tiny_model_dir, stale_batch, objective=objective, micro_batch_size=3)
+    g_micro, m_micro, e_micro = grads(tiny_model_dir, stale_batch, objective=objective, micro_batch=MicroBatch(size=3))
     assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
     assert m_micro["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-5)
     if objective is P3O:
@@ -41,8 +43,8 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir, stale_batch, 
 
 
 def test_micro_scope_reproduces_per_micro_batch_ess(tiny_model_dir, stale_batch):
-    g_step, *_ = grads(tiny_model_dir, stale_batch, micro_batch_size=3)
-    g_micro, *_ = grads(tiny_model_dir, stale_batch, micro_batch_size=3, ess_scope="micro")
+    g_step, *_ = grads(tiny_model_dir, stale_batch, micro_batch=MicroBatch(size=3))
+    g_micro, *_ = grads(tiny_model_dir, stale_batch, micro_batch=MicroBatch(size=3), ess_scope="micro")
     assert not torch.allclose(g_step, g_micro, atol=1e-6)     # the reference's per-micro-batch ESS differs
 
 
@@ -92,7 +94,7 @@ def test_dr_grpo_normalisation_is_a_constant(tiny_model_dir, stale_batch, object
             masks[k][r, int(ends[r]) - 2:] = 0
     stale_batch = replace(stale_batch, **masks)
     g_full, m_full, _ = grads(tiny_model_dir, stale_batch, **kw)
-    g_micro, m_micro, _ = grads(tiny_model_dir, stale_batch, micro_batch_size=2, **kw)
+    g_micro, m_micro, _ = grads(tiny_model_dir, stale_batch, micro_batch=MicroBatch(size=2), **kw)
     assert m_micro["train/loss"] == pytest.approx(m_full["train/loss"], rel=1e-5, abs=1e-8)
     assert torch.allclose(g_full, g_micro, atol=1e-6, rtol=1e-4)
     if objective is GRPO:     # hand-computed: sum of clipped surrogates / (N_seqs * max_new_tokens)
@@ -116,7 +118,7 @@ def test_step_ess_does_not_depend_on_micro_batching_with_tokens_outside_top_k(ti
     (drop them from the loss and the ESS) in the pre-pass and in the single pass."""
     batch = _with_sampling(stale_batch, top_k=3)
     _, m_full, e_full = grads(tiny_model_dir, batch)
-    _, m_micro, e_micro = grads(tiny_model_dir, batch, micro_batch_size=2)
+    _, m_micro, e_micro = grads(tiny_model_dir, batch, micro_batch=MicroBatch(size=2))
     assert m_full["train/nonfinite_tokens"] > 0                     # the case is really exercised
     assert float(e_micro) == pytest.approx(float(e_full), rel=1e-6)
     assert m_micro["train/loss"] == pytest.approx(m_full["train/loss"], abs=1e-6)
@@ -134,7 +136,7 @@ def test_nan_trainer_logprob_gives_a_finite_step_ess(tiny_model_dir, stale_batch
 
     results = []
     for micro in (None, 2):
-        module = PolicyModule(tiny_model_dir, micro_batch_size=micro)
+        module = PolicyModule(tiny_model_dir, micro_batch=MicroBatch(size=micro))
         module.configure_model()
         module.policy.get_input_embeddings().register_forward_hook(poison_row0)
         results.append(module.accumulate_gradients(stale_batch))
@@ -152,15 +154,15 @@ def dropout_model_dir(tmp_path_factory):
 
 def test_dropout_is_off_in_the_trainer(dropout_model_dir):
     """A model with attention dropout 0.5: on-policy data (hf engine, eval) must give ESS 1."""
-    dm = RolloutDataModule(model_path=dropout_model_dir, engine=HFConfig(), prompts_per_rollout=4, samples_per_prompt=4,
+    dm = RolloutDataModule(model_path=dropout_model_dir, engine=HFConfig(), batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=4),
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), source=Arithmetic(size=50),
                            reward="e2e_utils:digit_fraction")
     dm.setup("fit")
     batch = dm.generate_phase()[0]
     batch.advantages = torch.randn(batch.input_ids.shape[0], generator=torch.Generator().manual_seed(0))
-    _, m, ess = grads(dropout_model_dir, batch, micro_batch_size=4)
+    _, m, ess = grads(dropout_model_dir, batch, micro_batch=MicroBatch(size=4))
     assert float(ess) >= 0.99999 and m["train/ratio_max"] < 1.0001
-    _, _, ess_on = grads(dropout_model_dir, batch, micro_batch_size=4, disable_dropout=False)
+    _, _, ess_on = grads(dropout_model_dir, batch, micro_batch=MicroBatch(size=4), compute=Compute(disable_dropout=False))
     assert float(ess_on) < 0.999                              # the knob is real: dropout on breaks ESS 1
 
 
@@ -183,7 +185,7 @@ def test_plain_trainer_resumes_with_a_typed_objective(tiny_model_dir, tmp_path):
     def fit(steps, ckpt=None):
         module = PolicyModule(tiny_model_dir, objective=GRPO(clip_eps=0.3))
         dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=50),
-                               prompts_per_rollout=4, samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0))
+                               batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=2), sampling=SamplingConfig(max_new_tokens=4, seed=0))
         saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
         trainer = L.Trainer(accelerator="cpu", max_steps=steps, max_epochs=-1, logger=False, enable_progress_bar=False,
                             enable_model_summary=False,
@@ -211,9 +213,9 @@ def test_plain_trainer_needs_no_flag_and_never_reuses_a_rollout(tiny_model_dir, 
     from lit_ess.callbacks import WeightSync
 
     rec, sync = _Recorder(), WeightSync()
-    module = PolicyModule(tiny_model_dir, lr=1e-3)
+    module = PolicyModule(tiny_model_dir, optim=Optim(lr=1e-3))
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=200),
-                           prompts_per_rollout=4, samples_per_prompt=2, steps_per_rollout=k,
+                           batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=2, steps_per_rollout=k),
                            sampling=SamplingConfig(max_new_tokens=4, seed=0))
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[sync, rec])

@@ -12,13 +12,14 @@ import pytest
 import torch
 import yaml
 
-from e2e_utils import cli, cli_each, kill_after_checkpoint, scalars, trained_prompts, write_config
+from e2e_utils import cli, cli_each, kill_after_checkpoint, merged, scalars, trained_prompts, write_config
 from test_dist_async import by_phase, records
 from lit_ess.datamodules import Arithmetic, RolloutDataModule
 from lit_ess.datamodules.prompts import PromptOrder, encode_prompt
 from lit_ess.engines import HFConfig
 from lit_ess.sampling import SamplingConfig
 from lit_ess.envs import EnvConfig, EnvError, Environment, RetryArithmetic, Step
+from lit_ess.datamodules.settings import BatchShape, RewardLimits
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RETRY = EnvConfig(env=partial(RetryArithmetic, max_tries=3), max_turns=3, max_episode_tokens=64)
@@ -33,8 +34,7 @@ class AlwaysFails(Environment):
 
 
 def data_module(model_dir, env=RETRY, **kw) -> RolloutDataModule:
-    dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), source=Arithmetic(size=50), prompts_per_rollout=4,
-                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env, **kw)
+    dm = RolloutDataModule(model_path=model_dir, engine=HFConfig(), source=Arithmetic(size=50), batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=2), sampling=SamplingConfig(max_new_tokens=4, seed=0), env=env, **kw)
     dm.setup("fit")
     return dm
 
@@ -73,7 +73,7 @@ def test_worker_batches_mask_the_environments_tokens(tiny_model_dir):
 
 def test_environment_failures_count_as_reward_failures_and_survive_a_checkpoint(tiny_model_dir, tmp_path):
     failing = EnvConfig(env=f"{__name__}:AlwaysFails")
-    dm = data_module(tiny_model_dir, env=failing, max_reward_error_rate=1.0)
+    dm = data_module(tiny_model_dir, env=failing, reward_limits=RewardLimits(max_error_rate=1.0))
     with pytest.warns(UserWarning, match="tool server down"):
         (batch,) = dm.generate_phase()
     assert batch.stats["rollout/env_errors"] == 8.0 and batch.rewards.tolist() == [0.0] * 8
@@ -82,9 +82,9 @@ def test_environment_failures_count_as_reward_failures_and_survive_a_checkpoint(
     fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     fresh.setup("fit")
     assert fresh.executor.worker.counters() == {"errors": 0, "timeouts": 0, "env": {"errors": 8, "timeouts": 0}}
-    strict = data_module(tiny_model_dir, env=failing, max_reward_error_rate=0.5)
+    strict = data_module(tiny_model_dir, env=failing, reward_limits=RewardLimits(max_error_rate=0.5))
     with pytest.warns(UserWarning), pytest.raises(EnvError, match=r"failed in 8 of 8 episodes, more than "
-                                                                  r"max_reward_error_rate=0.5"):
+                                                                  r"data.reward_limits.max_error_rate=0.5"):
         strict.generate_phase()
 
 
@@ -172,8 +172,8 @@ def runs(tmp_path_factory):
     policy = warm / "runs/demo/sft/model"
     cases = {"warm": (["fit", "--config", str(warm_start_config(warm, "demo_sft.yaml", 300))], warm),
              "on_policy": multiturn_config(policy, root / "on_policy", steps=6),
-             "async": multiturn_config(policy, root / "async", steps=N_ASYNC, mode="async", max_staleness=S_ASYNC,
-                                       engine=HF),
+             "async": multiturn_config(policy, root / "async", steps=N_ASYNC,
+                                       schedule={"mode": "async", "max_staleness": S_ASYNC}, engine=HF),
              "calculator_sft": (["fit", "--config", str(warm_start_config(calc, "demo_calculator_sft.yaml", 50))], calc),
              "calculator": multiturn_config(calc / "runs/demo/calculator_sft/model", root / "calculator", steps=6,
                                             config="demo_calculator.yaml")}
@@ -204,10 +204,9 @@ def multiturn_config(model: Path, out: Path, steps: int, ckpt_every: int | None 
     several `devices`: DDP."""
     cfg = yaml.safe_load((CONFIGS / config).read_text())
     cfg["model"]["init_args"]["model_path"] = str(model)
-    d = cfg["data"]["init_args"]
-    d.update({"prompts_per_rollout": 16, "samples_per_prompt": 4, **data})
-    for k in ("val_source", "val_prompts", "val_samples"):
-        d.pop(k, None)
+    d = cfg["data"]["init_args"] = merged({**cfg["data"]["init_args"], "batch": {"prompts_per_rollout": 16, "samples_per_prompt": 4}},
+                                          data)
+    d.pop("validation", None)
     t = cfg["trainer"]
     t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=ckpt_every is not None)
     if devices > 1:
@@ -267,9 +266,10 @@ def test_multiturn_kill_and_resume_continues_exactly(warm_start, tmp_path):
     outside the engine; vLLM's seeded sampling across a resume: test_e2e.py::test_kill_and_resume_matches_uninterrupted."""
     env = {"env": {"class_path": "e2e_utils.FlakyRetry", "init_args": {"max_tries": 3}}, "max_turns": 3, "max_episode_tokens": 96}
     ref_dir, run_dir, steps = tmp_path / "ref", tmp_path / "killed", 4
-    ref_cfg = multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0,
-                               engine=HF)
-    cfg = multiturn_config(warm_start, run_dir, steps=steps, ckpt_every=2, env=env, max_reward_error_rate=1.0, engine=HF)
+    ref_cfg = multiturn_config(warm_start, ref_dir, steps=steps, ckpt_every=2, env=env,
+                               reward_limits={"max_error_rate": 1.0}, engine=HF)
+    cfg = multiturn_config(warm_start, run_dir, steps=steps, ckpt_every=2, env=env, reward_limits={"max_error_rate": 1.0},
+                           engine=HF)
     kill_after_checkpoint(cfg, run_dir / "ckpt", 2)
     # the resume, then the uninterrupted run, in one process (e2e_utils.cli_each): one start of Lightning fewer;
     # the resume first, in a fresh process as a user's, so nothing the uninterrupted run left behind can help it
@@ -319,9 +319,10 @@ def test_two_ranks_async_multiturn_keep_the_bound_and_lose_no_episode_on_kill(ti
     fails on some answers: its failure counters go on from the checkpoint's (each rank's worker its own)."""
     S, P, n, steps = 2, 8, 4, 4
     env = {"env": {"class_path": "e2e_utils.FlakyRetry", "init_args": {"max_tries": 3}}, "max_turns": 3, "max_episode_tokens": 96}
-    cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=2, devices=2, mode="async",
-                           placement=placement, max_staleness=S, prompts_per_rollout=P, samples_per_prompt=n, env=env,
-                           max_reward_error_rate=1.0, engine=engine)
+    cfg = multiturn_config(Path(tiny_model_dir), tmp_path, steps=steps, ckpt_every=2, devices=2,
+                           schedule={"mode": "async", "placement": placement, "max_staleness": S},
+                           batch={"prompts_per_rollout": P, "samples_per_prompt": n}, env=env,
+                           reward_limits={"max_error_rate": 1.0}, engine=engine)
     kill_after_checkpoint(cfg, tmp_path / "ckpt", 2)
     (ckpt,) = (tmp_path / "ckpt").glob("*step=2*.ckpt")
     ranks = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["ranks"]

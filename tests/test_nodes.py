@@ -133,7 +133,7 @@ def test_two_nodes_async(tiny_model_dir, tmp_path, placement):
     log = tmp_path / "server.log"
     engine = ENGINE if placement == "colocated" else \
         {**SERVER, "init_args": {**SERVER["init_args"], "log_file": str(log)}}
-    data = {"engine": engine, "mode": "async", "placement": placement, "max_staleness": 1, "worker_timeout": 300}
+    data = {"engine": engine, "schedule": {"mode": "async", "placement": placement, "max_staleness": 1, "worker_timeout": 300}}
     cfg = rl_config(tiny_model_dir, tmp_path, prompts=8, samples=4, max_steps=3, extra_data=data)
     cfg["trainer"]["devices"] = 2
     cfg["trainer"]["strategy"] = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",

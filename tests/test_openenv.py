@@ -161,7 +161,7 @@ def test_demo_openenv_trains_against_the_server(server, tiny_model_dir, tmp_path
     cfg = yaml.safe_load((CONFIGS / "demo_openenv.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
     d = cfg["data"]["init_args"]
-    d.update(prompts_per_rollout=4, samples_per_prompt=4)
+    d["batch"].update(prompts_per_rollout=4, samples_per_prompt=4)
     d["env"]["env"]["init_args"]["base_url"] = server
     short_run(cfg, tmp_path, max_steps=3)
     res = cli(["fit", "--config", str(write_config(cfg, tmp_path / "config.yaml"))], timeout=900)

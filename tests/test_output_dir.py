@@ -28,8 +28,9 @@ def _demo(tiny_model_dir: str, folder: Path) -> Path:
     cfg = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
     d = cfg["data"]["init_args"]
-    d.update(engine={"class_path": "lit_ess.engines.HFConfig"}, prompts_per_rollout=8, samples_per_prompt=4,
-             val_prompts=8, val_samples=2)
+    d.update(engine={"class_path": "lit_ess.engines.HFConfig"})
+    d["batch"].update(prompts_per_rollout=8, samples_per_prompt=4)
+    d["validation"].update(prompts=8, samples=2)
     cfg["trainer"].update(max_steps=2, enable_progress_bar=False)
     for c in cfg["trainer"]["callbacks"]:
         if c["class_path"].endswith("ModelCheckpoint"):

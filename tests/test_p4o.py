@@ -10,6 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from lit_ess.objectives import P3O, P4O, batch_ess
 from lit_ess.batch import Proximal
+from lit_ess.datamodules.settings import BatchShape
+from lit_ess.settings import MicroBatch, Optim
 
 LN2 = math.log(2)
 
@@ -194,7 +196,7 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir, stale_batch):
     """Both ESS are the step's (the pre-pass): micro-batches of 3 rows give the one-pass update and metrics;
     ess_scope micro (the authors' per-micro-batch ESS) does not."""
     g_full, m_full, e_full = step(tiny_model_dir, stale_batch, P4O())
-    g_micro, m_micro, e_micro = step(tiny_model_dir, stale_batch, P4O(), micro_batch_size=3)
+    g_micro, m_micro, e_micro = step(tiny_model_dir, stale_batch, P4O(), micro_batch=MicroBatch(size=3))
     assert 0 < m_full["train/ess_prox"] < 0.99 and 0 < m_full["train/ess_b"] < 0.99 and m_full["train/kl_mix"] > 0
     assert float(e_full) == pytest.approx(m_full["train/ess_mix"], rel=1e-6)      # returned: the cap e_mix
     assert float(e_micro) == pytest.approx(float(e_full), rel=1e-6)
@@ -202,11 +204,11 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir, stale_batch):
     for k in ("train/loss", "train/ess_b", "train/ess_prox", "train/ess_mix", "train/mix_w_b", "train/kl_mix",
               "train/kl_prox", "train/capped_frac"):
         assert m_micro[k] == pytest.approx(m_full[k], rel=1e-5, abs=1e-6), k
-    g_scope, *_ = step(tiny_model_dir, stale_batch, P4O(), micro_batch_size=3, ess_scope="micro")
+    g_scope, *_ = step(tiny_model_dir, stale_batch, P4O(), micro_batch=MicroBatch(size=3), ess_scope="micro")
     assert not torch.allclose(g_scope, g_full, atol=1e-6)
 
 
-@pytest.mark.parametrize("cut", [{}, {"micro_batch_size": 3}], ids=["one-pass", "micro"])
+@pytest.mark.parametrize("cut", [{}, {"micro_batch": MicroBatch(size=3)}], ids=["one-pass", "micro"])
 def test_with_its_own_pass_as_proximal_it_is_p3o(tiny_model_dir, stale_batch, cut):
     """A phase's first step (one step per rollout: every step) takes pi_prox from its own gradient pass: e_prox
     = 1 and the update is P3O's, through the pre-pass too."""
@@ -246,11 +248,11 @@ def test_trains_through_the_module_with_two_steps_per_rollout(tiny_model_dir):
 
     kept = Kept()
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=HFConfig(), source=Arithmetic(size=200),
-                           prompts_per_rollout=4, samples_per_prompt=4, steps_per_rollout=2,
+                           batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=4, steps_per_rollout=2),
                            sampling=SamplingConfig(max_new_tokens=6, seed=0), reward="e2e_utils:digit_fraction")
     trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=kept, log_every_n_steps=1, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[WeightSync()])
-    trainer.fit(PolicyModule(tiny_model_dir, objective=P4O(), micro_batch_size=3, lr=1e-2), dm)
+    trainer.fit(PolicyModule(tiny_model_dir, objective=P4O(), micro_batch=MicroBatch(size=3), optim=Optim(lr=1e-2)), dm)
     assert len(kept.steps) == 4 and all(math.isfinite(s["train/loss"]) for s in kept.steps)
     first, second = kept.steps[0::2], kept.steps[1::2]
     for s in first:

@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from lit_ess.logprobs import sequence_logprobs
 from lit_ess.packing import pack, packed_logprobs, plan_micro_batches, plan_ranks
+from lit_ess.settings import MicroBatch
 
 SAMPLING = [dict(temperature=1.0, top_k=-1, top_p=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)]
 
@@ -169,13 +170,13 @@ def test_packing_is_refused_for_a_family_whose_attention_ignores_position_ids(tm
                              max_position_embeddings=64, word_embed_proj_dim=64, pad_token_id=tok.pad_token_id,
                              dropout=0.0, attention_dropout=0.0)).save_pretrained(tmp_path / "opt")
     tok.save_pretrained(tmp_path / "opt")
-    with pytest.raises(ValueError, match=r"^model.packing=true: model_path's OPTForCausalLM does not keep packed rows "
-                                         r"apart .*set model.packing: false$"):
-        PolicyModule(str(tmp_path / "opt"), packing=True).configure_model()
-    PolicyModule(str(tmp_path / "opt"), packing=False).configure_model()          # padded rows are fine
+    with pytest.raises(ValueError, match=r"^model.micro_batch.packing=true: model_path's OPTForCausalLM does not keep packed rows "
+                                         r"apart .*set model.micro_batch.packing: false$"):
+        PolicyModule(str(tmp_path / "opt"), micro_batch=MicroBatch(packing=True)).configure_model()
+    PolicyModule(str(tmp_path / "opt"), micro_batch=MicroBatch(packing=False)).configure_model()          # padded rows are fine
 
 
 def test_packing_check_passes_the_families_that_keep_rows_apart(tiny_model_dir):
     from lit_ess.module import PolicyModule
 
-    PolicyModule(tiny_model_dir, packing=True).configure_model()
+    PolicyModule(tiny_model_dir, micro_batch=MicroBatch(packing=True)).configure_model()

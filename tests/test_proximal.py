@@ -16,11 +16,12 @@ from lit_ess.module import PolicyModule
 from lit_ess.objectives import GRPO, DecoupledPPO
 from lit_ess.rollout import RolloutBuffer
 from lit_ess.batch import Proximal
+from lit_ess.datamodules.settings import BatchShape, Schedule
+from lit_ess.settings import MicroBatch, Optim
 
 
 def data(model_dir, k=2, **kw):
-    return RolloutDataModule(model_path=model_dir, engine=HFConfig(), source=Arithmetic(size=200), prompts_per_rollout=4,
-                             samples_per_prompt=4, steps_per_rollout=k, sampling=SamplingConfig(max_new_tokens=6, seed=0),
+    return RolloutDataModule(model_path=model_dir, engine=HFConfig(), source=Arithmetic(size=200), batch=BatchShape(prompts_per_rollout=4, samples_per_prompt=4, steps_per_rollout=k), sampling=SamplingConfig(max_new_tokens=6, seed=0),
                              reward="e2e_utils:digit_fraction", **kw)
 
 
@@ -47,7 +48,7 @@ def test_the_first_batch_of_a_phase_scores_exactly_its_own_gradient_pass(tiny_mo
     waiting ones) therefore gives the identical update."""
     grads = []
     for scored in (True, False):
-        m = PolicyModule(tiny_model_dir, objective=Recording(), micro_batch_size=3, lora=lora, train_temperature=0.7)
+        m = PolicyModule(tiny_model_dir, objective=Recording(), micro_batch=MicroBatch(size=3), lora=lora, train_temperature=0.7)
         torch.manual_seed(0)                       # the same adapters in both modules
         m.configure_model()
         if lora is not None:
@@ -141,8 +142,8 @@ def test_a_trainer_run_scores_each_phase_with_its_first_steps_weights(tiny_model
     ones (async: the worker process generates ahead, max_staleness 2, and the buffer's waiting batches are
     scored alike)."""
     check = CheckProximal()
-    module = PolicyModule(tiny_model_dir, objective=DecoupledPPO(), micro_batch_size=3, lr=1e-2)
-    extra = {"mode": "async", "max_staleness": 2} if mode == "async" else {}
+    module = PolicyModule(tiny_model_dir, objective=DecoupledPPO(), micro_batch=MicroBatch(size=3), optim=Optim(lr=1e-2))
+    extra = {"schedule": Schedule(mode="async", max_staleness=2)} if mode == "async" else {}
     fit(tiny_model_dir, module, [WeightSync(), check], steps=4, **extra)
     assert check.checked == 2
 

@@ -83,10 +83,9 @@ def test_demo_reasoning_gym_trains_on_the_tasks_verdicts(tiny_model_dir, tmp_pat
     cfg = yaml.safe_load((CONFIGS / "demo_reasoning_gym.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
     d = cfg["data"]["init_args"]
-    d.update(prompts_per_rollout=8, samples_per_prompt=4)
+    d["batch"].update(prompts_per_rollout=8, samples_per_prompt=4)
     d["source"]["init_args"]["size"] = 64
-    for k in ("val_source", "val_prompts", "val_samples"):
-        d.pop(k)
+    d.pop("validation")
     t = cfg["trainer"]
     t.update(max_steps=3, enable_progress_bar=False, enable_checkpointing=False)
     t.pop("check_val_every_n_epoch")

@@ -24,11 +24,11 @@ STEPS = 3
 def lightning_run(tiny_model_dir, tmp_path_factory, request):
     """`lit-ess fit` for STEPS steps, with a validation at the end (its val/ keys; after the last step,
     so it changes no training step): the scalars of its TensorBoard file. Padded: one [B, T] forward per
-    step; packed: model.packing with a token budget of 64 (several packed micro-batches per step)."""
+    step; packed: model.micro_batch.packing with a token budget of 64 (several packed micro-batches per step)."""
     out = tmp_path_factory.mktemp("fit")
-    val = {"val_source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 8, "seed": 7}},
-           "val_prompts": 8, "val_samples": 2}
-    packed = {"packing": True, "micro_batch_tokens": 64} if request.param == "packed" else {}
+    val = {"validation": {"source": {"class_path": "lit_ess.datamodules.Arithmetic", "init_args": {"size": 8, "seed": 7}},
+                          "prompts": 8, "samples": 2}}
+    packed = {"micro_batch": {"packing": True, "tokens": 64}} if request.param == "packed" else {}
     cfg = rl_config(tiny_model_dir, out, max_steps=STEPS, extra_data=val, extra_model=packed)
     cfg["trainer"]["check_val_every_n_epoch"] = STEPS
     res = cli(["fit", "--config", str(write_config(cfg, out / "config.yaml"))])

@@ -100,7 +100,7 @@ def test_a_text_longer_than_the_reward_models_positions_keeps_its_end(rm_dir):
 
 def test_model_rewards_are_scored_in_this_process_beside_math_verify(rm_dir):
     """math_verify runs in the killable reward worker; the reward model of the same list is loaded and scored
-    here (a timeout would otherwise kill and reload it); reward_in_worker: true with a model reward is refused."""
+    here (a timeout would otherwise kill and reload it); reward_limits.in_worker: true with a model reward is refused."""
     from lit_ess import reward_model
 
     reward_model._LOADED.clear()
@@ -113,7 +113,7 @@ def test_model_rewards_are_scored_in_this_process_beside_math_verify(rm_dir):
                                     abs=1e-5)
     finally:
         scorer.close()
-    with pytest.raises(ValueError, match=r"^reward_in_worker: true with RewardModel \(a model reward"):
+    with pytest.raises(ValueError, match=r"^data.reward_limits.in_worker: true with RewardModel \(a model reward"):
         RewardScorer([Reward("gsm8k"), Reward(rm, name="rm")], in_worker=True)
 
 

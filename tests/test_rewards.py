@@ -18,6 +18,7 @@ from lit_ess.datamodules import Arithmetic, HFPrompts, RolloutDataModule
 from lit_ess.metrics import rule
 from lit_ess.rewards import Reward, RewardError, RewardScorer, batched
 from test_faults_input import one_line
+from lit_ess.datamodules.settings import BatchShape, Schedule
 
 ROWS = [{"prompt": "1+1=", "answer": "2", "level": "1", "source": "a"},
         {"prompt": "2+2=", "answer": "4", "level": "3", "source": "b"}]
@@ -162,8 +163,7 @@ def async_phase_stats(model_dir: str, reward, **data) -> dict:
     from fake_engine import FakeConfig
     from lit_ess.sampling import SamplingConfig
 
-    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=0.0), mode="async", prompts_per_rollout=2,
-                           samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=3, seed=0), reward=reward, **data)
+    dm = RolloutDataModule(model_path=model_dir, engine=FakeConfig(latency=0.0), schedule=Schedule(mode="async"), batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2), sampling=SamplingConfig(max_new_tokens=3, seed=0), reward=reward, **data)
     dm.setup("fit")
     try:
         dm.push_weights({"w": torch.zeros(1)}.items(), 0)

@@ -32,6 +32,7 @@ from lit_ess.engines.server_launch import LaunchedServer, free_port, served_mode
 from lit_ess.engines.server_pool import ServerError, ServerGone
 from lit_ess.engines.vllm_server import WEIGHTS_PREFIX, FollowerConfig, LeaderConfig
 from lit_ess.logprobs import sequence_logprobs
+from lit_ess.datamodules.settings import BatchShape, Schedule
 
 
 # ---- fast: knobs, command, identity checks against faked answers ----
@@ -447,7 +448,7 @@ def test_a_server_rank_0_put_out_is_left_by_the_follower_too(two_fakes, tiny_mod
 
 def test_worker_devices_of_a_launched_server_need_async():
     with pytest.raises(ValueError, match="worker_devices places the launched server beside the async worker process: "
-                                         "set data.mode: async"):
+                                         "set data.schedule.mode: async"):
         VLLMServerConfig(worker_devices=[1]).weight_transfer(in_process=True)
 
 
@@ -1061,7 +1062,7 @@ def test_a_server_gone_in_an_async_run_stops_it_with_the_same_line(fake_server, 
     FakeVLLM.answers = {"/reset_prefix_cache": (200, {"success": True})}
     url, httpd = start_fake(FakeVLLM)
     dm = RolloutDataModule(model_path=tiny_model_dir, engine=VLLMServerConfig(urls=[url], startup_timeout=10),
-                           mode="async", max_staleness=1, prompts_per_rollout=2, samples_per_prompt=2,
+                           schedule=Schedule(mode="async", max_staleness=1), batch=BatchShape(prompts_per_rollout=2, samples_per_prompt=2),
                            source=Arithmetic(size=40), sampling=SamplingConfig(max_new_tokens=3, seed=0),
                            reward="e2e_utils:digit_fraction")
     dm.setup("fit")
@@ -1198,7 +1199,8 @@ def test_two_ranks_async_on_the_dedicated_server_rank_0_launches(tiny_model_dir,
     log = tmp_path / "server.log"
     engine = {"class_path": "lit_ess.engines.VLLMServerConfig",
               "init_args": {"max_model_len": 256, "log_file": str(log), "heartbeat_seconds": None}}
-    data = {"engine": engine, "mode": "async", "placement": "dedicated", "max_staleness": 1, "worker_timeout": 300}
+    data = {"engine": engine,
+            "schedule": {"mode": "async", "placement": "dedicated", "max_staleness": 1, "worker_timeout": 300}}
     got = _fit(_config(tiny_model_dir, tmp_path, 2, "ddp", max_steps=4, steps_per_rollout=2, extra_data=data), tmp_path)
     assert len(got["train/loss"]) == 4 and max(v for _, v in got["train/policy_lag_max"]) <= 1
     text = log.read_text()
@@ -1333,12 +1335,11 @@ def test_demo_agent_through_the_server(mode, server, tiny_model_dir, tmp_path):
     cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo_agent.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = tiny_model_dir
     d = cfg["data"]["init_args"]
-    d.update(prompts_per_rollout=8, samples_per_prompt=4)
+    d["batch"].update(prompts_per_rollout=8, samples_per_prompt=4)
     if mode == "async":
-        d.update(mode="async", max_staleness=1)
+        d["schedule"] = {"mode": "async", "max_staleness": 1}
     d["engine"]["init_args"]["urls"] = server.urls
-    for k in ("val_source", "val_prompts", "val_samples"):
-        d.pop(k)
+    d.pop("validation")
     t = cfg["trainer"]
     steps = 2 if mode == "sync" else 3
     t.update(max_steps=steps, enable_progress_bar=False, enable_checkpointing=False)
@@ -1430,7 +1431,7 @@ def test_async_fit_with_in_flight_updates_logs_mixed_rows_within_the_bound(serve
                    "init_args": {"url": server.urls[0], "unmixed": n, "log": str(log), "wait": 20.0}},
            "max_turns": 2, "step_timeout": 60.0}
     cfg = rl_config(tiny_model_dir, tmp_path, max_steps=8, prompts=2, samples=4, extra_data={
-        "mode": "async", "max_staleness": S, "env": env, "sampling": {"temperature": 1.0, "max_new_tokens": 24, "seed": 0},
+        "schedule": {"mode": "async", "max_staleness": S}, "env": env, "sampling": {"temperature": 1.0, "max_new_tokens": 24, "seed": 0},
         "engine": {"class_path": "lit_ess.engines.VLLMServerConfig",
                    "init_args": {"urls": server.urls, "weight_update": "in_flight"}}})
     t0 = time.perf_counter()

@@ -171,7 +171,7 @@ def test_placement_and_transport_config_is_validated():
         VLLMConfig(transport="ipc")
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         VLLMConfig(bucket_mb=0)
-    with pytest.raises(ValueError, match="set data.mode: async"):
+    with pytest.raises(ValueError, match="set data.schedule.mode: async"):
         VLLMConfig(worker_devices=[2]).weight_transfer(in_process=True)
     with pytest.raises(ValueError, match="bucket size must be >= 1"):
         plan_buckets([4], 0)

@@ -95,7 +95,7 @@ def test_demo_verifiers_runs_the_envs_turns_on_policy(tmp_path):
     cfg = yaml.safe_load((CONFIGS / "demo_verifiers.yaml").read_text())
     cfg["model"]["init_args"]["model_path"] = str(model)
     d = cfg["data"]["init_args"]
-    d.update(prompts_per_rollout=4, samples_per_prompt=4)
+    d["batch"].update(prompts_per_rollout=4, samples_per_prompt=4)
     d["source"]["init_args"]["env"]["taskset"]["size"] = 50
     short_run(cfg, tmp_path, max_steps=2)
     shutil.copy(CONFIGS / "vf_retry_arithmetic.py", tmp_path)          # beside the config, as a user keeps it

@@ -55,7 +55,7 @@ class EngineConfig:
     def exact_dtype(self) -> str | None:
         """The dtype in which this engine's behaviour logprobs equal the trainer's at policy lag 0 (same
         weights, same sampling settings), or None when they are not meant to (raw or quantized
-        logprobs; an engine that does not say). The lag-0 ESS alarm (PolicyModule.ess_alarm) applies
+        logprobs; an engine that does not say). The lag-0 ESS alarm (model.ess_alarm) applies
         only when it equals the trainer's dtype."""
         return None
 

@@ -9,7 +9,7 @@ the last match of `score_regex` in the reply (its first group, if it has one), d
 
 A reply with no match, a number outside [0, max_score], an HTTP error and a request past
 `request_timeout` fail that sample: it scores 0 and is counted in rollout/reward_errors, as any failing
-reward (lit_ess.rewards.RewardScorer; max_reward_error_rate stops a run whose judge fails too often).
+reward (lit_ess.rewards.RewardScorer; data.reward_limits.max_error_rate stops a run whose judge fails too often).
 
 The judge is a server by `url` (shared by every rank), or, with none, a second vLLM server that the process
 that scores launches on this machine on its first call: one per rank, on the rank's own GPU

@@ -181,7 +181,7 @@ class VLLMConfig(EngineConfig):
         if in_process:
             if self.transport == "nccl" or self.worker_devices is not None:
                 raise ValueError("engine.transport: nccl and engine.worker_devices place the engine in the async "
-                                 "worker process: set data.mode: async, or remove them")
+                                 "worker process: set data.schedule.mode: async, or remove them")
             return WeightTransfer("in_process")
         return WeightTransfer(self.transport, self.bucket_mb, self.engine_ranks())
 

@@ -130,7 +130,7 @@ class VLLMServerConfig(EngineConfig):
             "in_flight": running requests are frozen (`/pause?mode=keep`), the weights loaded, and they
             go on with the new ones: a completion may be sampled by several versions, each token's
             read from the server's spans (`rollout/multi_version_frac`, the `rollout/token_lag`
-            histogram), its staleness its oldest token's. Needs data.mode: async (the trainer pushes
+            histogram), its staleness its oldest token's. Needs data.schedule.mode: async (the trainer pushes
             while the worker generates; sync generates between steps).
         max_lora_rank: LoRA adapters up to this rank, pushed alone (model.lora.sync: adapter) and loaded
             through the servers' /v1/load_lora_adapter; at most 512. A launched server gets
@@ -229,7 +229,7 @@ class VLLMServerConfig(EngineConfig):
     def weight_transfer(self, in_process: bool) -> WeightTransfer:
         if in_process and self.worker_devices is not None:
             raise ValueError("engine.worker_devices places the launched server beside the async worker process: "
-                             "set data.mode: async, or remove it")
+                             "set data.schedule.mode: async, or remove it")
         return super().weight_transfer(in_process)
 
     def lora_rank_flag(self) -> int | None:

@@ -32,7 +32,7 @@ env.max_turns calls (one more is refused: truncated "turns"), env.max_episode_to
 reaches it is refused, a reply is cut at it: truncated "tokens"), env.step_timeout seconds for the whole
 function. A function that raises, times out, returns no finite number, makes no call or rewrites the
 conversation ends its episode with reward 0, counted as an environment failure (rollout/env_errors,
-rollout/env_timeouts; data.max_reward_error_rate applies).
+rollout/env_timeouts; data.reward_limits.max_error_rate applies).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ def is_observation(obs) -> bool:
 class EnvError(RewardError):
     """An environment cannot play (it cannot be built or started, or answers in a form the tokenizer
     cannot take), or its steps failed (raised, timed out, bad answer) in more than `max_error_rate` of a
-    run's episodes (data.max_reward_error_rate). One line; a RewardError, so a worker process reports it
+    run's episodes (data.reward_limits.max_error_rate). One line; a RewardError, so a worker process reports it
     as it is, not as a crash."""
 
 

@@ -77,7 +77,7 @@ class EnvConfig:
             reward 0 and is counted (rollout/env_timeouts). Starting an episode (constructor and reset)
             that takes longer stops the run; a close that takes longer is counted. Python cannot stop a thread: a step that
             can hang in C code for ever should do its work in a process of its own. Failures count as
-            failing rewards do: data.max_reward_error_rate stops a run that has too many.
+            failing rewards do: data.reward_limits.max_error_rate stops a run that has too many.
     """
 
     env: str | Callable[[], Environment] = "single_turn"

@@ -20,7 +20,7 @@ seeds), then every environment step at once, each in its own thread with `step_t
 raises, times out, or returns something that is not a Step (a finite reward, a bool `done`, a count of
 tool calls, an observation of text or messages unless done) ends its episode with reward 0, counted
 (env_errors, env_timeouts); a run in which more than `max_error_rate` of the episodes fail raises EnvError
-(the worker passes data.max_reward_error_rate: environment failures count as failing rewards do). What
+(the worker passes data.reward_limits.max_error_rate: environment failures count as failing rewards do). What
 every episode would do alike stops the run at once, an EnvError naming the environment: a constructor or
 `reset` that raises, returns no observation or takes longer than `step_timeout` (they run in threads too),
 chat messages for a tokenizer without a chat template. A `close` that raises or takes longer is counted.
@@ -160,7 +160,7 @@ class EpisodeRunner:
     is cut to the limit, it gets no turn, and it is counted (truncated "prompt", rollout/truncated_prompts)."""
 
     def __init__(self, config: EnvConfig, tokenizer, max_error_rate: float = 0.5, prompt_limit: int | None = None):
-        check("max_reward_error_rate", max_error_rate, ge=0, le=1)
+        check("data.reward_limits.max_error_rate", max_error_rate, ge=0, le=1)
         self.config, self.tokens, self.tokenizer = config, EpisodeTokens(tokenizer), tokenizer
         self.prompt_limit = prompt_limit
         self.max_error_rate = max_error_rate
@@ -207,7 +207,7 @@ class EpisodeRunner:
         failed = [e for e in episodes if e.failed]
         if episodes and len(failed) / len(episodes) > self.max_error_rate:
             raise EnvError(f"{self.what} failed in {len(failed)} of {len(episodes)} episodes, more than "
-                           f"max_reward_error_rate={self.max_error_rate}; first error: {failed[0].error}")
+                           f"data.reward_limits.max_error_rate={self.max_error_rate}; first error: {failed[0].error}")
 
     def _open(self, example: Example) -> tuple[Environment, object]:
         """A fresh environment and its first observation (run in a thread of its own, timed)."""

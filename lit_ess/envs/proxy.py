@@ -52,7 +52,7 @@ def request_sampling(body: dict, run: SamplingConfig) -> SamplingConfig:
             raise RequestError(f"{knob}={v!r}: lit-ess samples with the run's data.sampling, which has no {knob} (the "
                                f"trainer scores the tokens as sampled): leave {knob} out of the request")
     if body.get("n", 1) not in (1, None):
-        raise RequestError(f"n={body['n']}: one sample per call (data.samples_per_prompt plays each example that "
+        raise RequestError(f"n={body['n']}: one sample per call (data.batch.samples_per_prompt plays each example that "
                            f"many times)")
     if body.get("stream"):
         raise RequestError("stream: true is not served: ask without streaming")

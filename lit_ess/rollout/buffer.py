@@ -26,7 +26,8 @@ from lit_ess.batch import RolloutBatch
 class RolloutBuffer:
     def __init__(self, steps_per_rollout: int, max_staleness: int):
         if max_staleness < steps_per_rollout - 1:
-            raise ValueError(f"max_staleness={max_staleness} is below steps_per_rollout - 1 = {steps_per_rollout - 1}: "
+            raise ValueError(f"data.schedule.max_staleness={max_staleness} is below data.batch.steps_per_rollout - 1 = "
+                             f"{steps_per_rollout - 1}: "
                              f"the last step of a phase trains on data that many steps old")
         self.k, self.S = steps_per_rollout, max_staleness
         self.ready: dict[int, list[RolloutBatch]] = {}     # phase -> its batches not yet served

@@ -69,7 +69,7 @@ def engine_for_rank(engine: EngineConfig, place: Placement, ranks: Ranks) -> Eng
     urls = engine.urls
     if not urls:                                # dedicated: rank 0 launches it, on this node
         if len(set(ranks.all_gather(node_address()))) > 1:
-            raise ValueError("placement: dedicated with a launched vLLM server: it listens on 127.0.0.1 of rank 0's "
+            raise ValueError("data.schedule.placement: dedicated with a launched vLLM server: it listens on 127.0.0.1 of rank 0's "
                              "node, which ranks on other nodes cannot reach: start servers with `python -m "
                              "lit_ess.engines.serve` and list them in engine.urls")
         port = engine.port or free_port()               # rank 0's port and log, which every rank's errors name
@@ -95,8 +95,8 @@ def build_executor(config: WorkerConfig, place: Placement, ranks: Ranks, worker_
     dedicated = place.dedicated
     own_devices = "CUDA_VISIBLE_DEVICES" in config.engine.worker_env()
     if ranks.world > 1 and own_devices and not dedicated:
-        raise ValueError("engine.worker_devices with placement: colocated on several ranks would start every "
-                         "rank's engine on the same devices: use placement: dedicated with engine: "
+        raise ValueError("data.engine.worker_devices with data.schedule.placement: colocated on several ranks would "
+                         "start every rank's engine on the same devices: use placement: dedicated with engine: "
                          "lit_ess.engines.VLLMServerConfig (one server on those devices, shared by every rank)")
     env = None
     if torch.cuda.is_available():      # the rank's own GPU, not every worker on cuda:0; a launched judge's too

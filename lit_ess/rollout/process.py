@@ -188,7 +188,7 @@ class WorkerProcess:
                 self.proc.kill()
                 raise WorkerError(f"the rollout worker (pid {self.proc.pid}) did not load the weights of step "
                                   f"{self.update_sent.version} in flight within {self.progress_timeout:g} s "
-                                  f"(worker_timeout) while {self.stage}; it was stopped")
+                                  f"(data.schedule.worker_timeout) while {self.stage}; it was stopped")
         self._pending = read + self._pending                   # results read meanwhile, for the next poll
         in_use = [t for t in self.in_flight.values() if t is not None]
         first, self.current = self.current is None, self.transport.push(named_tensors, version, self._send, in_use)
@@ -264,7 +264,7 @@ class WorkerProcess:
         waiting = ", ".join(self.requested[r] for r in sorted(self.in_flight))
         raise WorkerError(f"the rollout worker (pid {self.proc.pid}) sent nothing for {silent:.0f} s while {self.stage} "
                           f"(requested: {waiting}); it was stopped. If a stage legitimately takes this long, raise "
-                          f"worker_timeout (now {self.progress_timeout:g} s)")
+                          f"data.schedule.worker_timeout (now {self.progress_timeout:g} s)")
 
     def ready(self) -> bool:
         """Whether the worker has built its engine; waits up to a second (raises its error, or after start_timeout)."""
