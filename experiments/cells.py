@@ -268,7 +268,8 @@ EXPERIMENTS = {e.name: e for e in [
         "remedies_temperature", "Remedies where P3O breaks: sampling temperature T = 1.5",
         "Rollouts sampled at T = 1.5 (processed pi_b), the trainer at 1.0, where P3O falls below GRPO at one "
         "step per rollout and collapses at 4: the capped remedy (KL toward pi_b estimated on the sampler's "
-        "tokens, its weight capped at e_B) against P3O with either KL anchor and GRPO (eps 0.2).",
+        "tokens, its weight capped at e_B), and P4O at 4 steps per rollout, against P3O with either KL anchor and "
+        "GRPO (eps 0.2).",
         [Cell(f"{m}_T1.5_processed{tag}", {**over, TEMPERATURE: 1.5, **kw,
                                            "data.init_args.engine.init_args.behavior_logprobs": "processed"},
               m, same_as=ref)
@@ -278,6 +279,9 @@ EXPERIMENTS = {e.name: e for e in [
                               # the temperature experiment's GRPO (clip_eps 0.2, its default) ran at k = 1 only
                               ("grpo_eps0.2", METHODS["grpo_eps0.2"], "temperature/grpo_T1.5_processed" if not tag
                                else None))]
+        # P4O where a rollout trains several steps (at k = 1 it is P3O)
+        + [Cell("p4o_T1.5_processed_k4", {**REMEDIES_K["p4o"], TEMPERATURE: 1.5, K: 4,
+                                          "data.init_args.engine.init_args.behavior_logprobs": "processed"}, "p4o")]
         + [Cell("p3o_T1.5_processed_k4_anchor",
                 {**objective("P3O", kl_anchor="behavior_at_train_temperature"), TEMPERATURE: 1.5, K: 4,
                  "data.init_args.engine.init_args.behavior_logprobs": "processed"},
