@@ -277,8 +277,8 @@ EXPERIMENTS = {e.name: e for e in [
          for m, over, ref in (("p3o_k3_sampled_capped", REMEDIES["p3o_k3_sampled_capped"], None),
                               ("p3o", METHODS["p3o"], f"temperature/p3o_T1.5_processed{tag}"),
                               # the temperature experiment's GRPO (clip_eps 0.2, its default) ran at k = 1 only
-                              ("grpo_eps0.2", METHODS["grpo_eps0.2"], "temperature/grpo_T1.5_processed" if not tag
-                               else None))]
+                              ("grpo_eps0.2", objective("GRPO") if not tag else METHODS["grpo_eps0.2"],
+                               "temperature/grpo_T1.5_processed" if not tag else None))]
         # P4O where a rollout trains several steps (at k = 1 it is P3O)
         + [Cell("p4o_T1.5_processed_k4", {**REMEDIES_K["p4o"], TEMPERATURE: 1.5, K: 4,
                                           "data.init_args.engine.init_args.behavior_logprobs": "processed"}, "p4o")]

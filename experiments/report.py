@@ -298,8 +298,10 @@ def cell_stats(summaries: Path, base: float, scale: Scale) -> dict[tuple[str, st
     """(experiment, cell) -> its stats, for every cell with a summary or a failed run under `summaries`."""
     out = {}
     for name, exp in EXPERIMENTS.items():
-        own = _base(summaries, 1.0, name) or base      # the warm start this experiment's runs started from
         for cell in exp.cells[:scale.cells]:
+            # the warm start the runs started from: the experiment's that ran them (a `same_as` cell's is its own)
+            ran = cell.same_as.split("/")[0] if cell.same_as else name
+            own = _base(summaries, 1.0, ran) or base
             runs, failed = _runs(summaries, name, cell)
             if runs or failed:
                 out[(name, cell.label)] = CellStats([v for r in runs if (v := _final(r, "val/pass@1")) is not None],
@@ -727,50 +729,66 @@ def claims(stats: dict[tuple[str, str], CellStats], scale: Scale, more: list[str
     return lines + list(more) + [""]
 
 
-def _verdict(a: CellStats, b: CellStats | None) -> str:
-    if b is None or b.mean_ci() is None:
+def _verdict(a: CellStats, b: CellStats | None, seeds: int) -> str:
+    """The remedy's interval against a reference's, when both have at least `seeds` finished seeds."""
+    if b is None or not b.n:
         return "not run"
+    if min(len(a.finals), len(b.finals)) < seeds:
+        return "too few seeds"
     d = apart(a.mean_ci(), b.mean_ci())
     return "**above**" if d > 0 else "**below**" if d < 0 else "not resolved"
 
 
-def remedy_table(summaries: Path, scale: Scale) -> list[str]:
+def remedy_table(summaries: Path, scale: Scale, stats0: dict | None = None) -> list[str]:
     """Every remedy against P3O and GRPO (eps 0.2) in the cells where P3O breaks, from every warm start run:
-    one row per (setting, warm start, remedy), each difference resolved or not, and per remedy the count of
-    settings where it is resolved below GRPO (eps 0.2): issue 39's goal is a remedy below it nowhere."""
+    one row per (setting, warm start, remedy), each difference resolved or not (a verdict only when both cells
+    have at least `scale.seeds` finished seeds), and per remedy the count of rows where it is resolved below
+    GRPO (eps 0.2): issue 39's goal is a remedy below it nowhere. `stats0`: warm start 0's cell stats, as the
+    page's sections read them (None: read here)."""
     roots = {0: summaries} | {int(d.name[4:]): d for d in sorted(summaries.glob("warm*")) if d.name[4:].isdigit()}
-    rows, tally = [], {}
+    rows, tally, schemes = [], {}, set()
     for w, root in roots.items():
         if (base := _base(root, 1.0)) is None:
             continue
-        stats = cell_stats(root, base, scale)
+        stats = stats0 if w == 0 and stats0 is not None else cell_stats(root, base, scale)
         for name in REMEDY_EXPERIMENTS:
-            for cell in EXPERIMENTS[name].cells[:scale.cells]:
+            cells = {c.label: c for c in EXPERIMENTS[name].cells[:scale.cells]}
+            for cell in cells.values():
                 ra = stats.get((name, cell.label))
-                if cell.method not in REMEDIES_K or ra is None or ra.mean_ci() is None:
+                if cell.method not in REMEDIES_K or ra is None or not ra.n:
                     continue
                 setting = cell.label.replace(cell.method + "_", "", 1)
-                p3o, grpo = (stats.get((name, f"{m}_{setting}")) for m in ("p3o", "grpo_eps0.2"))
-                vs = [_verdict(ra, p3o), _verdict(ra, grpo)]
-                t = tally.setdefault(cell.method, {"runs": 0, "**above**": 0, "**below**": 0, "not resolved": 0,
-                                                   "not run": 0})
-                t["runs"] += 1
+                refs = [f"{m}_{setting}" for m in ("p3o", "grpo_eps0.2")]
+                p3o, grpo = (stats.get((name, r)) for r in refs)
+                vs = [_verdict(ra, p3o, scale.seeds), _verdict(ra, grpo, scale.seeds)]
+                t = tally.setdefault(cell.method, {"rows": 0, "**above**": 0, "**below**": 0, "not resolved": 0,
+                                                   "not run": 0, "too few seeds": 0})
+                t["rows"] += 1
                 t[vs[1]] += 1
-                rows.append(f"| {name}/`{setting}` | {w} | `{cell.method}` | {ra.text()} | "
-                            f"{p3o.text() if p3o else 'not run'} | {grpo.text() if grpo else 'not run'} | "
-                            f"{vs[0]} | {vs[1]} |")
+                mark = {c: cell_seed_scheme(_runs(root, name, cells[c])[0]) for c in [cell.label] + refs if c in cells}
+                schemes |= {v for v in mark.values() if v}
+                tag = " ".join(f"({mark[c]})" if mark.get(c) else "" for c in [cell.label] + refs)
+                cols = [x.text() if x is not None and x.finals else ("failed" if x is not None else "not run")
+                        for x in (ra, p3o, grpo)]
+                rows.append(f"| {name}/`{setting}` | {w} | `{cell.method}` | {cols[0]} | {cols[1]} | {cols[2]} | "
+                            f"{vs[0]} | {vs[1]} | {tag.strip() if len(set(mark.values())) > 1 else ''} |")
     if not rows:
         return []
     lines = ["## Remedies against P3O and GRPO (eps 0.2) where P3O breaks", "",
              "Every remedy run, in every setting and from every warm start it ran from (the sections above have the "
-             "curves): mean held-out pass@1 (T = 1.0) [95% bootstrap interval]; collapsed [95% Wilson interval]; "
-             "the remedy's interval against each reference's (apart or not).", "",
-             "| setting | warm start | remedy | its result | P3O | GRPO (eps 0.2) | against P3O | against GRPO (eps 0.2) |",
-             "|---|---|---|---|---|---|---|---|", *rows, ""]
+             "curves): mean held-out pass@1 (T = 1.0) [95% bootstrap interval]; collapsed [95% Wilson interval] "
+             "(its n: the seeds run; each reference's collapse line is its own experiment's warm start's); the "
+             f"remedy's interval against each reference's, apart or not, stated when both have at least {scale.seeds} "
+             "finished seeds. Where the cells' samples were drawn under different seed schemes, the last column "
+             "names each cell's (remedy, P3O, GRPO): the same distribution, other draws.", "",
+             "| setting | warm start | remedy | its result | P3O | GRPO (eps 0.2) | against P3O | "
+             "against GRPO (eps 0.2) | seed schemes |",
+             "|---|---|---|---|---|---|---|---|---|", *rows, ""]
     for m, t in tally.items():
-        lines.append(f"- `{m}` against GRPO (eps 0.2), in {t['runs']} settings: resolved above in {t['**above**']}, "
-                     f"resolved below in {t['**below**']}, not resolved in {t['not resolved']}"
-                     + (f", GRPO not run in {t['not run']}" if t["not run"] else "") + ".")
+        lines.append(f"- `{m}` against GRPO (eps 0.2), in {t['rows']} rows (setting x warm start): resolved above in "
+                     f"{t['**above**']}, resolved below in {t['**below**']}, not resolved in {t['not resolved']}"
+                     + (f", GRPO not run in {t['not run']}" if t["not run"] else "")
+                     + (f", too few seeds in {t['too few seeds']}" if t["too few seeds"] else "") + ".")
     return lines + [""]
 
 
@@ -877,7 +895,7 @@ def write_report(summaries: Path, results: Path, scale: Scale, command: str) -> 
         lines += section(name, exp, summaries, results, scale, own_base, stats)
         lines += [seed_schemes(name, exp, summaries, scale), ""]
     warm, warm_claim = _warm_starts(summaries, scale, base)
-    lines += warm + remedy_table(summaries, scale) + claims(stats, scale, warm_claim)
+    lines += warm + remedy_table(summaries, scale, stats) + claims(stats, scale, warm_claim)
     page = results / "results.md"
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")

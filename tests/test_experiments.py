@@ -592,8 +592,29 @@ def test_remedy_table_tests_each_remedy_against_p3o_and_grpo_from_every_warm_sta
     rows = [line for line in lines if line.startswith("| remedies_s/`lr5e-4_S8` |")]
     assert len(rows) == 2
     assert rows[0].startswith("| remedies_s/`lr5e-4_S8` | 0 | `p3o_k3_sampled_capped` | 0.643 [0.642, 0.645]; 0/8 ")
-    assert rows[0].endswith("| **above** | **above** |") and "| 0.213 [0.212, 0.215]; 8/8 [0.68, 1.00] | 0.504 [" in rows[0]
-    assert rows[1].startswith("| remedies_s/`lr5e-4_S8` | 1 |") and rows[1].endswith("| **above** | **below** |")
-    assert ("- `p3o_k3_sampled_capped` against GRPO (eps 0.2), in 2 settings: resolved above in 1, resolved below "
-            "in 1, not resolved in 0.") in lines
+    assert rows[0].endswith("| **above** | **above** |  |") and "| 0.213 [0.212, 0.215]; 8/8 [0.68, 1.00] | 0.504 [" in rows[0]
+    assert rows[1].startswith("| remedies_s/`lr5e-4_S8` | 1 |") and rows[1].endswith("| **above** | **below** |  |")
+    assert ("- `p3o_k3_sampled_capped` against GRPO (eps 0.2), in 2 rows (setting x warm start): resolved above in 1, "
+            "resolved below in 1, not resolved in 0.") in lines
     assert remedy_table(tmp_path / "nothing", FULL) == []
+    # a verdict needs FULL.seeds finished seeds on both sides: two seeds of the remedy are too few
+    shutil.rmtree(tmp_path / "warm1")
+    for s in range(2, 8):
+        shutil.rmtree(tmp_path / "remedies_s" / "p3o_k3_sampled_capped_lr5e-4_S8" / f"seed{s}")
+    row = next(line for line in remedy_table(tmp_path, FULL) if line.startswith("| remedies_s/`lr5e-4_S8` |"))
+    assert row.endswith("| too few seeds | too few seeds |  |")
+
+
+def test_every_same_as_cell_is_its_references_config():
+    """A cell `same_as` another is run and stored once, there: its own config must be that one, or the page
+    would show a run of another config under its name."""
+    from experiments.run import canonical, cell_config
+
+    for scale in (FULL, QUICK):
+        for name, exp in EXPERIMENTS.items():
+            for cell in exp.cells:
+                if cell.same_as:
+                    ref_name, ref = canonical(name, cell)
+                    args = (Path("<warm start>"), Path("<run>"), scale)
+                    assert cell_config(name, cell, 0, *args) == cell_config(ref_name, ref, 0, *args), \
+                        f"{name}/{cell.label} is not {cell.same_as}"
