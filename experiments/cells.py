@@ -13,7 +13,8 @@ an ordinary config file, so any cell can be rerun by hand with `lit-ess fit --co
     stress_k     steps per rollout k up to where methods break: 7 methods x 2 learning rates
     stress_s     staleness S up to where methods break (sync, generated ahead: exactly reproducible)
     multiturn    retry-with-feedback episodes (configs/demo_multiturn.yaml): P3O, GRPO, GRPO + token TIS at S 0/4/8
-    remedies_*   issue 39's remedies where P3O breaks (stress_s, multiturn, stress_k k = 48), against P3O and GRPO
+    remedies_*   issue 39's remedies where P3O breaks (stress_s, multiturn, stress_k k = 48, T = 1.5, in-flight),
+                 against P3O and GRPO
     inflight     async on vLLM's server, S = 2: weights pushed in flight against drained, P3O and GRPO (eps 0.2)
 
 Held-out evaluation samples at T = 1.0 in every run (`validation.sampling`), one ruler for every cell; the
@@ -101,6 +102,7 @@ REMEDIES = {"p3o_k3_sampled": objective("P3O", kl_estimator="k3_sampled"),
             "p3o_k3_sampled_capped": objective("P3O", kl_estimator="k3_sampled_capped")}
 REMEDIES_K = {"p4o": objective("P4O"), **REMEDIES}
 REMEDY_REFERENCES = {m: METHODS[m] for m in ("p3o", "grpo_eps0.2")}
+REMEDY_EXPERIMENTS = ("remedies_s", "remedies_multiturn", "remedies_k", "remedies_temperature", "remedies_inflight")
 
 # vLLM's own server (launched by each run), async at S = 2: the two ways a push reaches the server
 INFLIGHT_S = 2
@@ -262,6 +264,38 @@ EXPERIMENTS = {e.name: e for e in [
               same_as=None if m in REMEDIES_K else f"stress_k/{m}_{lr_tag(lr)}_k48")
          for lr in (LR, HIGH_LR) for m, over in {**REMEDIES_K, **REMEDY_REFERENCES}.items()],
         batch_per_step=True),
+    Experiment(
+        "remedies_temperature", "Remedies where P3O breaks: sampling temperature T = 1.5",
+        "Rollouts sampled at T = 1.5 (processed pi_b), the trainer at 1.0, where P3O falls below GRPO at one "
+        "step per rollout and collapses at 4: the capped remedy (KL toward pi_b estimated on the sampler's "
+        "tokens, its weight capped at e_B), and P4O at 4 steps per rollout, against P3O with either KL anchor and "
+        "GRPO (eps 0.2).",
+        [Cell(f"{m}_T1.5_processed{tag}", {**over, TEMPERATURE: 1.5, **kw,
+                                           "data.init_args.engine.init_args.behavior_logprobs": "processed"},
+              m, same_as=ref)
+         for tag, kw in (("", {}), ("_k4", {K: 4}))
+         for m, over, ref in (("p3o_k3_sampled_capped", REMEDIES["p3o_k3_sampled_capped"], None),
+                              ("p3o", METHODS["p3o"], f"temperature/p3o_T1.5_processed{tag}"),
+                              # the temperature experiment's GRPO (clip_eps 0.2, its default) ran at k = 1 only
+                              ("grpo_eps0.2", objective("GRPO") if not tag else METHODS["grpo_eps0.2"],
+                               "temperature/grpo_T1.5_processed" if not tag else None))]
+        # P4O where a rollout trains several steps (at k = 1 it is P3O)
+        + [Cell("p4o_T1.5_processed_k4", {**REMEDIES_K["p4o"], TEMPERATURE: 1.5, K: 4,
+                                          "data.init_args.engine.init_args.behavior_logprobs": "processed"}, "p4o")]
+        + [Cell("p3o_T1.5_processed_k4_anchor",
+                {**objective("P3O", kl_anchor="behavior_at_train_temperature"), TEMPERATURE: 1.5, K: 4,
+                 "data.init_args.engine.init_args.behavior_logprobs": "processed"},
+                "p3o_anchor", same_as="temperature/p3o_T1.5_processed_k4_anchor")],
+        common={"model.init_args.train_temperature": 1.0}),
+    Experiment(
+        "remedies_inflight", "Remedies where P3O breaks: in-flight weight updates, S = 2",
+        "inflight's in-flight cells (async on a vLLM server launched by each run, pushes applied to running "
+        "requests): the capped remedy against P3O and GRPO (eps 0.2).",
+        [Cell(f"{m}_in_flight", {**over, **server_engine("in_flight")}, m,
+              same_as=None if m in REMEDIES else f"inflight/{m}_in_flight")
+         for m, over in (("p3o_k3_sampled_capped", REMEDIES["p3o_k3_sampled_capped"]),
+                         ("p3o", METHODS["p3o"]), ("grpo_eps0.2", METHODS["grpo_eps0.2"]))],
+        common={"data.init_args.mode": "async", S: INFLIGHT_S}),
     Experiment(
         "inflight", "In-flight weight updates on vLLM's server, staleness S = 2",
         "Async rollouts on a vLLM server that each run launches, the trainer pushing after every step: pushes "

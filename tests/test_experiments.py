@@ -573,3 +573,50 @@ def test_trace_reading_says_the_tables_numbers_for_p3o_against_grpo():
             "(GRPO: 1% to 2%), the (1 - e_B) KL term's share from 20% to 50%; 80% of P3O's tokens") in text
     assert "S = 24" not in text                                 # no runs there: nothing said
     assert report.trace_reading(exp, {}) == []
+
+
+def test_remedy_table_tests_each_remedy_against_p3o_and_grpo_from_every_warm_start(tmp_path):
+    """Issue 39's table: a row per (setting, warm start, remedy), the remedy's interval against P3O's and GRPO
+    (eps 0.2)'s in the same setting (their runs stored where the page's stress cells are), and per remedy how
+    often it is resolved below GRPO: here above P3O and GRPO from warm start 0, below GRPO from warm start 1."""
+    from experiments.report import remedy_table
+
+    def cell(root, path, vals):
+        for s, v in enumerate(vals):
+            _summary(root / path / f"seed{s}", v)
+
+    for root, remedy, p3o, grpo in ((tmp_path, 0.64, 0.21, 0.50), (tmp_path / "warm1", 0.40, 0.30, 0.60)):
+        _summary(root / "_base" / "val", 0.57)
+        cell(root, "remedies_s/p3o_k3_sampled_capped_lr5e-4_S8", [remedy + 0.001 * s for s in range(8)])
+        cell(root, "stress_s/p3o_lr5e-4_S8", [p3o + 0.001 * s for s in range(8)])
+        cell(root, "stress_s/grpo_eps0.2_lr5e-4_S8", [grpo + 0.001 * s for s in range(8)])
+    lines = remedy_table(tmp_path, FULL)
+    rows = [line for line in lines if line.startswith("| remedies_s/`lr5e-4_S8` |")]
+    assert len(rows) == 2
+    assert rows[0].startswith("| remedies_s/`lr5e-4_S8` | 0 | `p3o_k3_sampled_capped` | 0.643 [0.642, 0.645]; 0/8 ")
+    assert rows[0].endswith("| **above** | **above** |  |") and "| 0.213 [0.212, 0.215]; 8/8 [0.68, 1.00] | 0.504 [" in rows[0]
+    assert rows[1].startswith("| remedies_s/`lr5e-4_S8` | 1 |") and rows[1].endswith("| **above** | **below** |  |")
+    assert ("- `p3o_k3_sampled_capped` against GRPO (eps 0.2), in 2 rows (setting x warm start): resolved above in 1, "
+            "resolved below in 1, not resolved in 0.") in lines
+    assert remedy_table(tmp_path / "nothing", FULL) == []
+    # a verdict needs FULL.seeds finished seeds on both sides: two seeds of the remedy are too few
+    shutil.rmtree(tmp_path / "warm1")
+    for s in range(2, 8):
+        shutil.rmtree(tmp_path / "remedies_s" / "p3o_k3_sampled_capped_lr5e-4_S8" / f"seed{s}")
+    row = next(line for line in remedy_table(tmp_path, FULL) if line.startswith("| remedies_s/`lr5e-4_S8` |"))
+    assert row.endswith("| too few seeds | too few seeds |  |")
+
+
+def test_every_same_as_cell_is_its_references_config():
+    """A cell `same_as` another is run and stored once, there: its own config must be that one, or the page
+    would show a run of another config under its name."""
+    from experiments.run import canonical, cell_config
+
+    for scale in (FULL, QUICK):
+        for name, exp in EXPERIMENTS.items():
+            for cell in exp.cells:
+                if cell.same_as:
+                    ref_name, ref = canonical(name, cell)
+                    args = (Path("<warm start>"), Path("<run>"), scale)
+                    assert cell_config(name, cell, 0, *args) == cell_config(ref_name, ref, 0, *args), \
+                        f"{name}/{cell.label} is not {cell.same_as}"
