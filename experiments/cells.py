@@ -295,7 +295,7 @@ EXPERIMENTS = {e.name: e for e in [
               same_as=None if m in REMEDIES else f"inflight/{m}_in_flight")
          for m, over in (("p3o_k3_sampled_capped", REMEDIES["p3o_k3_sampled_capped"]),
                          ("p3o", METHODS["p3o"]), ("grpo_eps0.2", METHODS["grpo_eps0.2"]))],
-        common={"data.init_args.mode": "async", S: INFLIGHT_S}),
+        common={"data.init_args.schedule.mode": "async", S: INFLIGHT_S}),
     Experiment(
         "inflight", "In-flight weight updates on vLLM's server, staleness S = 2",
         "Async rollouts on a vLLM server that each run launches, the trainer pushing after every step: pushes "
