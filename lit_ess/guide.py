@@ -9,6 +9,7 @@ is ~490 lines, the lit-ess knobs at its end); jsonargparse names a mistyped key 
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -123,10 +124,24 @@ def did_you_mean(message: str, inputs: dict[str, object]) -> str:
     paths = [k for k in inputs if k == name or k.endswith(f".{name}")] or [name]
     for path in paths:
         parent, _, leaf = path.rpartition(".")
-        names = _parameters(_class_at(parent, inputs)) if parent else []
-        if hint := _close(leaf, names):
+        cls = _class_at(parent, inputs) if parent else None
+        if hint := _close(leaf, _parameters(cls)) or _in_group(leaf, cls):
             return f"{message}; did you mean {parent}.{hint}?"
     return message
+
+
+def _in_group(leaf: str, cls) -> str | None:
+    """'GROUP.FIELD' of one of `cls`'s grouped settings (a parameter typed as a dataclass: model.optim,
+    data.batch) whose field is close to `leaf`: a key typed without its group (`model.lrr`, `model.lr` on
+    a class that is not lit-ess's own); None when no field is."""
+    fields: dict[str, str] = {}
+    for name in _parameters(cls):
+        group = _annotated_class(cls, name)
+        if dataclasses.is_dataclass(group):
+            for f in dataclasses.fields(group):
+                fields.setdefault(f.name, f"{name}.{f.name}")
+    hint = _close(leaf, fields)
+    return fields[hint] if hint else None
 
 
 def full_key(message: str, inputs: dict[str, object]) -> str:

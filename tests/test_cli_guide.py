@@ -52,6 +52,8 @@ def read(tiny_model_dir, tmp_path_factory):
         "objective typo": (["fit", *demo, "--model.init_args.objective", "GRPO",
                            "--model.init_args.objective.init_args.clip_epz", "0.3"], None),
         "far off": (["fit", *demo, "--data.init_args.zzzzzz", "1"], None),
+        "group left out": (["fit", *demo, "--model.init_args.lrr", "0.1"], None),
+        "data group left out": (["fit", *demo, "--data.init_args.samples_per_promt", "4"], None),
         "subcommand typo": (["fitt", *demo], None),
         "no subcommand": ([], None),
     }
@@ -90,6 +92,8 @@ def test_test_and_predict_are_refused_in_one_line(read, command):
     ("file typo", "Group 'optim' does not accept option 'lrr'; did you mean model.init_args.optim.lr?"),
     ("trainer typo", "did you mean trainer.max_steps?"),
     ("nested typo", "did you mean data.init_args.sampling.temperature?"),
+    ("group left out", "did you mean model.init_args.optim.lr?"),
+    ("data group left out", "did you mean data.init_args.batch.samples_per_prompt?"),
     ("objective typo", "did you mean model.init_args.objective.init_args.clip_eps?"),
     ("subcommand typo", "invalid choice: 'fitt' (choose from 'fit', 'validate'); did you mean 'fit'?"),
     ("no subcommand", "but it was not provided: `lit-ess --help` says what to run first"),
