@@ -283,6 +283,7 @@ class CellStats:
     finals: list[float]       # each finished seed's final held-out pass@1 (T = 1.0)
     collapsed: int            # seeds below the collapse line, failed runs included
     n: int                    # seeds finished or failed
+    scheme: str | None = None  # the seed scheme its finished runs used (cell_seed_scheme)
 
     def mean_ci(self) -> tuple[float, float] | None:
         return bootstrap_mean(self.finals) if len(self.finals) > 1 else None
@@ -305,7 +306,8 @@ def cell_stats(summaries: Path, base: float, scale: Scale) -> dict[tuple[str, st
             runs, failed = _runs(summaries, name, cell)
             if runs or failed:
                 out[(name, cell.label)] = CellStats([v for r in runs if (v := _final(r, "val/pass@1")) is not None],
-                                                    len(_collapsed(runs, own)) + failed, len(runs) + failed)
+                                                    len(_collapsed(runs, own)) + failed, len(runs) + failed,
+                                                    cell_seed_scheme(runs))
     return out
 
 
@@ -765,7 +767,7 @@ def remedy_table(summaries: Path, scale: Scale, stats0: dict | None = None) -> l
                                                    "not run": 0, "too few seeds": 0})
                 t["rows"] += 1
                 t[vs[1]] += 1
-                mark = {c: cell_seed_scheme(_runs(root, name, cells[c])[0]) for c in [cell.label] + refs if c in cells}
+                mark = {c: x.scheme if (x := stats.get((name, c))) else None for c in [cell.label] + refs if c in cells}
                 schemes |= {v for v in mark.values() if v}
                 tag = " ".join(f"({mark[c]})" if mark.get(c) else "" for c in [cell.label] + refs)
                 cols = [x.text() if x is not None and x.finals else ("failed" if x is not None else "not run")
