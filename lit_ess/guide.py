@@ -125,23 +125,26 @@ def did_you_mean(message: str, inputs: dict[str, object]) -> str:
     for path in paths:
         parent, _, leaf = path.rpartition(".")
         cls = _class_at(parent, inputs) if parent else None
-        if hint := _close(leaf, _parameters(cls)) or _in_group(leaf, cls):
-            return f"{message}; did you mean {parent}.{hint}?"
+        if leaf in _parameters(cls):
+            continue                   # a key its class takes (data.engine.dtype): not the one refused (model.dtype)
+        if hints := _hints(leaf, cls):
+            return f"{message}; did you mean {' or '.join(f'{parent}.{h}' for h in hints)}?"
     return message
 
 
-def _in_group(leaf: str, cls) -> str | None:
-    """'GROUP.FIELD' of one of `cls`'s grouped settings (a parameter typed as a dataclass: model.optim,
-    data.batch) whose field is close to `leaf`: a key typed without its group (`model.lrr`, `model.lr` on
-    a class that is not lit-ess's own); None when no field is."""
-    fields: dict[str, str] = {}
-    for name in _parameters(cls):
+def _hints(leaf: str, cls) -> list[str]:
+    """The keys of `cls` closest to `leaf` (difflib, 0.6 at least): its own parameters, then the fields of its
+    grouped settings (a parameter typed as a dataclass: `optim.lr`, `batch.samples_per_prompt`, for a key typed
+    without its group); a field that two groups have gives both (`dynamic_sampling.enable`, `overlong.enable`)."""
+    keys: dict[str, list[str]] = {name: [name] for name in _parameters(cls)}
+    for name in list(keys):
         group = _annotated_class(cls, name)
         if dataclasses.is_dataclass(group):
             for f in dataclasses.fields(group):
-                fields.setdefault(f.name, f"{name}.{f.name}")
-    hint = _close(leaf, fields)
-    return fields[hint] if hint else None
+                if f.name not in keys or keys[f.name][0] != f.name:        # an own parameter's name stays its own
+                    keys.setdefault(f.name, []).append(f"{name}.{f.name}")
+    best = _close(leaf, keys)
+    return keys[best] if best else []
 
 
 def full_key(message: str, inputs: dict[str, object]) -> str:

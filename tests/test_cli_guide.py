@@ -54,6 +54,9 @@ def read(tiny_model_dir, tmp_path_factory):
         "far off": (["fit", *demo, "--data.init_args.zzzzzz", "1"], None),
         "group left out": (["fit", *demo, "--model.init_args.lrr", "0.1"], None),
         "data group left out": (["fit", *demo, "--data.init_args.samples_per_promt", "4"], None),
+        "group's exact field": (["fit", *demo, "--data.init_args.samples", "2"], None),
+        "two groups' field": (["fit", *demo, "--data.init_args.enable", "true"], None),
+        "a field another key ends in": (["fit", *demo, "--model.init_args.dtype", "float32"], None),
         "subcommand typo": (["fitt", *demo], None),
         "no subcommand": ([], None),
     }
@@ -94,6 +97,9 @@ def test_test_and_predict_are_refused_in_one_line(read, command):
     ("nested typo", "did you mean data.init_args.sampling.temperature?"),
     ("group left out", "did you mean model.init_args.optim.lr?"),
     ("data group left out", "did you mean data.init_args.batch.samples_per_prompt?"),
+    ("group's exact field", "did you mean data.init_args.validation.samples?"),        # not sampling
+    ("a field another key ends in", "did you mean model.init_args.compute.dtype?"),   # not data's engine.dtype
+    ("two groups' field", "did you mean data.init_args.dynamic_sampling.enable or data.init_args.overlong.enable?"),
     ("objective typo", "did you mean model.init_args.objective.init_args.clip_eps?"),
     ("subcommand typo", "invalid choice: 'fitt' (choose from 'fit', 'validate'); did you mean 'fit'?"),
     ("no subcommand", "but it was not provided: `lit-ess --help` says what to run first"),
