@@ -140,9 +140,10 @@ def _hints(leaf: str, cls) -> list[str]:
     for name in list(keys):
         group = _annotated_class(cls, name)
         if dataclasses.is_dataclass(group):
+            off = f" (this turns {name} on: it is null by default)" if _default(cls, name) is None else ""
             for f in dataclasses.fields(group):
                 if f.name not in keys or keys[f.name][0] != f.name:        # an own parameter's name stays its own
-                    keys.setdefault(f.name, []).append(f"{name}.{f.name}")
+                    keys.setdefault(f.name, []).append(f"{name}.{f.name}{off}")
     best = _close(leaf, keys)
     return keys[best] if best else []
 
@@ -261,6 +262,14 @@ def _annotated_class(owner, name: str):
             return hint
         todo += list(typing.get_args(hint))
     return None
+
+
+def _default(cls, name: str):
+    """The default of `cls`'s parameter `name` (inspect's `empty` when it has none or cannot be read)."""
+    try:
+        return inspect.signature(cls).parameters[name].default
+    except (TypeError, ValueError, KeyError):
+        return inspect.Parameter.empty
 
 
 def _parameters(cls) -> list[str]:
