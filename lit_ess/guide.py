@@ -127,23 +127,26 @@ def did_you_mean(message: str, inputs: dict[str, object]) -> str:
         cls = _class_at(parent, inputs) if parent else None
         if leaf in _parameters(cls):
             continue                   # a key its class takes (data.engine.dtype): not the one refused (model.dtype)
-        if hints := _hints(leaf, cls):
+        if hints := _hints(leaf, cls, parent, inputs):
             return f"{message}; did you mean {' or '.join(f'{parent}.{h}' for h in hints)}?"
     return message
 
 
-def _hints(leaf: str, cls) -> list[str]:
-    """The keys of `cls` closest to `leaf` (difflib, 0.6 at least): its own parameters, then the fields of its
-    grouped settings (a parameter typed as a dataclass: `optim.lr`, `batch.samples_per_prompt`, for a key typed
-    without its group); a field that two groups have gives both (`dynamic_sampling.enable`, `overlong.enable`)."""
+def _hints(leaf: str, cls, parent: str, inputs: dict[str, object]) -> list[str]:
+    """The keys of `cls` (at the dotted `parent`) closest to `leaf` (difflib, 0.6 at least): its own parameters,
+    then the fields of its grouped settings (a parameter typed as a dataclass, or given one by class_path: `optim.lr`,
+    `objective.init_args.ess_cap` of the objective chosen, for a key typed without its group); a field that two
+    groups have gives both (`dynamic_sampling.enable`, `overlong.enable`)."""
     keys: dict[str, list[str]] = {name: [name] for name in _parameters(cls)}
     for name in list(keys):
-        group = _annotated_class(cls, name)
+        given = _class_path(inputs, [p for p in f"{parent}.{name}".split(".") if p != "init_args"])
+        group = _import(given) if given else _annotated_class(cls, name)
         if dataclasses.is_dataclass(group):
+            at = f"{name}.init_args" if given else name
             off = f" (this turns {name} on: it is null by default)" if _default(cls, name) is None else ""
             for f in dataclasses.fields(group):
                 if f.name not in keys or keys[f.name][0] != f.name:        # an own parameter's name stays its own
-                    keys.setdefault(f.name, []).append(f"{name}.{f.name}{off}")
+                    keys.setdefault(f.name, []).append(f"{at}.{f.name}{off}")
     best = _close(leaf, keys)
     return keys[best] if best else []
 
