@@ -122,14 +122,28 @@ def did_you_mean(message: str, inputs: dict[str, object]) -> str:
         return message
     name = m.group(1)                  # the whole key, or its end (jsonargparse names the part it got to)
     paths = [k for k in inputs if k == name or k.endswith(f".{name}")] or [name]
-    for path in paths:
-        parent, _, leaf = path.rpartition(".")
-        cls = _class_at(parent, inputs) if parent else None
-        if leaf in _parameters(cls):
-            continue                   # a key its class takes (data.engine.dtype): not the one refused (model.dtype)
-        if hints := _hints(leaf, cls, parent, inputs):
-            return f"{message}; did you mean {' or '.join(f'{parent}.{h}' for h in hints)}?"
+    for refused_only in (True, False):       # first the keys no class takes (model.dtype beside data.engine.dtype)
+        for path in paths:
+            parent, _, leaf = path.rpartition(".")
+            cls = _class_at(parent, inputs) if parent else None
+            if refused_only and leaf in _parameters(cls):
+                continue
+            if hints := _hints(leaf, cls, parent, inputs):
+                at = _canonical(parent, inputs)
+                return f"{message}; did you mean {' or '.join(f'{at}.{h}' for h in hints)}?"
     return message
+
+
+def _canonical(path: str, inputs: dict[str, object]) -> str:
+    """`path` with `init_args` only after a key given a class by class_path (model.init_args.optim.init_args ->
+    model.init_args.optim: a plain group takes its fields directly)."""
+    out, seen = [], []
+    for part in path.split("."):
+        if part != "init_args":
+            seen.append(part)
+        if part != "init_args" or (seen and _class_path(inputs, seen) is not None):
+            out.append(part)
+    return ".".join(out)
 
 
 def _hints(leaf: str, cls, parent: str, inputs: dict[str, object]) -> list[str]:
@@ -139,11 +153,17 @@ def _hints(leaf: str, cls, parent: str, inputs: dict[str, object]) -> list[str]:
     groups have gives both (`dynamic_sampling.enable`, `overlong.enable`)."""
     keys: dict[str, list[str]] = {name: [name] for name in _parameters(cls)}
     for name in list(keys):
-        given = _class_path(inputs, [p for p in f"{parent}.{name}".split(".") if p != "init_args"])
-        group = _import(given) if given else _annotated_class(cls, name)
+        where = [p for p in f"{parent}.{name}".split(".") if p != "init_args"]
+        given = _import(_class_path(inputs, where) or "")
+        given = given if inspect.isclass(given) else None
+        default = _default(cls, name)
+        group = given or (type(default) if dataclasses.is_dataclass(default) else _annotated_class(cls, name))
         if dataclasses.is_dataclass(group):
             at = f"{name}.init_args" if given else name
-            off = f" (this turns {name} on: it is null by default)" if _default(cls, name) is None else ""
+            at_key = ".".join(where)
+            on = any(v is not None and (k == at_key or k.startswith(f"{at_key}."))    # the user set it: on already
+                     for k, v in ((key.replace(".init_args", ""), v) for key, v in inputs.items()))
+            off = f" (this turns {name} on: it is null by default)" if default is None and not on else ""
             for f in dataclasses.fields(group):
                 if f.name not in keys or keys[f.name][0] != f.name:        # an own parameter's name stays its own
                     keys.setdefault(f.name, []).append(f"{at}.{f.name}{off}")
@@ -245,7 +265,7 @@ def _import(name: str):
         module, _, attr = dotted.rpartition(".")
         try:
             return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError):
+        except Exception:             # noqa: BLE001 -- not importable (or failing as it imports): no class to name
             continue
     return None
 

@@ -59,6 +59,9 @@ def read(tiny_model_dir, tmp_path_factory):
         "a field another key ends in": (["fit", *demo, "--model.init_args.dtype", "float32"], None),
         "a field of a group that is off": (["fit", *demo, "--model.init_args.dropout", "0.1"], None),
         "a field of the class chosen": (["fit", *demo, "--model.init_args.ess_cap", "false"], None),
+        "init_args in a plain group": (["fit", *demo, "--model.init_args.optim.init_args.lr", "0.1"], None),
+        "a field of a group set on": (["fit", *demo, "--model.init_args.lora.rank", "8", "--model.init_args.dropout", "0.1"],
+                                      None),
         "subcommand typo": (["fitt", *demo], None),
         "no subcommand": ([], None),
     }
@@ -100,6 +103,8 @@ def test_test_and_predict_are_refused_in_one_line(read, command):
     ("group left out", "did you mean model.init_args.optim.lr?"),
     ("data group left out", "did you mean data.init_args.batch.samples_per_prompt?"),
     ("group's exact field", "did you mean data.init_args.validation.samples?"),        # not sampling
+    ("init_args in a plain group", "did you mean model.init_args.optim.lr?"),
+    ("a field of a group set on", "did you mean model.init_args.lora.dropout?"),
     ("a field of the class chosen", "did you mean model.init_args.objective.init_args.ess_cap?"),     # P3O's
     ("a field of a group that is off",
      "did you mean model.init_args.lora.dropout (this turns lora on: it is null by default)?"),
